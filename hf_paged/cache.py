@@ -1,0 +1,452 @@
+"""`PagedCache`: a transformers `Cache` whose keys and values live in a pool of fixed-size blocks.
+
+Two ways to drive it:
+
+* **Drop-in** (transformers' own `generate()` or a manual forward loop): every batch row is one sequence in the
+  block manager. The first `update()` of a forward reserves slots for the new tokens of every row (copy-on-write
+  for a shared partial block), later layers reuse that step. Left padding is written like any token and masked by
+  the attention function through a per-row `kv_start`, exactly as transformers masks pads in a dense cache.
+  `reorder_cache` / `batch_select_indices` / `batch_repeat_interleave` fork block tables instead of copying tensors.
+* **Engine** (`hf_paged.engine`): the engine builds one ragged step (all tokens of all sequences in a `[1, T]` batch)
+  and hands its metadata to `set_engine_step`; `update()` then only writes K/V by slot mapping.
+
+Either way `update()` returns the layer's *pool* tensors `[num_blocks, kv_heads, block_size, head_dim]`, tagged with
+the cache, and the registered attention function (`hf_paged.integrations.attention`) reads them through the block
+tables of the current step. Nothing is ever gathered into a dense cache on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import kernels
+from .block_manager import BlockManager
+
+__all__ = ["PagedCache", "StepMetadata", "CacheFullError", "parse_memory", "kv_bytes_per_token"]
+
+_DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
+_CUDA_ACTIVATION_RESERVE = 1024**3
+
+
+class CacheFullError(RuntimeError):
+    """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
+
+
+def parse_memory(value: int | float | str | None, name: str) -> int | None:
+    """Parse `"2GiB"`, `"512MB"`, `"1.5G"` or a byte count into bytes; ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {type(value).__name__}")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", value, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{name} must look like '2GiB', '512MB' or a byte count, got {value!r}")
+    number, unit, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).lower()
+    base = 1024 if (suffix.startswith("i") or suffix == "") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    size = int(number * base**power)
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def _attention_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = getattr(text, "num_hidden_layers", None)
+    num_heads = getattr(text, "num_attention_heads", None)
+    if num_layers is None or num_heads is None:
+        raise ValueError("config must define num_hidden_layers and num_attention_heads")
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return int(num_layers), int(num_kv_heads), int(head_dim)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one token over all layers."""
+    num_layers, num_kv_heads, head_dim = _attention_shape(config)
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StepMetadata:
+    """What the attention function needs for one forward: where the new tokens go and which blocks to read.
+
+    `layout` is "padded" (query `[B, H, q, D]`, one sequence per row, q tokens each) or "ragged" (query `[1, H, T, D]`,
+    sequence s owns rows `cu_seqlens_q[s]:cu_seqlens_q[s+1]`).
+    """
+
+    layout: str
+    slot_mapping: torch.Tensor  # [T] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, tokens in the cache after this step
+    cu_seqlens_q: torch.Tensor  # [S+1] int32
+    max_seqlen_q: int
+    decode_only: bool
+    kv_start: torch.Tensor | None = None  # [S] int32, first key to attend (left padding), None = 0
+    kv_start_ready: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Per-layer facade so `Cache`'s generic properties (is_sliding, is_compileable, ...) answer correctly."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int):
+        super().__init__()
+        self._cache = cache
+        self._layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
+        self._cache._ensure_pool(key_states.device, key_states.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._cache._rows)
+
+
+class PagedCache(Cache):
+    """KV cache in fixed-size blocks shared by reference between sequences (vLLM's PagedAttention for transformers).
+
+    Args:
+        config: the model config (or its decoder text config); gives layers, KV heads and head size.
+        num_blocks: blocks in the pool. Default: from `kv_cache_memory`, else on CUDA `gpu_memory_utilization` of the
+            memory free when the pool is first allocated (after the weights), else 512 MiB on CPU.
+        block_size: tokens per block, a power of two (default 16).
+        device, dtype: where the pool lives; default: those of the first key states written.
+        gpu_memory_utilization: fraction of the free CUDA memory given to the pool when sizing it automatically.
+        kv_cache_memory: bytes (or "2GiB") for the pool; overrides the automatic size.
+        num_cpu_blocks: size of the CPU swap pool (engine preemption by swapping), 0 = no swap.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | str | None = None,
+        num_cpu_blocks: int = 0,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ):
+        if config is not None:
+            num_layers, num_kv_heads, head_dim = _attention_shape(config)
+        if num_layers is None or num_kv_heads is None or head_dim is None:
+            raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise TypeError(f"block_size must be a positive int, got {block_size!r}")
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if num_blocks is not None and num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.config = config
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.block_size = block_size
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.kv_cache_memory = parse_memory(kv_cache_memory, "kv_cache_memory")
+        self.num_cpu_blocks = int(num_cpu_blocks)
+        self._requested_blocks = num_blocks
+        self._device = torch.device(device) if device is not None else None
+        self._dtype = dtype
+        self.pool: torch.Tensor | None = None
+        self.cpu_pool: torch.Tensor | None = None
+        self.block_manager: BlockManager | None = None
+        self._layer_views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
+        # drop-in state
+        self._rows: list[int] = []
+        self._next_seq_id = 0
+        self._seen_tokens = 0
+        self._step: StepMetadata | None = None
+        self._engine_step_pending = False
+        self._last_layer = -1
+        if self._device is not None and self._dtype is not None:
+            self._ensure_pool(self._device, self._dtype)
+
+    # ------------------------------------------------------------------ pool
+    @property
+    def num_blocks(self) -> int | None:
+        return self.block_manager.num_blocks if self.block_manager is not None else self._requested_blocks
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.pool.device if self.pool is not None else self._device
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.pool.dtype if self.pool is not None else self._dtype
+
+    def bytes_per_block(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    def _auto_num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
+        per_block = self.bytes_per_block(dtype)
+        if self.kv_cache_memory is not None:
+            budget = self.kv_cache_memory
+        elif device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * self.gpu_memory_utilization) - _CUDA_ACTIVATION_RESERVE
+        else:
+            budget = int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", _DEFAULT_CPU_KV_MEMORY))
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory/gpu_memory_utilization leave no room for a single KV block ({per_block} bytes)"
+            )
+        return int(num_blocks)
+
+    def _ensure_pool(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights)."""
+        if self.pool is not None:
+            return
+        device = self._device or torch.device(device)
+        dtype = self._dtype or dtype
+        num_blocks = self._requested_blocks or self._auto_num_blocks(device, dtype)
+        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.pool = torch.zeros(shape, device=device, dtype=dtype)
+        if self.num_cpu_blocks > 0:
+            cpu_shape = (self.num_layers, 2, self.num_cpu_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+            self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
+        self._layer_views = []
+        for layer in range(self.num_layers):
+            key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
+            key_cache._hf_paged_cache = self  # the attention function finds the step metadata through this tag
+            value_cache._hf_paged_cache = self
+            self._layer_views.append((key_cache, value_cache))
+
+    def layer_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of one layer, each `[num_blocks, kv_heads, block_size, head_dim]`."""
+        if self.pool is None:
+            raise RuntimeError("the pool is not allocated yet")
+        return self._layer_views[layer_idx]
+
+    # ------------------------------------------------------------------ Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this step's K/V of `layer_idx` into the pool; return the layer's pool tensors (tagged)."""
+        self._ensure_pool(key_states.device, key_states.dtype)
+        if self._engine_step_pending:
+            self._engine_step_pending = False  # the engine prepared this forward's step
+        elif self._step is None or layer_idx <= self._last_layer:
+            self._begin_forward(key_states)
+        self._last_layer = layer_idx
+        step = self._step
+        key_cache, value_cache = self._layer_views[layer_idx]
+        # [B, H, q, D] -> [B*q, H, D] in row-major token order, matching slot_mapping
+        keys = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        values = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        if keys.dtype != key_cache.dtype:
+            keys, values = keys.to(key_cache.dtype), values.to(key_cache.dtype)
+        kernels.write_kv(keys, values, key_cache, value_cache, step.slot_mapping)
+        return key_cache, value_cache
+
+    def _begin_forward(self, key_states: torch.Tensor) -> None:
+        """A new forward starts (first attention layer): prepare this step's metadata once for all layers."""
+        if key_states.dim() != 4:
+            raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
+        batch, _, q_len, _ = key_states.shape
+        bm = self.block_manager
+        if not self._rows:
+            self._rows = [self._new_seq(0) for _ in range(batch)]
+        elif batch != len(self._rows):
+            raise ValueError(
+                f"PagedCache holds {len(self._rows)} sequences but the model was called with a batch of {batch}; "
+                "use reorder_cache / batch_select_indices / batch_repeat_interleave to change the batch"
+            )
+        needed = sum(bm.blocks_needed_to_append(seq, q_len) for seq in self._rows)
+        if needed > bm.gpu.num_free:
+            raise CacheFullError(
+                f"PagedCache is full: {q_len} more tokens for {batch} sequences need {needed} blocks but "
+                f"{bm.gpu.num_free} of {bm.num_blocks} are free; create it with a larger num_blocks or kv_cache_memory"
+            )
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for seq in self._rows:
+            result = bm.append_slots(seq, q_len)
+            slots.extend(result.slots)
+            copies.extend(result.copies)
+        self._copy_blocks(copies)
+        self._seen_tokens += q_len
+        tables = [bm.block_table(seq) for seq in self._rows]
+        lens = [bm.num_tokens(seq) for seq in self._rows]
+        self._step = self._make_step("padded", slots, tables, lens, [q_len] * batch, key_states.device)
+
+    def _make_step(self, layout, slots, tables, lens, q_lens, device) -> StepMetadata:
+        width = max(1, max((len(t) for t in tables), default=1))
+        table_rows = [t + [0] * (width - len(t)) for t in tables]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        pin = device.type == "cuda"
+
+        def to_dev(data, dtype=torch.int32):
+            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+        return StepMetadata(
+            layout=layout,
+            slot_mapping=to_dev(slots),
+            block_tables=to_dev(table_rows),
+            seq_lens=to_dev(lens),
+            cu_seqlens_q=to_dev(cu),
+            max_seqlen_q=max(q_lens, default=0),
+            decode_only=all(n == 1 for n in q_lens),
+        )
+
+    def set_engine_step(self, step: StepMetadata) -> None:
+        """Engine entry point: the next forward uses this ragged step (blocks were reserved by the engine)."""
+        self._step = step
+        self._engine_step_pending = True
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.pool.device)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.pool.device)
+            kernels.copy_blocks(self.pool, src, dst)
+
+    def _new_seq(self, num_tokens: int) -> int:
+        seq = self._next_seq_id
+        self._next_seq_id += 1
+        self.block_manager.allocate(seq, num_tokens)
+        return seq
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._seen_tokens + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    def reset(self) -> None:
+        """Forget every sequence; the pool stays allocated for reuse."""
+        if self.block_manager is not None:
+            self.block_manager.reset()
+        self._rows = []
+        self._seen_tokens = 0
+        self._step = None
+        self._engine_step_pending = False
+        self._last_layer = -1
+
+    def _replace_rows(self, sources: list[int]) -> None:
+        """New rows = forks of the given old rows (by index); old rows are released. No tensor is copied."""
+        if not self._rows:
+            return
+        bm = self.block_manager
+        for index in sources:
+            if not 0 <= index < len(self._rows):
+                raise ValueError(f"batch index {index} out of range for a cache of {len(self._rows)} sequences")
+        new_rows = []
+        for index in sources:
+            seq = self._next_seq_id
+            self._next_seq_id += 1
+            bm.fork(self._rows[index], seq)
+            new_rows.append(seq)
+        for seq in self._rows:
+            bm.free(seq)
+        self._rows = new_rows
+        self._step = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues beam `beam_idx[i]`; blocks are shared, a partial last block is copied on write."""
+        self._replace_rows([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if isinstance(indices, torch.Tensor):
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero().flatten()
+            indices = indices.tolist()
+        self._replace_rows([int(i) for i in indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._replace_rows([i for i in range(len(self._rows)) for _ in range(int(repeats))])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop trailing tokens: a negative value removes that many, a positive one (legacy) keeps that many."""
+        if tokens_to_remove > 0:
+            keep = min(tokens_to_remove, self._seen_tokens)
+        else:
+            keep = max(0, self._seen_tokens + tokens_to_remove)
+        if keep == self._seen_tokens:
+            return
+        removed = self._seen_tokens - keep
+        for seq in self._rows:
+            self.block_manager.truncate(seq, self.block_manager.num_tokens(seq) - removed)
+        self._seen_tokens = keep
+        self._step = None
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self):
+        """Block statistics of the pool (`hf_paged.block_manager.BlockStats`)."""
+        if self.block_manager is None:
+            raise RuntimeError("the pool is not allocated yet")
+        return self.block_manager.stats()
+
+    def __repr__(self) -> str:
+        blocks = self.num_blocks if self.num_blocks is not None else "auto"
+        return (
+            f"PagedCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"block_size={self.block_size}, num_blocks={blocks}, sequences={len(self._rows)})"
+        )
+
+    @staticmethod
+    def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+        return math.ceil(num_tokens / block_size)

@@ -1,0 +1,456 @@
+"""Continuous-batching engine: one ragged forward per step through the model's own transformers code.
+
+Each `step()` asks the scheduler which tokens to compute, applies the block operations it decided (swap out, swap in,
+copy-on-write), flattens every scheduled token of every sequence into one `[1, T]` batch with position ids, hands the
+block tables / slot mapping to the `PagedCache`, runs the model once (logits only for the sequences that sample) and
+samples on the device with one host sync. Requests join and leave at every step; nothing is padded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PagedCache, parse_memory
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    scores: list[torch.Tensor] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """State of one request after a step: cumulative tokens of each of its sequences."""
+
+    request_id: object
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_preemptions: int = 0
+    error: BaseException | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class Engine:
+    """A continuous-batching server loop around a transformers causal LM.
+
+    Args:
+        model: a transformers causal LM of a supported family (`hf_paged.enable` is applied to it).
+        tokenizer: optional; needed for string prompts and `stop_strings`.
+        block_size, num_blocks, kv_cache_memory, gpu_memory_utilization: KV pool (see `PagedCache`). On CUDA, when
+            neither `num_blocks` nor `kv_cache_memory` is given, a forward at the full token budget is profiled first
+            and `gpu_memory_utilization` of the GPU minus weights and activations goes to the pool.
+        max_num_seqs, max_num_batched_tokens: per-step limits; longer prompts are prefilled in chunks.
+        preemption_mode: "recompute" (default) or "swap"; `swap_space` GiB of (pinned) CPU memory back the swap.
+        seed: seed of the engine's generator for requests without their own `seed`.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        preemption_mode: str = "recompute",
+        swap_space: float = 0.0,
+        seed: int | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        from .integrations.generate import enable
+
+        enable(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(getattr(text_config, "vocab_size"))
+        self.max_model_len = getattr(text_config, "max_position_embeddings", None)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
+        if not isinstance(swap_space, (int, float)) or swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {swap_space!r}")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.show_progress = show_progress
+        probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size)
+        per_block = probe.bytes_per_block(self.dtype)
+        num_cpu_blocks = int(swap_space * 1024**3) // per_block
+        if preemption_mode == "swap" and num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
+        kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
+        if num_blocks is None and kv_bytes is None and self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks(per_block, gpu_memory_utilization)
+        self.cache = PagedCache(
+            config=model.config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache_memory=kv_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        self.block_manager = self.cache.block_manager
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+        )
+        self.sampler = Sampler(self.device, seed)
+        self._lock = threading.RLock()
+        self._arrivals = itertools.count()
+        self._auto_ids = itertools.count()
+        self._groups: dict[object, SequenceGroup] = {}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0}
+
+    # ------------------------------------------------------------------ memory
+    def _profile_num_blocks(self, per_block: int, utilization: float) -> int:
+        """vLLM-style sizing: peak memory of a forward at the full token budget, then the rest to the KV pool."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = torch.zeros((1, self.max_num_batched_tokens), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.model(input_ids=tokens, use_cache=False, logits_to_keep=min(256, self.max_num_batched_tokens))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * utilization) - peak
+        torch.cuda.empty_cache()
+        if budget < per_block:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
+                f"(weights + activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+            )
+        return budget // per_block
+
+    # ------------------------------------------------------------------ requests
+    def _normalize_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt is a string but the engine has no tokenizer; pass token ids or a tokenizer")
+            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                raise TypeError(f"prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt must be a list of token ids, a 1-D tensor or a string, got {type(prompt).__name__}")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise TypeError("prompt must contain only int token ids")
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return list(prompt)
+
+    def add_request(self, prompt, request_id=None, params: SamplingParams | None = None, **kwargs) -> object:
+        """Queue a request; returns its id. `kwargs` are `SamplingParams` fields (unknown names raise TypeError)."""
+        unknown = set(kwargs) - SamplingParams.names()
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
+        if params is None:
+            params = SamplingParams(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either params or keyword arguments, not both")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings needs a tokenizer: create the engine with tokenizer=...")
+        if not params.eos_token_id and not params.ignore_eos:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
+            params.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        token_ids = self._normalize_prompt(prompt)
+        total = len(token_ids) + params.max_new_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(
+                f"prompt length {len(token_ids)} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings ({self.max_model_len})"
+            )
+        if params.num_return_sequences > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"num_return_sequences={params.num_return_sequences} exceeds max_num_seqs={self.scheduler.max_num_seqs}"
+            )
+        blocks = self.block_manager.blocks_for(total) * params.num_return_sequences
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks (prompt {len(token_ids)} + max_new_tokens {params.max_new_tokens})"
+                f" but the whole pool has {self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory"
+            )
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._auto_ids)}"
+            if request_id in self._groups:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
+            group = SequenceGroup(request_id, [seq], next(self._arrivals), params)
+            self._groups[request_id] = group
+            self.scheduler.add(group)
+        return request_id
+
+    def abort(self, request_id) -> bool:
+        """Stop a request now and free its blocks; True if it was still running."""
+        with self._lock:
+            group = self.scheduler.abort(request_id)
+            if group is None:
+                return False
+            self.sampler.forget(request_id)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the requests that advanced (or finished) in it."""
+        with self._lock:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_unfinished() and not self.scheduler.running:
+                    raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
+                return self._collect_finished()
+            self._apply_block_ops(sched)
+            try:
+                with torch.inference_mode():
+                    logits = self._forward(sched)
+                    advanced = self._sample_and_update(sched, logits)
+            except Exception as error:  # a failing step fails its own requests only
+                advanced = self._fail(sched, error)
+            self._track(sched)
+            return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
+
+    def _apply_block_ops(self, sched: SchedulerOutput) -> None:
+        cache = self.cache
+        if sched.swap_out:
+            gpu = torch.tensor([g for g, _ in sched.swap_out], device=self.device)
+            cpu = torch.tensor([c for _, c in sched.swap_out])
+            cache.cpu_pool[:, :, cpu] = cache.pool[:, :, gpu].to("cpu")
+        if sched.swap_in:
+            cpu = torch.tensor([c for c, _ in sched.swap_in])
+            gpu = torch.tensor([g for _, g in sched.swap_in], device=self.device)
+            cache.pool[:, :, gpu] = cache.cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
+        cache._copy_blocks(sched.copies)
+
+    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
+        bm = self.block_manager
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables, lens, q_lens, sample_index = [], [], [], []
+        offset = 0
+        for item in sched.scheduled:
+            end = item.start + item.num_tokens
+            ids.extend(item.seq.token_ids[item.start : end])
+            positions.extend(range(item.start, end))
+            slots.extend(item.slots)
+            tables.append(bm.block_table(item.seq.seq_id))
+            lens.append(end)
+            q_lens.append(item.num_tokens)
+            offset += item.num_tokens
+            if item.sample:
+                sample_index.append(offset - 1)
+        step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
+        self.cache.set_engine_step(step)
+        input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
+        keep = torch.tensor(sample_index if sample_index else [offset - 1], dtype=torch.long).to(self.device)
+        output = self.model(
+            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+            logits_to_keep=keep,
+        )
+        logits = output.logits[0]
+        return logits if sample_index else logits[:0]
+
+    def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
+        rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
+        logit_row = 0
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_tokens
+            if not item.sample:
+                continue
+            p = item.group.params
+            copies = p.num_return_sequences if (len(item.group.seqs) == 1 and not item.seq.output_ids) else 1
+            for _ in range(copies):
+                rows.append(logit_row)
+                params.append(p)
+                histories.append(item.seq.token_ids)
+                num_out.append(item.seq.num_tokens - item.seq.prompt_len)
+                keys.append(item.group.request_id)
+                owners.append(item)
+            logit_row += 1
+        advanced: list[SequenceGroup] = []
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            tokens, scores = self.sampler(logits.index_select(0, index), params, histories, num_out, keys)
+            token_list = tokens.tolist()
+            forks: dict[int, int] = {}
+            for j, (item, token) in enumerate(zip(owners, token_list)):
+                seq = item.seq
+                if forks.get(id(item), 0) > 0:
+                    seq = self._fork(item)
+                forks[id(item)] = forks.get(id(item), 0) + 1
+                seq.token_ids.append(int(token))
+                if item.group.params.output_scores:
+                    item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
+                self._check_stop(seq, item.group.params)
+                if item.group not in advanced:
+                    advanced.append(item.group)
+        for group in advanced:
+            for seq in group.seqs:
+                if seq.status.is_finished:
+                    self.scheduler.free_seq(seq)
+        self.scheduler.remove_finished()
+        return advanced
+
+    def _fork(self, item) -> Sequence:
+        """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""
+        parent = item.seq
+        child = Sequence(token_ids=parent.token_ids[: parent.num_computed], prompt_len=parent.prompt_len)
+        child.num_computed = parent.num_computed
+        child.status = SequenceStatus.RUNNING
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        item.group.seqs.append(child)
+        return child
+
+    def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
+        produced = seq.num_tokens - seq.prompt_len
+        token = seq.token_ids[-1]
+        if not p.ignore_eos and token in p.eos_token_id and produced >= p.min_new_tokens:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "eos"
+        elif produced >= p.max_new_tokens:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
+        elif p.stop_strings and self._hits_stop_string(seq, p):
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "stop_string"
+
+    def _hits_stop_string(self, seq: Sequence, p: SamplingParams) -> bool:
+        window = max(len(s) for s in p.stop_strings) + 8
+        text = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
+        return any(s in text for s in p.stop_strings)
+
+    def _fail(self, sched: SchedulerOutput, error: BaseException) -> list[SequenceGroup]:
+        failed = []
+        for item in sched.scheduled:
+            if item.group not in failed:
+                failed.append(item.group)
+        for group in failed:
+            group.error = error
+            self.scheduler.finish_group(group, SequenceStatus.FINISHED_ERROR)
+        return failed
+
+    def _track(self, sched: SchedulerOutput) -> None:
+        self.stats["steps"] += 1
+        for item in sched.scheduled:
+            key = "decode_tokens" if item.num_tokens == 1 else "prefill_tokens"
+            self.stats[key] += item.num_tokens
+        running = sum(len(g.live_seqs()) for g in self.scheduler.running)
+        self.stats["max_running"] = max(self.stats["max_running"], running)
+        self.stats["running_sum"] += running
+
+    def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
+        done = [g for g in self._groups.values() if g.is_finished and g not in exclude]
+        return [self._output(g) for g in done]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            self.sampler.forget(group.request_id)
+        outputs = []
+        for index, seq in enumerate(group.seqs):
+            reason = seq.stop_reason if seq.status.is_finished else None
+            if seq.status == SequenceStatus.FINISHED_ABORTED:
+                reason = "abort"
+            elif seq.status == SequenceStatus.FINISHED_ERROR:
+                reason = "error"
+            text = None
+            if finished and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, group.data.get(seq.seq_id)))
+        prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
+        return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error)
+
+    # ------------------------------------------------------------------ convenience
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request is done, yielding each request's state whenever it advances."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts, params=None, *, use_tqdm: bool | None = None, **kwargs) -> list[RequestOutput]:
+        """Run `prompts` (token lists, 1-D tensors or strings) to completion; outputs in input order.
+
+        `params` is one `SamplingParams` for all or a list with one per prompt; `kwargs` build a shared one.
+        """
+        prompts = list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+            per_request = list(params)
+        else:
+            shared = params if params is not None else SamplingParams(**kwargs)
+            per_request = [shared] * len(prompts)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per_request):
+                ids.append(self.add_request(prompt, params=_copy_params(p)))
+        except Exception:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        wanted = set(ids)
+        results: dict[object, RequestOutput] = {}
+        show = self.show_progress if use_tqdm is None else use_tqdm
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="hf_paged", unit="req")
+        try:
+            while len(results) < len(ids):
+                if not self.has_unfinished():
+                    break
+                for out in self.step():
+                    if out.finished and out.request_id in wanted and out.request_id not in results:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for request_id in ids:  # aborted from another thread while we were stepping
+            if request_id not in results and request_id in self._groups:
+                results[request_id] = self._output(self._groups[request_id])
+        return [results[request_id] for request_id in ids]
+
+    def kv_stats(self):
+        return self.block_manager.stats()
+
+
+def _copy_params(p: SamplingParams) -> SamplingParams:
+    clone = SamplingParams.__new__(SamplingParams)
+    clone.__dict__.update(p.__dict__)
+    clone.extra = dict(p.extra)
+    return clone

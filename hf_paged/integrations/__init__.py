@@ -1,0 +1,1 @@
+"""transformers glue: attention/mask registration, the generate hook, the pipeline wrapper."""

@@ -1,0 +1,254 @@
+"""`enable(model)`: route `generate(..., cache_implementation="paged")` to hf_paged's engine.
+
+transformers 5.17 intercepts `cache_implementation="paged"` (kwarg only) inside `GenerationMixin.generate` and sends it
+to its own `generate_batch`. `enable` therefore gives the model instance a subclass of its own class with
+`PagedGenerationMixin` first in the MRO: the override sees the kwarg *and* a `generation_config` that carries
+"paged" (as pipelines build it), runs the request batch through `hf_paged.Engine`, and leaves every other call to
+transformers untouched. The model's modules are not changed; its attention implementation becomes `hf_paged`, which
+falls back to exact SDPA whenever no `PagedCache` is in use.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..sampling import SamplingParams
+from .attention import ATTENTION_NAME, register
+from .support import check_supported
+
+__all__ = ["enable", "disable", "PagedGenerationMixin"]
+
+_PAGED = "paged"
+
+# GenerationConfig fields the paged path honours; any other field that differs from its default raises.
+_HONOURED = {
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "use_cache", "cache_implementation",
+    "num_beams", "decoder_start_token_id", "transformers_version", "_from_model_config", "_commit_hash",
+    "_original_object_hash", "compile_config", "cache_config", "disable_compile", "generation_kwargs",
+}
+_MODEL_KWARGS = {"attention_mask", "input_ids", "use_cache", "tokenizer", "position_ids", "token_type_ids"}
+
+
+class PagedGenerationMixin:
+    """Placed first in the MRO of an enabled model: intercepts paged generation, defers everything else."""
+
+    def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, **kwargs):
+        requested = kwargs.get("cache_implementation")
+        configured = getattr(generation_config or self.generation_config, "cache_implementation", None)
+        if requested == _PAGED or (requested is None and configured == _PAGED and "past_key_values" not in kwargs):
+            kwargs.pop("cache_implementation", None)
+            return paged_generate(self, inputs, generation_config, logits_processor, stopping_criteria, **kwargs)
+        if configured == _PAGED:  # the caller chose another cache explicitly: do not leak "paged" to transformers
+            generation_config = copy.deepcopy(generation_config or self.generation_config)
+            generation_config.cache_implementation = None
+        return super().generate(
+            inputs, generation_config=generation_config, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, **kwargs,
+        )
+
+    def generate_paged(self, prompts, params=None, *, tokenizer=None, use_tqdm: bool = False, **kwargs):
+        """Heterogeneous batch: token lists / strings, one `SamplingParams` (or kwargs) or one per prompt."""
+        engine = get_engine(self, tokenizer=tokenizer)
+        return engine.generate(prompts, params, use_tqdm=use_tqdm, **kwargs)
+
+
+def get_engine(model, tokenizer=None):
+    """The engine cached on the model (its KV pool is allocated once and reused by later calls)."""
+    from ..engine import Engine
+
+    engine = getattr(model, "_hf_paged_engine", None)
+    if engine is None:
+        engine = Engine(model, tokenizer, **getattr(model, "_hf_paged_engine_kwargs", {}))
+        model._hf_paged_engine = engine
+    if tokenizer is not None:
+        engine.tokenizer = tokenizer
+    return engine
+
+
+def _generation_params(model, generation_config, kwargs: dict) -> tuple[GenerationConfig, dict]:
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    if config.cache_implementation == _PAGED:
+        config.cache_implementation = None
+    gen_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS}
+    model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
+    unused = config.update(**gen_kwargs)
+    if unused:
+        raise TypeError(f"generate() got argument(s) hf_paged does not know: {sorted(unused)}")
+    defaults = GenerationConfig().to_dict()
+    current = config.to_dict()
+    unsupported = sorted(
+        k for k, v in current.items()
+        if k not in _HONOURED and k in defaults and v != defaults[k] and (v or defaults[k])
+    )
+    if unsupported:
+        raise ValueError(
+            f"cache_implementation='paged' does not support generation option(s) {unsupported}; "
+            "drop them or use transformers' own generate() with hf_paged.PagedCache"
+        )
+    if (config.num_beams or 1) > 1:
+        raise ValueError(
+            "num_beams > 1 is not available with cache_implementation='paged' yet; pass "
+            "past_key_values=hf_paged.PagedCache(config=model.config) to transformers' beam search instead"
+        )
+    return config, model_kwargs
+
+
+def paged_generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, **kwargs):
+    """`generate()` over hf_paged's engine; returns what transformers returns for decoder-only models."""
+    for name in ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "inputs_embeds",
+                 "synced_gpus", "custom_generate", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"`{name}` is not supported with cache_implementation='paged'")
+        kwargs.pop(name, None)
+    if stopping_criteria:
+        raise ValueError("`stopping_criteria` is not supported with cache_implementation='paged'; use stop_strings")
+    streamer = kwargs.pop("streamer", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids (or inputs) with cache_implementation='paged'")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold integer token ids (int64), got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, length] with length > 0, got shape {tuple(input_ids.shape)}")
+    attention_mask = kwargs.pop("attention_mask", None)
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    config, _ = _generation_params(model, generation_config, kwargs)
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer only supports batch size 1 (as in transformers)")
+
+    width = input_ids.shape[1]
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = (config.max_length or 20) - width
+    if max_new <= 0:
+        raise ValueError(
+            f"max_new_tokens must be positive (got max_new_tokens={config.max_new_tokens}, "
+            f"max_length={config.max_length} for inputs of length {width})"
+        )
+    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - width)
+    eos = config.eos_token_id
+    eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    pad = config.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    params = SamplingParams(
+        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=bool(config.do_sample),
+        temperature=config.temperature if config.temperature is not None else 1.0,
+        top_k=(config.top_k or 0) if config.do_sample else 0,
+        top_p=config.top_p if (config.do_sample and config.top_p is not None) else 1.0,
+        min_p=(config.min_p or 0.0) if config.do_sample else 0.0,
+        repetition_penalty=config.repetition_penalty or 1.0,
+        eos_token_id=eos, stop_strings=config.stop_strings or (), ignore_eos=not eos,
+        num_return_sequences=config.num_return_sequences or 1, logits_processor=logits_processor or None,
+        output_scores=bool(config.output_scores),
+    )
+
+    rows = input_ids.tolist()
+    if attention_mask is not None:
+        keep = attention_mask.to(torch.bool).tolist()
+        rows = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows, keep)]
+    engine = get_engine(model, tokenizer=tokenizer)
+    if params.stop_strings and engine.tokenizer is None:
+        raise ValueError("stop_strings needs tokenizer=... in generate() (as in transformers)")
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+        request = engine.add_request(rows[0], params=params)
+        sent = 0
+        final = None
+        for out in engine.stream():
+            if out.request_id != request:
+                continue
+            new = out.outputs[0].token_ids[sent:]
+            for token in new:
+                streamer.put(torch.tensor([token]))
+            sent += len(new)
+            if out.finished:
+                final = out
+        streamer.end()
+        results = [final]
+    else:
+        results = engine.generate(rows, params)
+    for result in results:
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}") from result.error
+
+    n = params.num_return_sequences
+    outputs = [o for r in results for o in r.outputs[:n]]
+    new_len = max(len(o.token_ids) for o in outputs)
+    sequences = torch.full((len(outputs), width + new_len), pad, dtype=torch.long)
+    sequences[:, :width] = input_ids.cpu().repeat_interleave(n, dim=0)
+    for row, out in enumerate(outputs):
+        sequences[row, width : width + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
+    sequences = sequences.to(input_ids.device)
+    if not config.return_dict_in_generate:
+        return sequences
+    scores = None
+    if config.output_scores:
+        vocab = outputs[0].scores[0].shape[-1] if outputs[0].scores else engine.vocab_size
+        scores = tuple(
+            torch.stack([
+                o.scores[t] if o.scores and t < len(o.scores) else torch.full((vocab,), float("-inf"))
+                for o in outputs
+            ]).to(input_ids.device)
+            for t in range(new_len)
+        )
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+_subclass_cache: dict[type, type] = {}
+
+
+def _paged_class(cls: type) -> type:
+    if issubclass(cls, PagedGenerationMixin):
+        return cls
+    sub = _subclass_cache.get(cls)
+    if sub is None:
+        # same name so save_pretrained() writes the original architecture into config.json
+        sub = type(cls.__name__, (PagedGenerationMixin, cls), {"__module__": cls.__module__, "_hf_paged_base": cls})
+        sub.__qualname__ = cls.__qualname__
+        _subclass_cache[cls] = sub
+    return sub
+
+
+def enable(model, **engine_kwargs):
+    """Make `model` paged-aware in place and return it.
+
+    Checks the family is supported (raises ValueError listing the supported ones otherwise), registers the attention
+    and mask functions, switches the model to them, and installs the generate mixin. `engine_kwargs` (block_size,
+    num_blocks, kv_cache_memory, max_num_seqs, preemption_mode, swap_space, ...) configure the engine behind
+    `generate(cache_implementation="paged")`.
+    """
+    check_supported(model)
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    model.__class__ = _paged_class(model.__class__)
+    if engine_kwargs:
+        model._hf_paged_engine_kwargs = dict(engine_kwargs)
+        model._hf_paged_engine = None
+    return model
+
+
+def disable(model, attn_implementation: str = "sdpa"):
+    """Undo `enable`: original class, `attn_implementation`, engine released."""
+    base = getattr(type(model), "_hf_paged_base", None)
+    if base is not None:
+        model.__class__ = base
+    model.set_attn_implementation(attn_implementation)
+    model._hf_paged_engine = None
+    return model
+

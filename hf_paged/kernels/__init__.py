@@ -1,0 +1,299 @@
+"""Paged-KV kernels: public dispatchers.
+
+See ``docs/architecture.md`` ("KV pool layout", "Kernel API") for the contract.
+
+Backend: Triton when the tensors are on CUDA and triton imports, the plain-torch
+reference (:mod:`hf_paged.kernels.reference`) otherwise. The environment variable
+``HF_PAGED_BACKEND=triton|torch`` overrides the choice (``triton`` on CPU tensors
+needs ``TRITON_INTERPRET=1`` set before the first kernel call). Triton is imported
+lazily, so ``import hf_paged.kernels`` works without it.
+
+The dispatchers only look at shapes / dtypes / devices (no device syncs), so they are
+safe on the decode hot path and under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "write_kv",
+    "paged_decode",
+    "paged_prefill",
+    "copy_blocks",
+    "get_backend",
+    "triton_available",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+_TRITON_OK: Optional[bool] = None
+
+
+def triton_available() -> bool:
+    """True when ``triton`` imports (cached)."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            importlib.import_module("triton")
+            importlib.import_module("triton.language")
+            _TRITON_OK = True
+        except Exception:  # ImportError, or a broken install
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def get_backend(device: Union[torch.device, str, None] = None) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device`` (honours ``HF_PAGED_BACKEND``)."""
+    env = os.environ.get("HF_PAGED_BACKEND", "").strip().lower()
+    if env in ("torch", "triton"):
+        if env == "triton" and not triton_available():
+            raise RuntimeError("HF_PAGED_BACKEND=triton but triton cannot be imported")
+        return env
+    if env not in ("", "auto"):
+        raise ValueError(f"HF_PAGED_BACKEND must be 'triton', 'torch' or 'auto', got {env!r}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and triton_available():
+        return "triton"
+    return "torch"
+
+
+def _triton_module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+# --------------------------------------------------------------------------- #
+# validation helpers (shape / dtype / device only: never read tensor values)
+# --------------------------------------------------------------------------- #
+def _check_tensor(name: str, t, ndim: int, dtypes, device: Optional[torch.device] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the other inputs)")
+
+
+def _check_caches(key_cache, value_cache, device) -> tuple:
+    _check_tensor("key_cache", key_cache, 4, _FLOAT_DTYPES, device)
+    _check_tensor("value_cache", value_cache, 4, _FLOAT_DTYPES, device)
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must share a dtype")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("key_cache / value_cache must be contiguous in head_dim (stride(-1) == 1)")
+    return tuple(key_cache.shape)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_triton_dims(head_dim: int, block_size: int) -> None:
+    if not (_is_pow2(head_dim) and 16 <= head_dim <= 256):
+        raise ValueError(f"Triton kernels support head_dim in {{16, 32, 64, 128, 256}}, got {head_dim}")
+    if not (_is_pow2(block_size) and 8 <= block_size <= 256):
+        raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
+
+
+def _check_triton_device(t: torch.Tensor) -> None:
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        raise RuntimeError(
+            "the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before the first kernel call); "
+            "unset HF_PAGED_BACKEND or use HF_PAGED_BACKEND=torch"
+        )
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, n_seq_name):
+    _check_tensor("query", query, 3, _FLOAT_DTYPES)
+    dev = query.device
+    nb, hkv, bs, d = _check_caches(key_cache, value_cache, dev)
+    _, hq, qd = query.shape
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} must match the cache dtype {key_cache.dtype}")
+    if qd != d:
+        raise ValueError(f"query head_dim {qd} != cache head_dim {d}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
+    _check_tensor("block_tables", block_tables, 2, _INT_DTYPES, dev)
+    _check_tensor("seq_lens", seq_lens, 1, _INT_DTYPES, dev)
+    n = seq_lens.shape[0]
+    if block_tables.shape[0] != n:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but {n_seq_name} has {n} sequences")
+    if kv_start is not None:
+        _check_tensor("kv_start", kv_start, 1, _INT_DTYPES, dev)
+        if kv_start.shape[0] != n:
+            raise ValueError(f"kv_start must have shape [{n}], got {tuple(kv_start.shape)}")
+    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    return bs, d
+
+
+# --------------------------------------------------------------------------- #
+# public API
+# --------------------------------------------------------------------------- #
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key`` / ``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (slot < 0 skipped).
+
+    ``slot = block_id * block_size + offset``. One fused launch for K and V on the Triton path.
+    """
+    _check_tensor("key", key, 3, _FLOAT_DTYPES)
+    dev = key.device
+    _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    _, hkv, bs, d = _check_caches(key_cache, value_cache, dev)
+    if key.shape[1:] != (hkv, d):
+        raise ValueError(f"key/value must be [T, {hkv}, {d}] to match the cache, got {tuple(key.shape)}")
+    _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must have shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if key.shape[0] == 0:
+        return
+    if get_backend(dev) == "triton":
+        _check_triton_dims(d, bs)
+        _check_triton_device(key)
+        _triton_module("triton_cache").write_kv(
+            _last_contig(key), _last_contig(value), key_cache, value_cache, slot_mapping.contiguous()
+        )
+    else:
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_start: Optional[torch.Tensor] = None,
+    *,
+    _num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, D]``.
+
+    Sequence ``b`` attends keys ``[kv_start[b], seq_lens[b])`` read through
+    ``block_tables [B, max_blocks]``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
+    Empty ranges give zeros. ``_num_splits`` (private) forces the Triton split-K count.
+    """
+    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"query has batch {query.shape[0]} but seq_lens has {seq_lens.shape[0]} entries")
+    if get_backend(query.device) == "triton":
+        _check_triton_dims(d, bs)
+        _check_triton_device(query)
+        return _triton_module("triton_decode").paged_decode(
+            _last_contig(query),
+            key_cache,
+            value_cache,
+            _last_contig(block_tables),
+            seq_lens.contiguous(),
+            float(scale),
+            kv_start.contiguous() if kv_start is not None else None,
+            num_splits=_num_splits,
+        )
+    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start)
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    kv_start: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, D]``.
+
+    Sequence ``s`` owns rows ``[cu_seqlens_q[s], cu_seqlens_q[s+1])``; its row ``i`` sits at
+    position ``seq_lens[s] - q_len_s + i`` (own K/V already written) and attends keys
+    ``[kv_start[s], position]``. Rows outside every sequence / with an empty range get zeros.
+    ``max_seqlen_q`` is a Python int upper bound on ``q_len_s`` (no device sync needed).
+    """
+    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, _INT_DTYPES, query.device)
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have shape [{seq_lens.shape[0] + 1}] (S+1), got {tuple(cu_seqlens_q.shape)}"
+        )
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool):
+        raise TypeError(f"max_seqlen_q must be a Python int, got {type(max_seqlen_q).__name__}")
+    if max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    if get_backend(query.device) == "triton":
+        _check_triton_dims(d, bs)
+        _check_triton_device(query)
+        return _triton_module("triton_prefill").paged_prefill(
+            _last_contig(query),
+            key_cache,
+            value_cache,
+            _last_contig(block_tables),
+            cu_seqlens_q.contiguous(),
+            seq_lens.contiguous(),
+            float(scale),
+            max_seqlen_q,
+            kv_start.contiguous() if kv_start is not None else None,
+        )
+    return reference.paged_prefill(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q, kv_start
+    )
+
+
+def copy_blocks(
+    pool: torch.Tensor,
+    src: Union[torch.Tensor, Sequence[int]],
+    dst: Union[torch.Tensor, Sequence[int]],
+) -> None:
+    """``pool[..., dst[i], :, :, :] = pool[..., src[i], :, :, :]`` for all i (block dim ``pool.dim()-4``).
+
+    One launch for every layer and K/V. ``dst`` must not overlap ``src`` (copy-on-write / swap
+    targets are fresh blocks). ``src`` / ``dst`` may be Python sequences of ints.
+    """
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dim() < 4:
+        raise ValueError(f"pool must have at least 4 dims [..., num_blocks, Hkv, block_size, D], got {tuple(pool.shape)}")
+    if not isinstance(src, torch.Tensor):
+        src = torch.as_tensor(list(src), dtype=torch.int64, device=pool.device)
+    if not isinstance(dst, torch.Tensor):
+        dst = torch.as_tensor(list(dst), dtype=torch.int64, device=pool.device)
+    _check_tensor("src", src, 1, _INT_DTYPES, pool.device)
+    _check_tensor("dst", dst, 1, _INT_DTYPES, pool.device)
+    if src.shape != dst.shape:
+        raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same length")
+    if src.shape[0] == 0:
+        return
+    if get_backend(pool.device) == "triton":
+        _check_triton_device(pool)
+        mod = _triton_module("triton_cache")
+        if mod.copy_blocks_supported(pool):
+            mod.copy_blocks(pool, src.contiguous(), dst.contiguous())
+            return
+    reference.copy_blocks(pool, src, dst)

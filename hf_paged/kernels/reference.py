@@ -1,0 +1,254 @@
+"""Plain-torch implementations of the paged-KV kernels.
+
+These are both the test oracle for the Triton kernels and the production path on
+CPU (and on any device where Triton is not available), so they are vectorised:
+attention gathers each sequence's K/V through its block table into contiguous
+tensors and calls ``torch.nn.functional.scaled_dot_product_attention`` with an
+explicit boolean mask. Query rows whose key range is empty get zeros.
+
+Layouts follow ``docs/architecture.md`` ("KV pool layout", "Kernel API"):
+``key_cache`` / ``value_cache`` are ``[num_blocks, num_kv_heads, block_size, head_dim]``
+and token slot ``block_id * block_size + offset``.
+
+``naive_attention`` (and the ``naive_paged_*`` wrappers) is an independent
+explicit-softmax implementation in float64 used by the tests only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "write_kv",
+    "paged_decode",
+    "paged_prefill",
+    "copy_blocks",
+    "naive_attention",
+    "naive_paged_decode",
+    "naive_paged_prefill",
+]
+
+# Bound on the number of gathered K (or V) elements per decode chunk, so that a
+# large batch does not materialise its whole context at once on the CPU.
+_DECODE_GATHER_ELEMS = 1 << 25
+
+
+# --------------------------------------------------------------------------- #
+# cache ops
+# --------------------------------------------------------------------------- #
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``key_cache[slot // bs, :, slot % bs] = key`` for every token with slot >= 0."""
+    block_size = key_cache.shape[2]
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots = slots[valid]
+        key = key[valid]
+        value = value[valid]
+    if slots.numel() == 0:
+        return
+    blk = torch.div(slots, block_size, rounding_mode="floor")
+    off = slots - blk * block_size
+    # advanced indices separated by a slice: result dims are [n, Hkv, D]
+    key_cache[blk, :, off] = key.to(key_cache.dtype)
+    value_cache[blk, :, off] = value.to(value_cache.dtype)
+
+
+def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``pool[..., dst[i], :, :, :] = pool[..., src[i], :, :, :]`` (block dim ``pool.dim()-4``)."""
+    src = src.to(device=pool.device, dtype=torch.long)
+    dst = dst.to(device=pool.device, dtype=torch.long)
+    if src.numel() == 0:
+        return
+    lead = (slice(None),) * (pool.dim() - 4)
+    pool[lead + (dst,)] = pool[lead + (src,)]
+
+
+# --------------------------------------------------------------------------- #
+# attention
+# --------------------------------------------------------------------------- #
+def _gather_kv(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``cache[table]`` -> ``[..., Hkv, n_blocks * block_size, D]`` (table ``[..., n_blocks]``)."""
+    nb, hkv, bs, d = cache.shape
+    table = table.to(dtype=torch.long).clamp(0, nb - 1)
+    g = cache[table]  # [..., n, Hkv, bs, D]
+    g = g.transpose(-3, -4)  # [..., Hkv, n, bs, D]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending keys ``[kv_start[b], seq_lens[b])``."""
+    B, Hq, D = query.shape
+    _, Hkv, bs, _ = key_cache.shape
+    G = Hq // Hkv
+    out = torch.zeros_like(query)
+    if B == 0:
+        return out
+    seq_lens = seq_lens.to(device=query.device, dtype=torch.long)
+    if kv_start is None:
+        kv_lo = torch.zeros_like(seq_lens)
+    else:
+        kv_lo = kv_start.to(device=query.device, dtype=torch.long)
+    if query.device.type == "cpu":
+        max_len = int(seq_lens.max())
+        n_blocks = min(block_tables.shape[1], max(1, -(-max_len // bs)))
+    else:  # avoid a device sync: gather the whole table width
+        n_blocks = block_tables.shape[1]
+    if n_blocks == 0:
+        return out
+    L = n_blocks * bs
+    per_seq = Hkv * L * D
+    chunk = max(1, _DECODE_GATHER_ELEMS // max(1, per_seq))
+    pos = torch.arange(L, device=query.device)
+    for b0 in range(0, B, chunk):
+        b1 = min(B, b0 + chunk)
+        table = block_tables[b0:b1, :n_blocks]
+        k = _gather_kv(key_cache, table)  # [b, Hkv, L, D]
+        v = _gather_kv(value_cache, table)
+        valid = (pos[None, :] >= kv_lo[b0:b1, None]) & (pos[None, :] < seq_lens[b0:b1, None])  # [b, L]
+        vm = valid[:, None, :, None]
+        # pad slots may hold garbage / NaN: never let it reach the matmuls
+        k = torch.where(vm, k, 0)
+        v = torch.where(vm, v, 0)
+        # pack the G query heads of a KV head into the "query length" dim: no K/V expansion
+        q = query[b0:b1].reshape(b1 - b0, Hkv, G, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        o = torch.where(valid.any(-1)[:, None, None, None], o, 0)
+        out[b0:b1] = o.reshape(b1 - b0, Hq, D)
+    return out
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    kv_start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of new tokens over their cached prefix and themselves."""
+    T, Hq, D = query.shape
+    _, Hkv, bs, _ = key_cache.shape
+    G = Hq // Hkv
+    out = torch.zeros_like(query)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    starts = kv_start.tolist() if kv_start is not None else [0] * len(lens)
+    dev = query.device
+    for s in range(len(lens)):
+        q0, q1 = int(cu[s]), int(cu[s + 1])
+        q_len = q1 - q0
+        seq_len = int(lens[s])
+        lo = max(0, int(starts[s]))
+        if q_len <= 0 or seq_len <= lo:
+            continue
+        n_blocks = -(-seq_len // bs)
+        table = block_tables[s, :n_blocks]
+        k = _gather_kv(key_cache, table)[:, lo:seq_len]  # [Hkv, Lk, D]
+        v = _gather_kv(value_cache, table)[:, lo:seq_len]
+        key_pos = torch.arange(lo, seq_len, device=dev)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+        mask = key_pos[None, :] <= q_pos[:, None]  # [q_len, Lk]
+        q = query[q0:q1].reshape(q_len, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * q_len, D)
+        m = mask.unsqueeze(0).expand(G, q_len, -1).reshape(1, 1, G * q_len, -1)
+        o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=m, scale=scale)
+        o = torch.where(m.any(-1, keepdim=True), o, 0)
+        out[q0:q1] = o.reshape(Hkv, G, q_len, D).permute(2, 0, 1, 3).reshape(q_len, Hq, D)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# naive math oracle (tests)
+# --------------------------------------------------------------------------- #
+def naive_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    q_positions: torch.Tensor | list[int],
+    kv_start: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Explicit-softmax attention of one sequence.
+
+    query ``[Lq, Hq, D]``; key / value ``[Lk, Hkv, D]`` (key ``j`` sits at position ``j``);
+    row ``i`` attends keys ``kv_start <= j <= q_positions[i]``. Empty rows give zeros.
+    Computed in ``dtype`` (float64 by default) and returned in ``dtype``.
+    """
+    Lq, Hq, D = query.shape
+    Lk, Hkv, _ = key.shape
+    G = Hq // Hkv
+    q = query.to(dtype)
+    k = key.to(dtype).repeat_interleave(G, dim=1)  # [Lk, Hq, D]
+    v = value.to(dtype).repeat_interleave(G, dim=1)
+    qp = torch.as_tensor(q_positions, device=query.device).reshape(Lq, 1)
+    kp = torch.arange(Lk, device=query.device).reshape(1, Lk)
+    mask = (kp >= kv_start) & (kp <= qp)  # [Lq, Lk]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    mx = scores.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(scores - mx)
+    p = p.masked_fill(~mask, 0.0)
+    denom = p.sum(-1, keepdim=True)
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def _naive_seq_kv(key_cache, value_cache, table_row, n_tokens):
+    bs = key_cache.shape[2]
+    idx = torch.arange(n_tokens, device=key_cache.device)
+    blk = table_row.to(torch.long)[idx // bs]
+    off = idx % bs
+    return key_cache[blk, :, off], value_cache[blk, :, off]  # [n, Hkv, D]
+
+
+def naive_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start=None):
+    """float64 oracle for :func:`paged_decode` (per-token slot arithmetic, explicit softmax)."""
+    B, Hq, D = query.shape
+    out = torch.zeros(B, Hq, D, dtype=torch.float64, device=query.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        lo = int(kv_start[b]) if kv_start is not None else 0
+        if n <= 0:
+            continue
+        k, v = _naive_seq_kv(key_cache, value_cache, block_tables[b], n)
+        out[b] = naive_attention(query[b : b + 1], k, v, scale, [n - 1], kv_start=lo)[0]
+    return out
+
+
+def naive_paged_prefill(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None, kv_start=None
+):
+    """float64 oracle for :func:`paged_prefill`."""
+    T, Hq, D = query.shape
+    out = torch.zeros(T, Hq, D, dtype=torch.float64, device=query.device)
+    for s in range(seq_lens.shape[0]):
+        q0, q1 = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        n = int(seq_lens[s])
+        lo = int(kv_start[s]) if kv_start is not None else 0
+        if q1 <= q0 or n <= 0:
+            continue
+        k, v = _naive_seq_kv(key_cache, value_cache, block_tables[s], n)
+        pos = list(range(n - (q1 - q0), n))
+        out[q0:q1] = naive_attention(query[q0:q1], k, v, scale, pos, kv_start=lo)
+    return out
+

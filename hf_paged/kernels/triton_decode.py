@@ -1,0 +1,325 @@
+"""Paged decode attention (one query token per sequence) in Triton.
+
+* Reads K/V through the block table in place (no gather).
+* GQA-grouped: one program handles the ``G = Hq // Hkv`` query heads sharing a KV head
+  (padded to >= 16 rows for ``tl.dot``), so each KV tile is loaded once per group.
+* Iterates ``BLOCK_N`` tokens per loop step (independent of the cache block size:
+  each token's physical block is looked up in the block table).
+* Split-K (flash-decoding): grid ``(B, Hkv, num_splits)``; with several splits each
+  program writes its partial ``(acc, max, sum)`` to a float32 scratch and a small
+  second kernel combines them; with one split the output is written directly.
+* Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
+  slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
+
+Imported lazily by :mod:`hf_paged.kernels` (needs triton).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Module-level overrides (tests / benchmarks). ``None`` means "use the heuristic".
+FORCE_NUM_SPLITS: int | None = None
+
+# Tuning table: head_dim -> (BLOCK_N, num_warps, num_stages). Filled from the H100 sweep
+# in benchmarks/bench_decode_kernel.py (see benchmarks/results/decode_kernel_h100.md).
+_CONFIGS = {
+    16: (64, 4, 2),
+    32: (64, 4, 2),
+    64: (64, 4, 2),
+    128: (64, 4, 2),
+    256: (32, 4, 2),
+}
+# Split-K heuristic parameters: aim for about TARGET_PROGRAMS_PER_SM programs per SM,
+# never fewer than MIN_TOKENS_PER_SPLIT tokens per split, at most MAX_SPLITS splits.
+TARGET_PROGRAMS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # interpreter: no point in splitting
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return num_sms(idx)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
+    """Heuristic number of KV splits, from Python ints only (no device sync)."""
+    programs = batch * num_kv_heads
+    target = TARGET_PROGRAMS_PER_SM * _device_sms(torch.device(device))
+    if programs >= target or max_context <= MIN_TOKENS_PER_SPLIT:
+        return 1
+    splits = triton.cdiv(target, programs)
+    splits = min(splits, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
+    splits = min(splits, triton.cdiv(max_context, block_n))
+    return max(1, splits)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SEQ,
+    KVS,
+    OUT,
+    PACC,
+    PM,
+    PL,
+    qk_scale,
+    split_len,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_pab,
+    stride_pah,
+    stride_pas,
+    stride_pmb,
+    stride_pmh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+
+    seq_len = tl.load(SEQ + b).to(tl.int32)
+    if HAS_KV_START:
+        kv_lo = tl.load(KVS + b).to(tl.int32)
+    else:
+        kv_lo = 0
+    lo = tl.maximum(kv_lo, sp * split_len)
+    hi = tl.minimum(seq_len, (sp + 1) * split_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kvh * G + offs_g
+    gmask = offs_g < G
+
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = BT + b64 * stride_btb
+    k_base = KC + kvh.to(tl.int64) * stride_kh
+    v_base = VC + kvh.to(tl.int64) * stride_vh
+    start = (lo // BLOCK_N) * BLOCK_N
+    for t0 in range(start, hi, BLOCK_N):
+        tok = t0 + offs_n
+        valid = (tok >= lo) & (tok < hi)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        # K tile loaded transposed: [HEAD_DIM, BLOCK_N]
+        k = tl.load(
+            k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
+            mask=valid[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SPLIT:
+        pa = PACC + b64 * stride_pab + head[:, None] * stride_pah + sp * stride_pas + offs_d[None, :]
+        tl.store(pa, acc, mask=gmask[:, None])
+        pm = b64 * stride_pmb + head * stride_pmh + sp
+        tl.store(PM + pm, m_i, mask=gmask)
+        tl.store(PL + pm, l_i, mask=gmask)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    PACC,
+    PM,
+    PL,
+    OUT,
+    num_splits,
+    stride_pab,
+    stride_pah,
+    stride_pas,
+    stride_pmb,
+    stride_pmh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    smask = offs_s < num_splits
+    pm = b * stride_pmb + h * stride_pmh + offs_s
+    m = tl.load(PM + pm, mask=smask, other=float("-inf"))
+    l = tl.load(PL + pm, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_use)
+    l_tot = tl.sum(l * w, 0)
+    acc = tl.load(
+        PACC + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], 0)
+    l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
+    o = o / l_safe
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    max_context: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the decode kernel(s). Inputs are assumed validated (see ``hf_paged.kernels``)."""
+    B, Hq, D = query.shape
+    _, Hkv, bs, _ = key_cache.shape
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(query)
+    if B == 0:
+        return out
+    cfg_n, cfg_w, cfg_s = _CONFIGS.get(D, (64, 4, 2))
+    block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_w
+    num_stages = num_stages or cfg_s
+    if max_context is None:
+        max_context = block_tables.shape[1] * bs
+    if num_splits is None:
+        num_splits = FORCE_NUM_SPLITS
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, max_context, block_n, query.device)
+    num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(max_context, block_n))))
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+
+    g_pad = max(16, triton.next_power_of_2(G))
+    ieee = query.dtype == torch.float32
+    has_kv_start = kv_start is not None
+    kvs = kv_start if has_kv_start else seq_lens
+
+    if num_splits > 1:
+        pacc = torch.empty(B, Hq, num_splits, D, device=query.device, dtype=torch.float32)
+        pm = torch.empty(B, Hq, num_splits, device=query.device, dtype=torch.float32)
+        pl = torch.empty_like(pm)
+        pstrides = (pacc.stride(0), pacc.stride(1), pacc.stride(2), pm.stride(0), pm.stride(1))
+    else:
+        pacc = pm = pl = out  # unused
+        pstrides = (0, 0, 0, 0, 0)
+
+    _paged_decode_kernel[(B, Hkv, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        kvs,
+        out,
+        pacc,
+        pm,
+        pl,
+        float(scale) * _LOG2E,
+        split_len,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *pstrides,
+        G=G,
+        G_PAD=g_pad,
+        HEAD_DIM=D,
+        BLOCK_SIZE=bs,
+        BLOCK_N=block_n,
+        HAS_KV_START=has_kv_start,
+        SPLIT=num_splits > 1,
+        IEEE=ieee,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(B, Hq)](
+            pacc,
+            pm,
+            pl,
+            out,
+            num_splits,
+            *pstrides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=D,
+            S_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if D >= 128 else 2,
+        )
+    return out

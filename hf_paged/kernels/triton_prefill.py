@@ -1,0 +1,217 @@
+"""Paged varlen causal prefill attention in Triton (flash-attention style, online softmax).
+
+Grid ``(q_tiles, Hkv, S)`` with ``q_tiles = cdiv(max_seqlen_q, BLOCK_Q)`` (a Python int,
+so no device sync); tiles past a sequence's query length exit at once. A tile packs
+``BLOCK_Q`` query tokens x the ``G = Hq // Hkv`` query heads of one KV head into its
+``BLOCK_M = BLOCK_Q * G`` rows (rounded up to a power of two), so each K/V tile read
+through the block table serves the whole GQA group, and short queries (chunked
+prefill, decode-like steps) still fill a ``tl.dot`` tile.
+
+Query row ``i`` of sequence ``s`` sits at position ``p = seq_lens[s] - q_len_s + i`` and
+attends keys ``[kv_start[s], p]``. Rows outside every sequence (output pre-zeroed)
+and rows with an empty range get zeros.
+
+Imported lazily by :mod:`hf_paged.kernels` (needs triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    CU,
+    SEQ,
+    KVS,
+    OUT,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # heavy (late) tiles first for better load balance of the causal triangle
+    qt = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+
+    q_start = tl.load(CU + s).to(tl.int32)
+    q_len = tl.load(CU + s + 1).to(tl.int32) - q_start
+    if qt * BLOCK_Q < q_len:
+        seq_len = tl.load(SEQ + s).to(tl.int32)
+        if HAS_KV_START:
+            kv_lo = tl.maximum(tl.load(KVS + s).to(tl.int32), 0)
+        else:
+            kv_lo = 0
+        ctx = seq_len - q_len  # position of query row 0
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        tq = qt * BLOCK_Q + offs_m // G  # query token index within the sequence
+        head = kvh * G + offs_m % G
+        row_ok = (offs_m < BLOCK_Q * G) & (tq < q_len)
+        pos = ctx + tq
+
+        rows = (q_start + tq).to(tl.int64)
+        q = tl.load(
+            Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # last key any row of this tile may see (+1)
+        hi = tl.minimum(ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len), seq_len)
+        bt_row = BT + s.to(tl.int64) * stride_btb
+        k_base = KC + kvh.to(tl.int64) * stride_kh
+        v_base = VC + kvh.to(tl.int64) * stride_vh
+        start = (kv_lo // BLOCK_N) * BLOCK_N
+        for t0 in range(start, hi, BLOCK_N):
+            tok = t0 + offs_n
+            valid = (tok >= kv_lo) & (tok < hi)
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            off = tok % BLOCK_SIZE
+            k = tl.load(
+                k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
+                mask=valid[None, :],
+                other=0.0,
+            )
+            if IEEE:
+                sc = tl.dot(q, k, input_precision="ieee")
+            else:
+                sc = tl.dot(q, k)
+            keep = valid[None, :] & (tok[None, :] <= pos[:, None])
+            sc = tl.where(keep, sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(sc - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(
+            OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if D >= 256:
+        cap_m, block_n = 64, 32
+    else:
+        cap_m, block_n = 128, 64
+    if not on_cuda:  # interpreter: fewer, larger steps are faster
+        cap_m = 64
+    need = max(16, triton.next_power_of_2(G * max(1, max_seqlen_q)))
+    block_m = max(min(cap_m, need), triton.next_power_of_2(G), 16)
+    num_warps = 8 if block_m * D >= 128 * 128 else 4
+    return block_m, block_n, num_warps, 2
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    kv_start: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Launch the prefill kernel. Inputs are assumed validated (see ``hf_paged.kernels``)."""
+    T, Hq, D = query.shape
+    _, Hkv, bs, _ = key_cache.shape
+    S = seq_lens.shape[0]
+    G = Hq // Hkv
+    out = torch.zeros_like(query)  # rows outside every sequence stay zero
+    if T == 0 or S == 0 or max_seqlen_q <= 0:
+        return out
+    bm, bn, nw, ns = _config(G, D, max_seqlen_q, query.is_cuda)
+    block_m = block_m or bm
+    block_n = block_n or bn
+    num_warps = num_warps or nw
+    num_stages = num_stages or ns
+    block_q = max(1, block_m // G)
+    has_kv_start = kv_start is not None
+    grid = (triton.cdiv(max_seqlen_q, block_q), Hkv, S)
+    _paged_prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        kv_start if has_kv_start else seq_lens,
+        out,
+        float(scale) * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=D,
+        BLOCK_SIZE=bs,
+        BLOCK_N=block_n,
+        HAS_KV_START=has_kv_start,
+        IEEE=query.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

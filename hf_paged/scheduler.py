@@ -1,0 +1,252 @@
+"""Iteration-level FCFS scheduler (PagedAttention paper §4.5, Orca) — pure Python, no torch.
+
+Every call to `schedule()` decides one engine step:
+
+1. Running groups, oldest first, get their next tokens (one per decoding sequence, or the next prompt chunk). When
+   the pool cannot hold them, the *latest-arrived* running group is preempted, all or nothing, by recompute (its
+   blocks are freed and it goes back to the waiting queue) or by swap (its blocks move to the CPU pool). The oldest
+   requests therefore always make progress.
+2. Swapped groups come back first-come-first-served when nothing was preempted in this step.
+3. Waiting groups are admitted first-come-first-served while the token budget, `max_num_seqs` and free blocks allow;
+   a prompt longer than the remaining budget is prefilled in chunks over several steps.
+
+The scheduler reserves the KV slots of every scheduled token (`BlockManager.append_slots`), so the engine only writes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` tokens of `seq` starting at `start` are computed this step; `sample` when it reaches the end."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int
+    num_tokens: int
+    slots: list[int]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), GPU -> GPU
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a CPU swap pool (swap_space > 0)")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        # keep a little headroom when admitting so a new prompt does not force an immediate preemption
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+
+    # ------------------------------------------------------------------ queues
+    @staticmethod
+    def _insert(queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        keys = [g.arrival for g in queue]
+        queue.insert(bisect.bisect_right(keys, group.arrival), group)
+
+    def add(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def groups(self) -> list[SequenceGroup]:
+        return self.running + self.swapped + self.waiting
+
+    def find(self, request_id) -> SequenceGroup | None:
+        for group in self.groups():
+            if group.request_id == request_id:
+                return group
+        return None
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finished, aborted or failed)."""
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+
+    def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        """Mark every live sequence of `group` finished with `status`, free its blocks, drop it from the queues."""
+        for seq in group.seqs:
+            if not seq.status.is_finished:
+                seq.status = status
+            self.free_seq(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+
+    def abort(self, request_id) -> SequenceGroup | None:
+        group = self.find(request_id)
+        if group is not None:
+            self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def remove_finished(self) -> list[SequenceGroup]:
+        done = [g for g in self.running if g.is_finished]
+        for group in done:
+            for seq in group.seqs:
+                self.free_seq(seq)
+            self.running.remove(group)
+        return done
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = [self.max_num_batched_tokens, self.max_num_seqs]
+
+        index = 0
+        while index < len(self.running):
+            group = self.running[index]
+            plan = self._plan(group, budget)
+            if plan is None:
+                break
+            needed = sum(bm.blocks_needed_to_append(seq.seq_id, n) for seq, n in plan)
+            preempted_self = False
+            while needed > bm.gpu.num_free:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is group:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break
+            self._reserve(group, plan, out, budget)
+            index += 1
+
+        if not out.preempted:
+            while self.swapped and budget[1] > 0:
+                group = self.swapped[0]
+                seqs = group.live_seqs()
+                ids = [s.seq_id for s in seqs]
+                if len(seqs) > budget[1] or len(seqs) > budget[0]:
+                    break
+                if not bm.can_swap_in(ids) or bm.gpu.num_free < self._swap_in_blocks(ids) + len(seqs):
+                    break
+                out.swap_in.extend(bm.swap_in(ids))
+                self.swapped.pop(0)
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                self._insert(self.running, group)
+                plan = self._plan(group, budget)
+                if plan is None or sum(bm.blocks_needed_to_append(s.seq_id, n) for s, n in plan) > bm.gpu.num_free:
+                    break  # swapped in; it runs next step
+                self._reserve(group, plan, out, budget)
+
+        if not out.preempted and not self.swapped:
+            while self.waiting and budget[0] > 0 and budget[1] > 0:
+                group = self.waiting[0]
+                plan = self._plan(group, budget)
+                if plan is None:
+                    break
+                needed = sum(bm.blocks_for(n) for _, n in plan)
+                headroom = self.watermark_blocks if self.running else 0
+                if needed + headroom > bm.gpu.num_free:
+                    break
+                self.waiting.pop(0)
+                for seq, _ in plan:
+                    bm.allocate(seq.seq_id, 0)
+                    seq.status = SequenceStatus.RUNNING
+                self._insert(self.running, group)
+                self._reserve(group, plan, out, budget)
+        return out
+
+    def _plan(self, group: SequenceGroup, budget: list[int]) -> list[tuple[Sequence, int]] | None:
+        """Tokens per live sequence this step (gang: all sequences of the group or none)."""
+        seqs = [s for s in group.live_seqs() if s.num_uncomputed > 0]
+        if not seqs or len(seqs) > budget[1]:
+            return None
+        tokens_left = budget[0]
+        plan = []
+        for seq in seqs:
+            n = min(seq.num_uncomputed, tokens_left)
+            if n <= 0:
+                return None
+            plan.append((seq, n))
+            tokens_left -= n
+        return plan
+
+    def _reserve(self, group, plan, out: SchedulerOutput, budget: list[int]) -> None:
+        for seq, n in plan:
+            start = seq.num_computed
+            result = self.block_manager.append_slots(seq.seq_id, n)
+            out.copies.extend(result.copies)
+            out.scheduled.append(ScheduledSeq(seq, group, start, n, result.slots))
+            budget[0] -= n
+        budget[1] -= len(plan)
+
+    def _swap_in_blocks(self, ids) -> int:
+        blocks = set()
+        for seq_id in ids:
+            blocks.update(self.block_manager.block_table(seq_id))
+        return len(blocks)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        seqs = group.live_seqs()
+        ids = [s.seq_id for s in seqs]
+        self.running.remove(group)
+        group.num_preemptions += 1
+        out.preempted.append(group)
+        if self.preemption_mode == "swap" and bm.can_swap_out(ids):
+            out.swap_out.extend(bm.swap_out(ids))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, group)
+            self.num_preemptions["swap"] += 1
+            return
+        for seq in seqs:
+            bm.free(seq.seq_id)
+            seq.num_computed = 0
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)
+        self.num_preemptions["recompute"] += 1
