@@ -5,6 +5,7 @@ from .cache import CacheFullError, PagedCache
 from .engine import CompletionOutput, Engine, RequestOutput
 from .integrations.attention import ATTENTION_NAME, register
 from .integrations.generate import disable, enable
+from .integrations.pipeline import pipeline
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -21,5 +22,6 @@ __all__ = [
     "SamplingParams",
     "disable",
     "enable",
+    "pipeline",
     "register",
 ]

@@ -263,6 +263,20 @@ def _fix_tokenizer(tokenizer, config) -> None:
     if pad_id is not None and tokenizer.pad_token_id != pad_id:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
     tokenizer.padding_side = "left"  # decoder-only generation
+    # As upstream: no BPE-destroying cleanup on decode, and the model's real context length.
+    tokenizer.clean_up_tokenization_spaces = False
+    if getattr(config, "max_position_embeddings", None):
+        tokenizer.model_max_length = config.max_position_embeddings
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask() is process-wide, racy with threads)
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> None:
@@ -272,6 +286,8 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        umask = _umask()
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final dir should be readable like any other
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
@@ -282,9 +298,12 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
             if hasattr(obj, "quantization_config"):
                 delattr(obj, "quantization_config")
         model.hf_quantizer = None
-        model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        for key in ("local_files_only", "gguf_file"):
+            tokenizer.init_kwargs.pop(key, None)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
         (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))  # written last: marks a complete copy
         if target.exists():  # stale copy (other GGUF / transformers version): move it aside first
             trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"

@@ -185,7 +185,12 @@ def test_write_kv(backend, dtype, src_dtype):
             exp_k[s // bs, :, s % bs] = k[t].to(dtype)
             exp_v[s // bs, :, s % bs] = v[t].to(dtype)
     kernels.write_kv(k, v, kc, vc, slots)
-    assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)
+    if backend == "triton" and not HAS_CUDA and dtype != src_dtype:
+        # the interpreter truncates float32 -> bfloat16 instead of rounding to nearest: 1 ulp
+        torch.testing.assert_close(kc, exp_k, atol=0, rtol=2**-7)
+        torch.testing.assert_close(vc, exp_v, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

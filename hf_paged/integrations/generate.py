@@ -72,15 +72,19 @@ def get_engine(model, tokenizer=None):
 
 
 def _generation_params(model, generation_config, kwargs: dict) -> tuple[GenerationConfig, dict]:
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    if config.cache_implementation == _PAGED:
-        config.cache_implementation = None
+    """Merge `generation_config`, the model's own and `kwargs` exactly as transformers does; refuse what we ignore."""
+    if generation_config is not None and generation_config.cache_implementation == _PAGED:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.cache_implementation = None
     gen_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS}
     model_kwargs = {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS}
-    unused = config.update(**gen_kwargs)
+    config, unused = model._prepare_generation_config(generation_config, **gen_kwargs)
+    if config.cache_implementation == _PAGED:
+        config.cache_implementation = None
     if unused:
         raise TypeError(f"generate() got argument(s) hf_paged does not know: {sorted(unused)}")
     defaults = GenerationConfig().to_dict()
+    defaults.update(GenerationConfig._get_default_generation_params())
     current = config.to_dict()
     unsupported = sorted(
         k for k, v in current.items()
@@ -97,6 +101,37 @@ def _generation_params(model, generation_config, kwargs: dict) -> tuple[Generati
             "past_key_values=hf_paged.PagedCache(config=model.config) to transformers' beam search instead"
         )
     return config, model_kwargs
+
+
+def sampling_params_from_config(config: GenerationConfig, width: int, logits_processor=None) -> tuple[SamplingParams, int]:
+    """(`SamplingParams`, pad id) for prompts of `width` tokens, following transformers' length conventions."""
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = (config.max_length or 20) - width
+    if max_new <= 0:
+        raise ValueError(
+            f"max_new_tokens must be positive (got max_new_tokens={config.max_new_tokens}, "
+            f"max_length={config.max_length} for inputs of length {width})"
+        )
+    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - width)
+    eos = config.eos_token_id
+    eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    pad = config.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    params = SamplingParams(
+        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=bool(config.do_sample),
+        temperature=config.temperature if config.temperature is not None else 1.0,
+        top_k=(config.top_k or 0) if config.do_sample else 0,
+        top_p=config.top_p if (config.do_sample and config.top_p is not None) else 1.0,
+        min_p=(config.min_p or 0.0) if config.do_sample else 0.0,
+        repetition_penalty=config.repetition_penalty or 1.0,
+        eos_token_id=eos, stop_strings=config.stop_strings or (), ignore_eos=not eos,
+        num_return_sequences=config.num_return_sequences or 1, logits_processor=logits_processor or None,
+        output_scores=bool(config.output_scores),
+    )
+    return params, pad
 
 
 def paged_generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, **kwargs):
@@ -130,32 +165,7 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         raise ValueError("streamer only supports batch size 1 (as in transformers)")
 
     width = input_ids.shape[1]
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = (config.max_length or 20) - width
-    if max_new <= 0:
-        raise ValueError(
-            f"max_new_tokens must be positive (got max_new_tokens={config.max_new_tokens}, "
-            f"max_length={config.max_length} for inputs of length {width})"
-        )
-    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - width)
-    eos = config.eos_token_id
-    eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    pad = config.pad_token_id
-    if pad is None:
-        pad = eos[0] if eos else 0
-    params = SamplingParams(
-        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=bool(config.do_sample),
-        temperature=config.temperature if config.temperature is not None else 1.0,
-        top_k=(config.top_k or 0) if config.do_sample else 0,
-        top_p=config.top_p if (config.do_sample and config.top_p is not None) else 1.0,
-        min_p=(config.min_p or 0.0) if config.do_sample else 0.0,
-        repetition_penalty=config.repetition_penalty or 1.0,
-        eos_token_id=eos, stop_strings=config.stop_strings or (), ignore_eos=not eos,
-        num_return_sequences=config.num_return_sequences or 1, logits_processor=logits_processor or None,
-        output_scores=bool(config.output_scores),
-    )
+    params, pad = sampling_params_from_config(config, width, logits_processor)
 
     rows = input_ids.tolist()
     if attention_mask is not None:

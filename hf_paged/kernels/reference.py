@@ -197,11 +197,13 @@ def naive_attention(
     Lk, Hkv, _ = key.shape
     G = Hq // Hkv
     q = query.to(dtype)
-    k = key.to(dtype).repeat_interleave(G, dim=1)  # [Lk, Hq, D]
-    v = value.to(dtype).repeat_interleave(G, dim=1)
     qp = torch.as_tensor(q_positions, device=query.device).reshape(Lq, 1)
     kp = torch.arange(Lk, device=query.device).reshape(1, Lk)
     mask = (kp >= kv_start) & (kp <= qp)  # [Lq, Lk]
+    # keys no row attends may be garbage (NaN): drop them before any arithmetic
+    used = mask.any(0).reshape(Lk, 1, 1)
+    k = torch.where(used, key.to(dtype), 0).repeat_interleave(G, dim=1)  # [Lk, Hq, D]
+    v = torch.where(used, value.to(dtype), 0).repeat_interleave(G, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     mx = scores.amax(-1, keepdim=True)

@@ -40,7 +40,8 @@ def _write_kv_kernel(
     off = slot % BLOCK_SIZE
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
-    m = (offs_h[:, None] < num_heads) & (slot >= 0)
+    # (slot broadcast before the compare: the interpreter rejects masks built from scalar & tensor)
+    m = (offs_h[:, None] < num_heads) & ((offs_d[None, :] * 0 + slot) >= 0)
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)

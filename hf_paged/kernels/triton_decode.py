@@ -105,6 +105,7 @@ def _paged_decode_kernel(
     HAS_KV_START: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -146,7 +147,9 @@ def _paged_decode_kernel(
             mask=valid[None, :],
             other=0.0,
         )
-        if IEEE:
+        if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        elif IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
@@ -161,7 +164,9 @@ def _paged_decode_kernel(
             mask=valid[:, None],
             other=0.0,
         )
-        if IEEE:
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        elif IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -305,6 +310,7 @@ def paged_decode(
         HAS_KV_START=has_kv_start,
         SPLIT=num_splits > 1,
         IEEE=ieee,
+        DOT_F32=not query.is_cuda,
         num_warps=num_warps,
         num_stages=num_stages,
     )

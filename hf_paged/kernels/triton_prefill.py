@@ -53,6 +53,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_KV_START: tl.constexpr,
     IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # heavy (late) tiles first for better load balance of the causal triangle
     qt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -104,7 +105,9 @@ def _paged_prefill_kernel(
                 mask=valid[None, :],
                 other=0.0,
             )
-            if IEEE:
+            if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
+                sc = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            elif IEEE:
                 sc = tl.dot(q, k, input_precision="ieee")
             else:
                 sc = tl.dot(q, k)
@@ -120,7 +123,9 @@ def _paged_prefill_kernel(
                 mask=valid[:, None],
                 other=0.0,
             )
-            if IEEE:
+            if DOT_F32:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            elif IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
@@ -211,6 +216,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         HAS_KV_START=has_kv_start,
         IEEE=query.dtype == torch.float32,
+        DOT_F32=not query.is_cuda,
         num_warps=num_warps,
         num_stages=num_stages,
     )
