@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 import uuid
 
 import torch
@@ -284,6 +285,12 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
     from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in target.parent.glob(f".{target.name}.*-*"):  # from killed conversions (~540 MB each)
+        try:
+            if time.time() - leftover.stat().st_mtime > 3600:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         umask = _umask()
@@ -305,6 +312,8 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)
         (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))  # written last: marks a complete copy
+        if _cache_is_valid(target, meta):  # another process finished first: keep its copy
+            return
         if target.exists():  # stale copy (other GGUF / transformers version): move it aside first
             trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
             try:

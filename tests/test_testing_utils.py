@@ -82,9 +82,7 @@ def test_tiny_model_generates_left_padded(family):
     batch = tiny_batch(model, lengths=PROMPT_LENGTHS)
     assert batch["attention_mask"][:, -1].all() and not batch["attention_mask"][:, 0].all()  # left padding
     prompt_len = batch["input_ids"].shape[1]
-    out = model.generate(
-        **batch, do_sample=False, max_new_tokens=8, return_dict_in_generate=True, output_logits=True
-    )
+    out = model.generate(**batch, do_sample=False, max_new_tokens=8, return_dict_in_generate=True, output_logits=True)
     assert isinstance(out.past_key_values, DynamicCache)
     seqs = out.sequences
     assert torch.equal(seqs[:, :prompt_len], batch["input_ids"])
@@ -127,8 +125,13 @@ def test_check_supported_accepts_tiny(family):
 
 def test_check_supported_refuses_softcapping():
     cfg = Gemma2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     )
     msg = _refused(cfg)
     assert "soft-capping" in msg and "gemma2" in msg

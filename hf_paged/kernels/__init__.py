@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
 
-_TRITON_OK: Optional[bool] = None
+_TRITON_OK: bool | None = None
 
 
 def triton_available() -> bool:
@@ -50,7 +50,7 @@ def triton_available() -> bool:
     return _TRITON_OK
 
 
-def get_backend(device: Union[torch.device, str, None] = None) -> str:
+def get_backend(device: torch.device | str | None = None) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device`` (honours ``HF_PAGED_BACKEND``)."""
     env = os.environ.get("HF_PAGED_BACKEND", "").strip().lower()
     if env in ("torch", "triton"):
@@ -72,7 +72,7 @@ def _triton_module(name: str):
 # --------------------------------------------------------------------------- #
 # validation helpers (shape / dtype / device only: never read tensor values)
 # --------------------------------------------------------------------------- #
-def _check_tensor(name: str, t, ndim: int, dtypes, device: Optional[torch.device] = None) -> None:
+def _check_tensor(name: str, t, ndim: int, dtypes, device: torch.device | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -190,9 +190,9 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    kv_start: Optional[torch.Tensor] = None,
+    kv_start: torch.Tensor | None = None,
     *,
-    _num_splits: Optional[int] = None,
+    _num_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, D]``.
 
@@ -228,7 +228,7 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
-    kv_start: Optional[torch.Tensor] = None,
+    kv_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, D]``.
 
@@ -268,8 +268,8 @@ def paged_prefill(
 
 def copy_blocks(
     pool: torch.Tensor,
-    src: Union[torch.Tensor, Sequence[int]],
-    dst: Union[torch.Tensor, Sequence[int]],
+    src: torch.Tensor | Sequence[int],
+    dst: torch.Tensor | Sequence[int],
 ) -> None:
     """``pool[..., dst[i], :, :, :] = pool[..., src[i], :, :, :]`` for all i (block dim ``pool.dim()-4``).
 
@@ -279,7 +279,9 @@ def copy_blocks(
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() < 4:
-        raise ValueError(f"pool must have at least 4 dims [..., num_blocks, Hkv, block_size, D], got {tuple(pool.shape)}")
+        raise ValueError(
+            f"pool must have at least 4 dims [..., num_blocks, Hkv, block_size, D], got {tuple(pool.shape)}"
+        )
     if not isinstance(src, torch.Tensor):
         src = torch.as_tensor(list(src), dtype=torch.int64, device=pool.device)
     if not isinstance(dst, torch.Tensor):

@@ -253,4 +253,3 @@ def naive_paged_prefill(
         pos = list(range(n - (q1 - q0), n))
         out[q0:q1] = naive_attention(query[q0:q1], k, v, scale, pos, kv_start=lo)
     return out
-

@@ -1,0 +1,311 @@
+"""GPU microbenchmark: paged decode attention vs SDPA on a contiguous cache.
+
+For each shape (bf16, block_size 16, shuffled physical blocks) it times, with
+``triton.testing.do_bench`` (median, L2 flushed between repetitions):
+
+* ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on a contiguous
+  ``[B, Hkv, L, D]`` cache (the baseline a dense cache would give),
+* ``gather+sdpa``: gather the paged K/V through the block table into contiguous tensors, then SDPA,
+* ``paged``: ``hf_paged.kernels.paged_decode`` (Triton, default heuristics),
+
+and, with ``--sweep``, a small sweep of the decode kernel's launch configuration
+(BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
+``hf_paged/kernels/triton_decode.py``.
+
+Prints a markdown table (µs, TB/s of KV read, ratio to SDPA), writes ``decode_kernel.json``
+and ``decode_kernel.png`` (if matplotlib is installed) under ``--out``.
+
+    PYTHONPATH=. python benchmarks/bench_decode_kernel.py --out /tmp/bench [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [
+    dict(name="B64-L2048-h32/8-d128", B=64, L=2048, Hq=32, Hkv=8, D=128, sdpa_anchor_us=190.6),
+    dict(name="B256-L512-h32/8-d64", B=256, L=512, Hq=32, Hkv=8, D=64, sdpa_anchor_us=104.0),
+    dict(name="B8-L8192-h32/8-d128", B=8, L=8192, Hq=32, Hkv=8, D=128, sdpa_anchor_us=108.7),
+    dict(name="B128-L1024-h32/8-d128", B=128, L=1024, Hq=32, Hkv=8, D=128, sdpa_anchor_us=191.5),
+]
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+
+TILE_SWEEP = [  # (BLOCK_N, num_warps, num_stages)
+    (32, 4, 2),
+    (32, 4, 3),
+    (32, 4, 4),
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 4, 4),
+    (64, 8, 2),
+    (64, 8, 3),
+    (128, 4, 2),
+    (128, 4, 3),
+    (128, 8, 2),
+    (128, 8, 3),
+    (16, 2, 3),
+    (64, 2, 3),
+]
+SPLIT_SWEEP = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+
+
+def build(shape, device="cuda", seed=0):
+    B, L, Hq, Hkv, D = (shape[k] for k in ("B", "L", "Hq", "Hkv", "D"))
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(B, Hkv, L, D, device=device, dtype=DTYPE, generator=g)
+    v = torch.randn(B, Hkv, L, D, device=device, dtype=DTYPE, generator=g)
+    q = torch.randn(B, Hq, 1, D, device=device, dtype=DTYPE, generator=g)
+    nbps = L // BLOCK_SIZE
+    nb = B * nbps
+    bt = torch.randperm(nb, device=device, generator=g).to(torch.int32).view(B, nbps)
+    kc = torch.empty(nb, Hkv, BLOCK_SIZE, D, device=device, dtype=DTYPE)
+    vc = torch.empty_like(kc)
+    idx = bt.flatten().long()
+    kc[idx] = k.view(B, Hkv, nbps, BLOCK_SIZE, D).permute(0, 2, 1, 3, 4).reshape(nb, Hkv, BLOCK_SIZE, D)
+    vc[idx] = v.view(B, Hkv, nbps, BLOCK_SIZE, D).permute(0, 2, 1, 3, 4).reshape(nb, Hkv, BLOCK_SIZE, D)
+    sl = torch.full((B,), L, device=device, dtype=torch.int32)
+    return q, k, v, kc, vc, bt, sl
+
+
+def kv_bytes(shape) -> int:
+    return 2 * shape["B"] * shape["Hkv"] * shape["L"] * shape["D"] * torch.tensor([], dtype=DTYPE).element_size()
+
+
+def copy_bandwidth(bench, dev) -> float:
+    """TB/s of a 512 MiB device-to-device copy, counting bytes read and written."""
+    src = torch.randint(0, 255, (1 << 29,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t_us = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (t_us * 1e-6) / 1e12
+
+
+def run_shape(shape, args, bench, t_start, budget_s):
+    from hf_paged import kernels
+    from hf_paged.kernels import triton_decode as td
+
+    q4, k, v, kc, vc, bt, sl = build(shape)
+    dev = q4.device
+    q = q4[:, :, 0, :].contiguous()
+    D = shape["D"]
+    scale = D**-0.5
+    nbytes = kv_bytes(shape)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
+    def gather_sdpa():
+        kg = kc[bt.long()].permute(0, 2, 1, 3, 4).reshape(k.shape)
+        vg = vc[bt.long()].permute(0, 2, 1, 3, 4).reshape(v.shape)
+        return F.scaled_dot_product_attention(q4, kg, vg, scale=scale, enable_gqa=True)
+
+    def paged():
+        return kernels.paged_decode(q, kc, vc, bt, sl, scale)
+
+    ref = sdpa()[:, :, 0, :].float()
+    err = (paged().float() - ref).abs().max().item()
+    err_g = (gather_sdpa()[:, :, 0, :].float() - ref).abs().max().item()
+    splits = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, td._CONFIGS[D][0], dev)
+    r = dict(shape, kv_bytes=nbytes, max_abs_err_vs_sdpa=err, gather_err=err_g, default_splits=splits)
+    r["sdpa_us"] = bench(sdpa)
+    r["gather_sdpa_us"] = bench(gather_sdpa)
+    r["paged_us"] = bench(paged)
+    for key in ("sdpa", "gather_sdpa", "paged"):
+        r[f"{key}_tbps"] = nbytes / (r[f"{key}_us"] * 1e-6) / 1e12
+    r["ratio"] = r["paged_us"] / r["sdpa_us"]
+    print(
+        f"{shape['name']}: sdpa {r['sdpa_us']:.1f} us, gather+sdpa {r['gather_sdpa_us']:.1f} us, "
+        f"paged {r['paged_us']:.1f} us ({r['paged_tbps']:.2f} TB/s, x{r['ratio']:.3f}, splits={splits}), "
+        f"max|err| {err:.2e}",
+        flush=True,
+    )
+
+    if args.sweep:
+        sweep = []
+        for bn, nw, ns in TILE_SWEEP:
+            if time.time() - t_start > budget_s:
+                print("  (sweep budget exhausted)")
+                break
+            sp = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, bn, dev)
+
+            def fn(bn=bn, nw=nw, ns=ns, sp=sp):
+                return td.paged_decode(q, kc, vc, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
+
+            try:
+                e = (fn().float() - ref).abs().max().item()
+                us = bench(fn)
+            except Exception as exc:  # out of shared memory / registers
+                print(f"  tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
+                continue
+            sweep.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us, err=e))
+            print(f"  tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us (err {e:.1e})", flush=True)
+        if sweep:
+            best = min(sweep, key=lambda x: x["us"])
+            for sp in SPLIT_SWEEP:
+                if time.time() - t_start > budget_s:
+                    break
+                if sp == best["splits"]:
+                    continue
+
+                def fn(sp=sp, best=best):
+                    return td.paged_decode(
+                        q,
+                        kc,
+                        vc,
+                        bt,
+                        sl,
+                        scale,
+                        num_splits=sp,
+                        block_n=best["block_n"],
+                        num_warps=best["num_warps"],
+                        num_stages=best["num_stages"],
+                    )
+
+                e = (fn().float() - ref).abs().max().item()
+                us = bench(fn)
+                sweep.append(
+                    dict(
+                        block_n=best["block_n"],
+                        num_warps=best["num_warps"],
+                        num_stages=best["num_stages"],
+                        splits=sp,
+                        us=us,
+                        err=e,
+                    )
+                )
+                print(f"  splits={sp} (best tile): {us:.1f} us", flush=True)
+            best = min(sweep, key=lambda x: x["us"])
+            r["sweep"] = sweep
+            r["best"] = best
+            r["best_tbps"] = nbytes / (best["us"] * 1e-6) / 1e12
+            r["best_ratio"] = best["us"] / r["sdpa_us"]
+    return r
+
+
+def render(results, meta, out_dir) -> int:
+    """Markdown table (printed and written), JSON, PNG plot."""
+    lines = [
+        f"Paged decode vs SDPA on {meta['device']} ({meta['sms']} SMs), bf16, block_size {BLOCK_SIZE}, "
+        f"shuffled blocks; torch {meta['torch']}, triton {meta['triton']}; do_bench median, L2 flushed; "
+        f"copy ceiling {meta['copy_tbps']:.2f} TB/s",
+        "",
+        "| shape | SDPA µs (anchor) | gather+SDPA µs | paged µs | paged TB/s | SDPA TB/s | paged/SDPA | splits | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r['sdpa_us']:.1f} ({r['sdpa_anchor_us']}) | {r['gather_sdpa_us']:.1f} | "
+            f"{r['paged_us']:.1f} | {r['paged_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['ratio']:.3f} | "
+            f"{r['default_splits']} | {r['max_abs_err_vs_sdpa']:.1e} |"
+        )
+    if any("best" in r for r in results):
+        lines += [
+            "",
+            "Best swept configuration per shape:",
+            "",
+            "| shape | BLOCK_N | warps | stages | splits | µs | TB/s | /SDPA |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            if "best" in r:
+                b = r["best"]
+                lines.append(
+                    f"| {r['name']} | {b['block_n']} | {b['num_warps']} | {b['num_stages']} | {b['splits']} | "
+                    f"{b['us']:.1f} | {r['best_tbps']:.2f} | {r['best_ratio']:.3f} |"
+                )
+    table = "\n".join(lines)
+    print()
+    print(table)
+    with open(os.path.join(out_dir, "decode_kernel.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out_dir, "decode_kernel.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the plot")
+        return 0
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [r["name"] for r in results]
+    xs = range(len(results))
+    w = 0.27
+    ax.bar([x - w for x in xs], [r["sdpa_us"] for r in results], w, label="SDPA (contiguous cache)")
+    ax.bar(list(xs), [r["gather_sdpa_us"] for r in results], w, label="gather + SDPA")
+    ax.bar([x + w for x in xs], [r["paged_us"] for r in results], w, label="paged_decode (Triton)")
+    for x, r in zip(xs, results):
+        ax.text(x + w, r["paged_us"], f"{r['paged_tbps']:.2f}\nTB/s", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("µs (lower is better)")
+    ax.set_title(f"Decode attention, bf16, block_size {BLOCK_SIZE} ({meta['device']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "decode_kernel.png"), dpi=120)
+    print(f"wrote {os.path.join(out_dir, 'decode_kernel.png')}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="folder for decode_kernel.json / .png")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's launch configuration")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of shape names")
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        print("bench_decode_kernel: needs a CUDA GPU; nothing measured.")
+        return 0
+    import triton
+    import triton.testing
+
+    from hf_paged.kernels import triton_decode as td
+
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    meta = dict(
+        device=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        dtype=str(DTYPE),
+        block_size=BLOCK_SIZE,
+        default_configs={str(k): v for k, v in td._CONFIGS.items()},
+    )
+    print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+
+    def bench(fn):
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+
+    # copy-bandwidth ceiling (read + write), for context
+    meta["copy_tbps"] = copy_bandwidth(bench, dev)
+    print(f"# device-to-device copy: {meta['copy_tbps']:.2f} TB/s (read+write)")
+
+    shapes = [s for s in SHAPES if not args.shapes or s["name"] in args.shapes.split(",")]
+    results = []
+    for shape in shapes:
+        results.append(run_shape(shape, args, bench, time.time(), args.budget_s / len(shapes)))
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "decode_kernel.json"), "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+
+    return render(results, meta, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
