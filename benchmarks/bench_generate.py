@@ -10,6 +10,7 @@ in bf16 (or a local checkpoint). Prints a markdown table, writes a JSON file and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -154,6 +155,7 @@ def main() -> None:
     progress = not args.no_progress
     rows = []
     for system in args.systems.split(","):
+        gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -372,6 +372,30 @@ class BlockManager:
         cow, new_blocks = self._append_plan(self._get_resident(seq_id, "appending"), k)
         return new_blocks + cow
 
+    def blocks_needed_to_append_many(self, requests: Iterable[tuple[Hashable, int]]) -> int:
+        """Exact GPU blocks that :meth:`append_slots` of every ``(seq_id, num_new_tokens)`` would take, in any order.
+
+        Summing :meth:`blocks_needed_to_append` over siblings overcounts: when every holder of a shared partial last
+        block appends, the last one to do so finds itself the sole holder and writes in place. A scheduler checking
+        a whole sequence group against the free pool should use this so it does not preempt needlessly.
+        """
+        total = 0
+        seen: set[Hashable] = set()
+        cow_holders: dict[int, int] = {}  # shared partial last block -> appending holders
+        for seq_id, num_new_tokens in requests:
+            k = _as_int("num_new_tokens", num_new_tokens, 0)
+            seq = self._get_resident(seq_id, "appending", "requests entry")
+            if seq_id in seen:
+                raise ValueError(f"requests lists {seq_id!r} twice")
+            seen.add(seq_id)
+            cow, new_blocks = self._append_plan(seq, k)
+            total += new_blocks
+            if cow:
+                cow_holders[seq.table[-1]] = cow_holders.get(seq.table[-1], 0) + 1
+        for block, holders in cow_holders.items():
+            total += holders - 1 if holders == self.gpu.ref_count(block) else holders
+        return total
+
     def can_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
         """Whether :meth:`append_slots` would succeed now."""
         return self.blocks_needed_to_append(seq_id, num_new_tokens) <= self.gpu.num_free

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -254,8 +255,9 @@ class PagedCache(Cache):
         self._layer_views = []
         for layer in range(self.num_layers):
             key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
-            key_cache._hf_paged_cache = self  # the attention function finds the step metadata through this tag
-            value_cache._hf_paged_cache = self
+            # the attention function finds the step metadata through this tag; a weak reference, so dropping the
+            # cache frees the pool at once instead of waiting for the cycle collector
+            key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             self._layer_views.append((key_cache, value_cache))
 
     def layer_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +298,7 @@ class PagedCache(Cache):
                 f"PagedCache holds {len(self._rows)} sequences but the model was called with a batch of {batch}; "
                 "use reorder_cache / batch_select_indices / batch_repeat_interleave to change the batch"
             )
-        needed = sum(bm.blocks_needed_to_append(seq, q_len) for seq in self._rows)
+        needed = bm.blocks_needed_to_append_many((seq, q_len) for seq in self._rows)
         if needed > bm.gpu.num_free:
             raise CacheFullError(
                 f"PagedCache is full: {q_len} more tokens for {batch} sequences need {needed} blocks but "

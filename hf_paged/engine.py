@@ -83,7 +83,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         text_config = model.config.get_text_config(decoder=True)
-        self.vocab_size = int(getattr(text_config, "vocab_size"))
+        self.vocab_size = int(text_config.vocab_size)
         self.max_model_len = getattr(text_config, "max_position_embeddings", None)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048

@@ -150,7 +150,7 @@ class Scheduler:
             plan = self._plan(group, budget)
             if plan is None:
                 break
-            needed = sum(bm.blocks_needed_to_append(seq.seq_id, n) for seq, n in plan)
+            needed = bm.blocks_needed_to_append_many((seq.seq_id, n) for seq, n in plan)
             preempted_self = False
             while needed > bm.gpu.num_free:
                 victim = self.running[-1]
@@ -170,7 +170,7 @@ class Scheduler:
                 ids = [s.seq_id for s in seqs]
                 if len(seqs) > budget[1] or len(seqs) > budget[0]:
                     break
-                if not bm.can_swap_in(ids) or bm.gpu.num_free < self._swap_in_blocks(ids) + len(seqs):
+                if not bm.can_swap_in(ids) or bm.gpu.num_free < bm.blocks_needed_to_swap_in(ids) + len(seqs):
                     break
                 out.swap_in.extend(bm.swap_in(ids))
                 self.swapped.pop(0)
@@ -178,7 +178,7 @@ class Scheduler:
                     seq.status = SequenceStatus.RUNNING
                 self._insert(self.running, group)
                 plan = self._plan(group, budget)
-                if plan is None or sum(bm.blocks_needed_to_append(s.seq_id, n) for s, n in plan) > bm.gpu.num_free:
+                if plan is None or bm.blocks_needed_to_append_many((s.seq_id, n) for s, n in plan) > bm.gpu.num_free:
                     break  # swapped in; it runs next step
                 self._reserve(group, plan, out, budget)
 
@@ -223,12 +223,6 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, group, start, n, result.slots))
             budget[0] -= n
         budget[1] -= len(plan)
-
-    def _swap_in_blocks(self, ids) -> int:
-        blocks = set()
-        for seq_id in ids:
-            blocks.update(self.block_manager.block_table(seq_id))
-        return len(blocks)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager

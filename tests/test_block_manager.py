@@ -358,6 +358,29 @@ def test_beam_like_fork_tree() -> None:
     assert bm.gpu.ref_count(bm.block_table(2)[0]) == 2
 
 
+def test_blocks_needed_to_append_many_counts_last_sibling_in_place() -> None:
+    bm = BlockManager(16, 4)
+    bm.allocate("p", 6)
+    bm.fork("p", "c1")
+    bm.fork("p", "c2")
+    bm.allocate("x", 4)
+    assert sum(bm.blocks_needed_to_append(s) for s in ("p", "c1", "c2")) == 3
+    assert bm.blocks_needed_to_append_many([("p", 1), ("c1", 1), ("c2", 1)]) == 2
+    assert bm.blocks_needed_to_append_many([("p", 1), ("c1", 1)]) == 2  # c2 still holds it: both copy
+    assert bm.blocks_needed_to_append_many([("p", 3), ("c1", 1), ("c2", 0), ("x", 1)]) == 2 + 1 + 1
+    assert bm.blocks_needed_to_append_many([]) == 0
+    free = bm.gpu.num_free
+    for s in ("c2", "p", "c1"):
+        bm.append_slots(s)
+    assert free - bm.gpu.num_free == 2
+    with pytest.raises(ValueError, match="requests lists 'p' twice"):
+        bm.blocks_needed_to_append_many([("p", 1), ("p", 1)])
+    with pytest.raises(ValueError, match="requests entry 'q' is unknown"):
+        bm.blocks_needed_to_append_many([("q", 1)])
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        bm.blocks_needed_to_append_many([("p", -1)])
+
+
 # --------------------------------------------------------------------------------------------------- append
 
 
@@ -821,6 +844,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.write(seq, result.slots, tokens)
         self.expected[seq].extend(tokens)
 
+    @precondition(lambda self: any(not self.bm.is_swapped(s) for s in self.bm.seq_ids()))
+    @rule(data=st.data())
+    def append_many(self, data: st.DataObject) -> None:
+        """Append to several sequences (siblings often share a last block): the batch estimate must be exact."""
+        seqs = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, unique=True))
+        counts = [data.draw(st.integers(0, 3)) for _ in seqs]
+        needed = self.bm.blocks_needed_to_append_many(list(zip(seqs, counts)))
+        assert needed <= sum(self.bm.blocks_needed_to_append(s, n) for s, n in zip(seqs, counts))
+        if needed > self.bm.gpu.num_free:
+            return
+        free_before = self.bm.gpu.num_free
+        for seq, count in zip(seqs, counts):
+            result = self.bm.append_slots(seq, count)
+            self.copy(result.copies, "gpu", "gpu")
+            tokens = self.tokens(count)
+            self.write(seq, result.slots, tokens)
+            self.expected[seq].extend(tokens)
+        assert free_before - self.bm.gpu.num_free == needed
+
     @precondition(lambda self: bool(self.bm.seq_ids()))
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
@@ -958,3 +1000,16 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+class _LongRun(BlockManagerMachine):
+    """The same machine with many more and longer runs, for ``-m slow`` soak runs (about 25 s)."""
+
+
+_LongRun.TestCase.settings = settings(
+    max_examples=1000,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockManagerMachineLong = pytest.mark.slow(_LongRun.TestCase)

@@ -102,7 +102,8 @@ def paged_attention_forward(
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
-    cache = getattr(key, "_hf_paged_cache", None)
+    cache_ref = getattr(key, "_hf_paged_cache", None)
+    cache = cache_ref() if cache_ref is not None else None
     if cache is None:
         # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact SDPA with a dense mask.
         mask = attention_mask
