@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PagedCache, parse_memory
+from .model_runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -57,6 +58,7 @@ class Engine:
         max_num_seqs, max_num_batched_tokens: per-step limits; longer prompts are prefilled in chunks.
         preemption_mode: "recompute" (default) or "swap"; `swap_space` GiB of (pinned) CPU memory back the swap.
         seed: seed of the engine's generator for requests without their own `seed`.
+        use_cuda_graph: replay CUDA graphs for decode-only steps (default: on CUDA).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class Engine:
         swap_space: float = 0.0,
         seed: int | None = None,
         show_progress: bool = False,
+        use_cuda_graph: bool | None = None,
     ) -> None:
         from .integrations.generate import enable
 
@@ -117,6 +120,10 @@ class Engine:
             preemption_mode=preemption_mode,
         )
         self.sampler = Sampler(self.device, seed)
+        self.runner = ModelRunner(
+            model, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            use_cuda_graph=use_cuda_graph,
+        )
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
@@ -221,65 +228,25 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that advanced (or finished) in it."""
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked)."""
         with self._lock:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 if self.scheduler.has_unfinished() and not self.scheduler.running:
                     raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
                 return self._collect_finished()
-            self._apply_block_ops(sched)
+            self.runner.apply_block_ops(sched)
             try:
                 with torch.inference_mode():
-                    logits = self._forward(sched)
+                    logits, _ = self.runner.execute(sched)
                     advanced = self._sample_and_update(sched, logits)
             except Exception as error:  # a failing step fails its own requests only
                 advanced = self._fail(sched, error)
             self._track(sched)
+            if finished_only:
+                advanced = [g for g in advanced if g.is_finished]
             return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
-
-    def _apply_block_ops(self, sched: SchedulerOutput) -> None:
-        cache = self.cache
-        if sched.swap_out:
-            gpu = torch.tensor([g for g, _ in sched.swap_out], device=self.device)
-            cpu = torch.tensor([c for _, c in sched.swap_out])
-            cache.cpu_pool[:, :, cpu] = cache.pool[:, :, gpu].to("cpu")
-        if sched.swap_in:
-            cpu = torch.tensor([c for c, _ in sched.swap_in])
-            gpu = torch.tensor([g for _, g in sched.swap_in], device=self.device)
-            cache.pool[:, :, gpu] = cache.cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
-        cache._copy_blocks(sched.copies)
-
-    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
-        bm = self.block_manager
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables, lens, q_lens, sample_index = [], [], [], []
-        offset = 0
-        for item in sched.scheduled:
-            end = item.start + item.num_tokens
-            ids.extend(item.seq.token_ids[item.start : end])
-            positions.extend(range(item.start, end))
-            slots.extend(item.slots)
-            tables.append(bm.block_table(item.seq.seq_id))
-            lens.append(end)
-            q_lens.append(item.num_tokens)
-            offset += item.num_tokens
-            if item.sample:
-                sample_index.append(offset - 1)
-        step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
-        self.cache.set_engine_step(step)
-        input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
-        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
-        keep = torch.tensor(sample_index if sample_index else [offset - 1], dtype=torch.long).to(self.device)
-        output = self.model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-            logits_to_keep=keep,
-        )
-        logits = output.logits[0]
-        return logits if sample_index else logits[:0]
 
     def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
         rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
@@ -428,7 +395,7 @@ class Engine:
             while len(results) < len(ids):
                 if not self.has_unfinished():
                     break
-                for out in self.step():
+                for out in self.step(finished_only=True):
                     if out.finished and out.request_id in wanted and out.request_id not in results:
                         results[out.request_id] = out
                         if bar is not None:
