@@ -99,7 +99,7 @@ def run_paged(model, workload, args, progress: bool):
 
     setup_start = time.perf_counter()
     engine = hf_paged.Engine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             use_cuda_graph=not args.no_cuda_graph,
+                             use_cuda_graph=None if not args.no_cuda_graph else False,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory=args.kv_cache_memory)
