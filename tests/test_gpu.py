@@ -45,3 +45,19 @@ def test_drop_in_cache_beam_search_on_cuda():
                          past_key_values=cache)
     assert torch.equal(ref, out)
     assert cache.stats().logical_blocks > cache.stats().used_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_equals_eager(dtype):
+    model = tiny_model("llama", dtype=dtype).cuda()
+    hf_paged.enable(model)
+    prompts = _prompts(20, seed=1)
+    results = []
+    for graphs in (False, True):
+        engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=32, use_cuda_graph=graphs)
+        outs = engine.generate(prompts, max_new_tokens=32)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if graphs:
+            assert engine.runner.graph_steps > 0
+        assert engine.kv_stats().used_blocks == 0
+    assert results[0] == results[1]
