@@ -289,6 +289,12 @@ class PagedCache(Cache):
         """A new forward starts (first attention layer): prepare this step's metadata once for all layers."""
         if key_states.dim() != 4:
             raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
+        attn = getattr(self.config, "_attn_implementation", None) if self.config is not None else None
+        if attn is not None and attn != "hf_paged":
+            raise ValueError(
+                f"this model runs attention_implementation={attn!r}, which cannot read a PagedCache: call "
+                "hf_paged.enable(model) first"
+            )
         batch, _, q_len, _ = key_states.shape
         bm = self.block_manager
         if not self._rows:

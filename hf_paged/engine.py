@@ -80,6 +80,12 @@ class Engine:
     ) -> None:
         from .integrations.generate import enable
 
+        # validate cheap arguments before anything is allocated
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         enable(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -197,6 +203,11 @@ class Engine:
         if params.num_return_sequences > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"num_return_sequences={params.num_return_sequences} exceeds max_num_seqs={self.scheduler.max_num_seqs}"
+            )
+        if params.num_return_sequences > self.scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"num_return_sequences={params.num_return_sequences} exceeds max_num_batched_tokens="
+                f"{self.scheduler.max_num_batched_tokens}: its samples are scheduled together, one token each"
             )
         blocks = self.block_manager.blocks_for(total) * params.num_return_sequences
         if blocks > self.block_manager.num_blocks:

@@ -142,9 +142,10 @@ class Sampler:
         return sample_next_tokens(logits, params, token_ids, num_outputs, keys, self)
 
 
-def _apply_repetition_penalty(scores: torch.Tensor, rows: list[int], penalties: list[float], token_ids) -> None:
-    for row, penalty in zip(rows, penalties):
-        ids = torch.tensor(sorted(set(token_ids[row])), dtype=torch.long, device=scores.device)
+def _apply_repetition_penalty(scores: torch.Tensor, rows: list[int], penalties: list[float], token_ids, extras) -> None:
+    """transformers' rule over the set of ids seen (plus `extra['penalty_ids']`, e.g. pads of a padded batch)."""
+    for row, penalty, extra in zip(rows, penalties, extras):
+        ids = torch.tensor(sorted(set(token_ids[row]) | set(extra)), dtype=torch.long, device=scores.device)
         picked = scores[row].index_select(0, ids)
         picked = torch.where(picked < 0, picked * penalty, picked / penalty)
         scores[row].index_copy_(0, ids, picked)
@@ -154,7 +155,10 @@ def sample_next_tokens(logits, params, token_ids, num_outputs, keys, sampler: Sa
     scores = logits.float()
     rows_penalty = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rows_penalty:
-        _apply_repetition_penalty(scores, rows_penalty, [params[i].repetition_penalty for i in rows_penalty], token_ids)
+        _apply_repetition_penalty(
+            scores, rows_penalty, [params[i].repetition_penalty for i in rows_penalty], token_ids,
+            [params[i].extra.get("penalty_ids", ()) for i in rows_penalty],
+        )
     for i, p in enumerate(params):
         if p.logits_processor is not None:
             ids = torch.tensor([token_ids[i]], dtype=torch.long, device=scores.device)

@@ -206,11 +206,12 @@ class Scheduler:
         if not seqs or len(seqs) > budget[1]:
             return None
         tokens_left = budget[0]
+        if tokens_left < len(seqs):
+            return None
         plan = []
-        for seq in seqs:
-            n = min(seq.num_uncomputed, tokens_left)
-            if n <= 0:
-                return None
+        for index, seq in enumerate(seqs):
+            # share the budget so every sequence of the group gets at least one token (gang scheduling)
+            n = min(seq.num_uncomputed, tokens_left - (len(seqs) - index - 1))
             plan.append((seq, n))
             tokens_left -= n
         return plan

@@ -44,9 +44,9 @@ class PagedGenerationMixin:
         if requested == _PAGED or (requested is None and configured == _PAGED and "past_key_values" not in kwargs):
             kwargs.pop("cache_implementation", None)
             return paged_generate(self, inputs, generation_config, logits_processor, stopping_criteria, **kwargs)
-        if configured == _PAGED:  # the caller chose another cache explicitly: do not leak "paged" to transformers
-            generation_config = copy.deepcopy(generation_config or self.generation_config)
-            generation_config.cache_implementation = None
+        if configured == _PAGED:
+            # the caller chose another cache explicitly: an explicit None wins over the configs' "paged"
+            kwargs["cache_implementation"] = None
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, **kwargs,
@@ -103,10 +103,18 @@ def _generation_params(model, generation_config, kwargs: dict) -> tuple[Generati
     return config, model_kwargs
 
 
-def sampling_params_from_config(config: GenerationConfig, width: int, logits_processor=None) -> tuple[SamplingParams, int]:
-    """(`SamplingParams`, pad id) for prompts of `width` tokens, following transformers' length conventions."""
+def sampling_params_from_config(
+    config: GenerationConfig, width: int, logits_processor=None, *, default_max_length: bool = False,
+    max_position_embeddings: int | None = None,
+) -> tuple[SamplingParams, int]:
+    """(`SamplingParams`, pad id) for prompts of `width` tokens, following transformers' length conventions:
+    `max_new_tokens` wins; a `max_length` nobody set means that many *new* tokens (capped by the model's positions)."""
     if config.max_new_tokens is not None:
         max_new = config.max_new_tokens
+    elif default_max_length:
+        max_new = config.max_length or 20
+        if max_position_embeddings is not None:
+            max_new = min(width + max_new, max_position_embeddings) - width
     else:
         max_new = (config.max_length or 20) - width
     if max_new <= 0:
@@ -132,6 +140,22 @@ def sampling_params_from_config(config: GenerationConfig, width: int, logits_pro
         output_scores=bool(config.output_scores),
     )
     return params, pad
+
+
+def _has_default_max_length(model, generation_config, kwargs) -> bool:
+    """transformers' rule: nobody set max_length (kwargs, the passed config, the model's config)."""
+    return (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+
+
+def _infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: tuple[int, ...]) -> torch.Tensor:
+    """As transformers: pads are masked when the pad id occurs in the inputs and differs from every eos id."""
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return torch.ones_like(input_ids)
+    return (input_ids != pad).long()
 
 
 def paged_generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, **kwargs):
@@ -160,38 +184,59 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
     attention_mask = kwargs.pop("attention_mask", None)
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    default_max_length = _has_default_max_length(model, generation_config, kwargs)
     config, _ = _generation_params(model, generation_config, kwargs)
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer only supports batch size 1 (as in transformers)")
 
     width = input_ids.shape[1]
-    params, pad = sampling_params_from_config(config, width, logits_processor)
+    params, pad = sampling_params_from_config(
+        config, width, logits_processor, default_max_length=default_max_length,
+        max_position_embeddings=getattr(model.config, "max_position_embeddings", None),
+    )
+    if attention_mask is None:
+        attention_mask = _infer_attention_mask(input_ids, pad if config.pad_token_id is not None else None,
+                                               params.eos_token_id)
 
     rows = input_ids.tolist()
-    if attention_mask is not None:
-        keep = attention_mask.to(torch.bool).tolist()
-        rows = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows, keep)]
+    keep = attention_mask.to(torch.bool).tolist()
+    padded = [not all(mask) for mask in keep]
+    rows = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows, keep)]
+    if params.repetition_penalty != 1.0 and any(padded):
+        # transformers penalises the pad ids that sit in a padded row's input_ids: do the same, token for token
+        row_params = []
+        for row, was_padded in zip(input_ids.tolist(), padded):
+            p = copy.copy(params)
+            p.extra = {"penalty_ids": tuple(sorted({t for t, k in zip(row, keep[len(row_params)]) if not k}))}
+            row_params.append(p if was_padded else params)
+    else:
+        row_params = params
     engine = get_engine(model, tokenizer=tokenizer)
     if params.stop_strings and engine.tokenizer is None:
         raise ValueError("stop_strings needs tokenizer=... in generate() (as in transformers)")
     if streamer is not None:
         streamer.put(input_ids.cpu())
-        request = engine.add_request(rows[0], params=params)
+        request = engine.add_request(rows[0], params=row_params if isinstance(row_params, SamplingParams)
+                                     else row_params[0])
         sent = 0
         final = None
-        for out in engine.stream():
-            if out.request_id != request:
-                continue
-            new = out.outputs[0].token_ids[sent:]
-            for token in new:
-                streamer.put(torch.tensor([token]))
-            sent += len(new)
-            if out.finished:
-                final = out
+        try:
+            for out in engine.stream():
+                if out.request_id != request:
+                    continue
+                new = out.outputs[0].token_ids[sent:]
+                for token in new:
+                    streamer.put(torch.tensor([token]))
+                sent += len(new)
+                if out.finished:
+                    final = out
+        except BaseException:
+            engine.abort(request)
+            raise
         streamer.end()
         results = [final]
     else:
-        results = engine.generate(rows, params)
+        results = engine.generate(rows, row_params)
     for result in results:
         if result.error is not None:
             raise RuntimeError(f"request {result.request_id} failed: {result.error}") from result.error

@@ -14,7 +14,7 @@ import torch
 from transformers import pipeline as hf_pipeline
 from transformers.pipelines.text_generation import TextGenerationPipeline
 
-from .generate import _generation_params, enable, get_engine, sampling_params_from_config
+from .generate import _generation_params, _has_default_max_length, enable, get_engine, sampling_params_from_config
 
 __all__ = ["pipeline", "PagedTextGenerationPipeline"]
 
@@ -36,6 +36,7 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
             return iter([self.run_single(item, preprocess_params, forward_params, postprocess_params) for item in items])
         config = copy.deepcopy(forward_params.pop("generation_config", None) or self.generation_config)
         logits_processor = forward_params.pop("logits_processor", None)
+        default_max_length = _has_default_max_length(self.model, config, forward_params)
         config, _ = _generation_params(self.model, config, forward_params)
         engine = get_engine(self.model, tokenizer=self.tokenizer)
         prepared, prompts, params = [], [], []
@@ -45,7 +46,10 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
             mask = model_inputs.get("attention_mask")
             if mask is not None:
                 ids = ids[mask[0].to(torch.bool)]
-            p, pad = sampling_params_from_config(config, ids.shape[0], logits_processor)
+            p, pad = sampling_params_from_config(
+                config, model_inputs["input_ids"].shape[1], logits_processor, default_max_length=default_max_length,
+                max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None),
+            )
             prepared.append((model_inputs, pad))
             prompts.append(ids.tolist())
             params.append(p)

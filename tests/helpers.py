@@ -1,0 +1,134 @@
+"""Shared helpers of the correctness tests (test_cache, test_generate, test_engine, test_smollm2).
+
+The golden rule of these tests: greedy decoding (and transformers' beam search through the drop-in cache) is
+token-identical to transformers with its default ``DynamicCache`` on CPU float32. References are always computed on
+the *plain* model (``dense(model)``: hf_paged disabled, attention implementation "sdpa"), never through the paged
+model's SDPA fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import hf_paged
+from hf_paged.testing import tiny_model
+
+__all__ = [
+    "RecordingStreamer",
+    "dense",
+    "dense_generate",
+    "greedy_reference",
+    "is_enabled",
+    "model_for",
+    "paged",
+    "random_prompts",
+    "restore_generation_config",
+    "tiny_word_tokenizer",
+]
+
+
+@functools.cache
+def model_for(family: str, seed: int = 0):
+    """One plain tiny model per (family, seed) for the whole session. Tests must leave it plain (use `paged`)."""
+    return tiny_model(family, seed=seed)
+
+
+def is_enabled(model) -> bool:
+    return getattr(type(model), "_hf_paged_base", None) is not None
+
+
+@contextlib.contextmanager
+def dense(model):
+    """The model as plain transformers (hf_paged disabled, sdpa attention) inside the block; restored after."""
+    was_enabled = is_enabled(model)
+    kwargs = dict(getattr(model, "_hf_paged_engine_kwargs", None) or {})
+    if was_enabled:
+        hf_paged.disable(model)
+    assert model.config._attn_implementation != hf_paged.ATTENTION_NAME
+    try:
+        yield model
+    finally:
+        if was_enabled:
+            hf_paged.enable(model, **kwargs)
+
+
+@contextlib.contextmanager
+def paged(model, **engine_kwargs):
+    """`hf_paged.enable(model, **engine_kwargs)` inside the block; the model is plain again after it."""
+    was_enabled = is_enabled(model)
+    hf_paged.enable(model, **engine_kwargs)
+    assert model.config._attn_implementation == hf_paged.ATTENTION_NAME
+    try:
+        yield model
+    finally:
+        if not was_enabled:
+            hf_paged.disable(model)
+            if hasattr(model, "_hf_paged_engine_kwargs"):
+                del model._hf_paged_engine_kwargs
+
+
+@contextlib.contextmanager
+def restore_generation_config(model):
+    saved = copy.deepcopy(model.generation_config)
+    try:
+        yield model.generation_config
+    finally:
+        model.generation_config = saved
+
+
+def dense_generate(model, **kwargs):
+    """transformers' own generate() with its default DynamicCache on the plain model."""
+    with dense(model), torch.no_grad():
+        return model.generate(**kwargs)
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 384) -> list[list[int]]:
+    """Token lists (ids avoid pad/bos/eos = 0/1/2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """New tokens of transformers' greedy generate() for one unpadded prompt (stops at the model's eos)."""
+    out = dense_generate(
+        model, input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+class RecordingStreamer(BaseStreamer):
+    """Records every `put` (as a list) and counts `end` calls, like TextStreamer without a tokenizer."""
+
+    def __init__(self):
+        self.puts: list[list] = []
+        self.ends = 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+@functools.cache
+def tiny_word_tokenizer(vocab_size: int = 384):
+    """An offline word-level tokenizer over the tiny models' vocabulary: token i <-> the word ``w{i}``.
+
+    Decoding joins words with spaces, so a 3-digit token's word appears in decoded text only when that token is
+    there (the vocabulary has no 4-digit ids). Ids 0/1/2 are <pad>/<s>/</s>.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {0: "<pad>", 1: "<s>", 2: "</s>"}
+    vocab = {specials.get(i, f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+    )
