@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile the hf_paged run into OUT/profile_paged.txt")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
@@ -174,6 +175,17 @@ def main() -> None:
         start = time.perf_counter()
         if system == "dynamic":
             extra = run_dynamic(model, workload, args.dynamic_batch_size, args.device, progress)
+        elif system == "paged" and args.profile:
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            extra = profiler.runcall(run_paged, model, workload, args, progress)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "profile_paged.txt").write_text(text.getvalue())
         elif system == "paged":
             extra = run_paged(model, workload, args, progress)
         else:

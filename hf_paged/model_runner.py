@@ -79,6 +79,7 @@ class ModelRunner:
         return self._execute_eager(sched)
 
     def _execute_eager(self, sched: SchedulerOutput):
+        self.invalidate_tables()
         bm = self.cache.block_manager
         ids: list[int] = []
         positions: list[int] = []
@@ -115,20 +116,26 @@ class ModelRunner:
         if self._buffers is not None:
             return
         n, mb, dev = self.max_num_seqs, self.max_blocks_per_seq, self.device
+        # one int64 buffer for the per-row vectors, so a step uploads them with a single copy:
+        # row 0 token ids, 1 positions, 2 slot mapping, 3 sequence lengths (the kernels accept int64 indices)
+        meta = torch.zeros((4, n), dtype=torch.long, device=dev)
         self._buffers = {
-            "ids": torch.zeros(n, dtype=torch.long, device=dev),
-            "pos": torch.zeros(n, dtype=torch.long, device=dev),
-            "slots": torch.full((n,), -1, dtype=torch.int32, device=dev),
+            "meta": meta,
+            "ids": meta[0],
+            "pos": meta[1],
+            "slots": meta[2],
+            "lens": meta[3],
             "tables": torch.zeros((n, mb), dtype=torch.int32, device=dev),
-            "lens": torch.zeros(n, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
         }
-        self._host = {
-            "ids": torch.zeros(n, dtype=torch.long, pin_memory=True),
-            "pos": torch.zeros(n, dtype=torch.long, pin_memory=True),
-            "slots": torch.zeros(n, dtype=torch.int32, pin_memory=True),
-            "lens": torch.zeros(n, dtype=torch.int32, pin_memory=True),
-        }
+        self._host_meta = torch.zeros((4, n), dtype=torch.long).pin_memory()
+        self._host_view = self._host_meta.numpy()
+        self._row_keys: list[tuple | None] = [None] * n  # what each device block-table row holds
+
+    def invalidate_tables(self) -> None:
+        """Forget which block tables the device rows hold (after preemption, swaps or an eager step)."""
+        if self._buffers is not None:
+            self._row_keys = [None] * self.max_num_seqs
 
     def _graph_step(self, batch: int) -> StepMetadata:
         b = self._buffers
@@ -180,31 +187,51 @@ class ModelRunner:
         bucket = next(s for s in _buckets(self.max_num_seqs) if s >= real)
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket)
+            self.invalidate_tables()
+        if sched.preempted or sched.swap_in or sched.swap_out:
+            self.invalidate_tables()
         graph, logits = self._graphs[bucket]
         bm = self.cache.block_manager
-        host, dev = self._host, self._buffers
-        ids, pos, slots, lens = host["ids"], host["pos"], host["slots"], host["lens"]
-        width = 1
-        tables = []
+        ids, pos, slots, lens = [], [], [], []
+        changed_rows, changed_tables = [], []
+        row_keys = self._row_keys
         for k, item in enumerate(scheduled):
             seq = item.seq
-            ids[k] = seq.token_ids[item.start]
-            pos[k] = item.start
-            slots[k] = item.slots[0]
-            lens[k] = item.start + 1
+            start = item.start
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(item.slots[0])
+            lens.append(start + 1)
             table = bm.block_table(seq.seq_id)
-            tables.append(table)
-            width = max(width, len(table))
+            # a running sequence's table only grows or has its last block replaced (copy-on-write) between
+            # two graph steps; anything else (preemption, swap, eager steps) invalidates every row
+            key = (seq.seq_id, len(table), table[-1])
+            if row_keys[k] != key:
+                row_keys[k] = key
+                changed_rows.append(k)
+                changed_tables.append(table)
+        for k in range(real, bucket):
+            row_keys[k] = None
+        width = max((len(t) for t in changed_tables), default=0)
         if width > self.max_blocks_per_seq:
+            self.invalidate_tables()
             return self._execute_eager(sched)
-        slots[real:bucket] = -1
-        lens[real:bucket] = 0
-        table_host = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        dev["ids"][:bucket].copy_(ids[:bucket], non_blocking=True)
-        dev["pos"][:bucket].copy_(pos[:bucket], non_blocking=True)
-        dev["slots"][:bucket].copy_(slots[:bucket], non_blocking=True)
-        dev["lens"][:bucket].copy_(lens[:bucket], non_blocking=True)
-        dev["tables"][:real, :width].copy_(table_host.pin_memory(), non_blocking=True)
+        host = self._host_view
+        host[0, :real] = ids
+        host[1, :real] = pos
+        host[2, :real] = slots
+        host[3, :real] = lens
+        host[2, real:bucket] = -1
+        host[3, real:bucket] = 0
+        dev = self._buffers
+        dev["meta"][:, :bucket].copy_(self._host_meta[:, :bucket], non_blocking=True)
+        if changed_rows:
+            rows = torch.tensor([t + [0] * (width - len(t)) for t in changed_tables], dtype=torch.int32)
+            index = torch.tensor(changed_rows, dtype=torch.long)
+            if len(changed_rows) == changed_rows[-1] + 1:  # a prefix of rows: plain slice copy
+                dev["tables"][: len(changed_rows), :width].copy_(rows, non_blocking=True)
+            else:
+                dev["tables"][index.to(self.device, non_blocking=True), :width] = rows.to(self.device, non_blocking=True)
         graph.replay()
         self.graph_steps += 1
         return logits[:real], list(range(real))
