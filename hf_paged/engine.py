@@ -278,8 +278,11 @@ class Engine:
             logit_row += 1
         advanced: list[SequenceGroup] = []
         if rows:
-            index = torch.tensor(rows, device=logits.device)
-            tokens, scores = self.sampler(logits.index_select(0, index), params, histories, num_out, keys)
+            if rows == list(range(logits.shape[0])):
+                picked = logits  # one row per sampling sequence, in order: no gather, no index upload
+            else:
+                picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            tokens, scores = self.sampler(picked, params, histories, num_out, keys)
             token_list = tokens.tolist()
             forks: dict[int, int] = {}
             for j, (item, token) in enumerate(zip(owners, token_list)):

@@ -25,8 +25,17 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED  # hot path: a set lookup, not Enum.value
 
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
+    }
+)
 
 _seq_ids = itertools.count()
 
