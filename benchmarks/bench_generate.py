@@ -93,6 +93,33 @@ def run_dynamic(model, workload, batch_size: int, device: str, progress: bool):
     return {"computed_tokens": computed}
 
 
+def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
+    """transformers' own continuous batching (paged sdpa), each request with its own max_new_tokens."""
+    from tqdm.auto import tqdm
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                              max_new_tokens=max(o for _, o in workload))
+    cb_config = ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph)
+    done = 0
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+    ) as manager:
+        for prompt, out_len in workload:
+            manager.add_request(prompt, max_new_tokens=out_len)
+        bar = tqdm(total=len(workload), desc="generate_batch", disable=not progress)
+        while done < len(workload):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                bar.update(1)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+        bar.close()
+    return {"finished": done}
+
+
 def run_paged(model, workload, args, progress: bool):
     """hf_paged's engine; wall time includes its start-up (memory profiling, pool, CUDA graph capture)."""
     import hf_paged
@@ -145,7 +172,8 @@ def main() -> None:
     parser.add_argument("--jsonl", default=None, help="prompts as JSON lines {prompt_ids: [...], output_len: N}")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--systems", default="dynamic,paged")
+    parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
+                        help="comma list of: paged, generate_batch, generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -175,6 +203,8 @@ def main() -> None:
         start = time.perf_counter()
         if system == "dynamic":
             extra = run_dynamic(model, workload, args.dynamic_batch_size, args.device, progress)
+        elif system in ("generate_batch", "generate_batch_graphs"):
+            extra = run_generate_batch(model, workload, system.endswith("graphs"), progress)
         elif system == "paged" and args.profile:
             import cProfile
             import io
@@ -211,11 +241,14 @@ def main() -> None:
 
     meta["transformers"] = transformers.__version__
     print(f"\n{meta}\n")
-    print("| system | wall s | output tok/s | req/s | x dynamic | peak GiB | mean batch | KV waste % |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| system | wall s | output tok/s | req/s | x dynamic | x generate_batch | peak GiB | mean batch | KV waste % |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cb = base.get("generate_batch_graphs", base.get("generate_batch"))
     for r in rows:
         ratio = r["output_tok_s"] / base["dynamic"] if "dynamic" in base else float("nan")
+        ratio_cb = r["output_tok_s"] / cb if cb else float("nan")
         print(f"| {r['system']} | {r['wall_s']:.1f} | {r['output_tok_s']:,.0f} | {r['req_s']:.2f} | {ratio:.2f} | "
+              f"{ratio_cb:.2f} | "
               f"{r['peak_gib']:.1f} | {r.get('mean_running_batch', float('nan')):.1f} | "
               f"{r.get('kv_waste_pct', float('nan')):.2f} |")
     out = Path(args.out)
@@ -229,7 +262,9 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([r["system"] for r in rows], [r["output_tok_s"] for r in rows], color=["#999", "#2a7"][: len(rows)])
+        colors = ["#2a7" if r["system"] == "paged" else "#999" for r in rows]
+        ax.bar([r["system"] for r in rows], [r["output_tok_s"] for r in rows], color=colors)
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("output tokens / s")
         ax.set_title(f"{args.model}, {args.workload}, {len(workload)} requests")
         fig.tight_layout()
