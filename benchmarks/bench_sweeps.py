@@ -8,6 +8,7 @@ fixed batches (Fig. 13's point: more sequences fit when memory is not reserved f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -57,6 +58,7 @@ def kernel_vs_context(block_sizes, lengths, batch=32, heads=(32, 8), head_dim=12
 def block_size_sweep(model, workload, block_sizes):
     rows = []
     for bs in block_sizes:
+        gc.collect()
         torch.cuda.empty_cache()
         engine = hf_paged.Engine(model, block_size=bs, max_num_seqs=256, max_num_batched_tokens=8192)
         engine.runner.capture_all()
@@ -69,6 +71,7 @@ def block_size_sweep(model, workload, block_sizes):
         rows.append({"block_size": bs, "wall_s": wall, "output_tok_s": sum(o for _, o in workload) / wall})
         model._hf_paged_engine = None
         del engine
+        gc.collect()
     return rows
 
 
@@ -82,6 +85,8 @@ def batch_at_dynamic_budget(model, workload, dynamic_batch: int):
         longest = max(len(p) for p, _ in chunk) + max(o for _, o in chunk)
         budgets.append(len(chunk) * longest * per_token)
     budget = int(sum(budgets) / len(budgets))
+    gc.collect()
+    torch.cuda.empty_cache()
     engine = hf_paged.Engine(model, kv_cache_memory=budget, max_num_seqs=512, max_num_batched_tokens=8192)
     engine.generate([p for p, _ in workload],
                     [hf_paged.SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in workload])

@@ -111,7 +111,7 @@ class _PagedLayer(CacheLayerMixin):
 
     def __init__(self, cache: PagedCache, layer_idx: int):
         super().__init__()
-        self._cache = cache
+        self._cache = weakref.proxy(cache)  # no cache <-> layer cycle: dropping the cache frees the pool at once
         self._layer_idx = layer_idx
 
     def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
