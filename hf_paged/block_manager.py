@@ -16,6 +16,28 @@ Vocabulary
   (copy-on-write). A shared *full* block is never written again, so it is never copied.
 * Swapping (§4.5) moves a whole sequence group to a CPU pool and back, keeping the sharing inside the group.
 
+Automatic prefix caching (§4.4 "shared prefix", off unless ``enable_prefix_caching=True``)
+-----------------------------------------------------------------------------------------
+* Every *full* block whose KV has been written is keyed by :func:`hash_block` (xxhash64) of its token ids chained
+  with the key of the block before it, so equal tokens after different prefixes get different keys. The caller tells
+  the manager which tokens are computed: :meth:`BlockManager.commit` after a forward. The partial last block is never
+  keyed, hence never shared through the cache.
+* A key is only an index. Every keyed block is a cache *entry* with a unique id that records its tokens and the entry
+  id of its parent block; a lookup hits only if both match what the asking sequence has (its tokens and the entry it
+  matched one block earlier). So a hit's KV was computed from exactly the asking sequence's prefix, even under a hash
+  collision (forced in the tests by patching :func:`hash_block` to a constant).
+* :meth:`BlockManager.allocate_prefix` maps the longest cached whole-block prefix of a new sequence by reference and
+  returns how many tokens need no computation. At least one token must be computed (for the logits), so when the
+  whole prompt is cached the last block is *not* mapped and is recomputed: mapped blocks are always full and never
+  written again (no copy-on-write of cache entries at admission).
+* A keyed block is never written in place: a write into it (possible only after :meth:`truncate` cut into it) copies
+  it when shared and otherwise first removes it from the cache.
+* A block whose ref count drops to 0 keeps its entry in an evictable LRU pool (the tail blocks of a sequence are
+  released first, so they are evicted before its prefix). ``num_free`` counts evictable blocks as available;
+  allocation takes truly free blocks first, then evicts the least recently released cached block.
+* Swapping: the GPU original of a swapped-out keyed block keeps its entry (evictable until a new request hits it);
+  CPU blocks carry no keys; swap-in copies every block into fresh, unkeyed GPU blocks.
+
 The manager returns the copies the caller must perform (copy-on-write and swap pairs) instead of doing them, so the
 tensor side can batch every copy of a step into one kernel launch (``hf_paged.kernels.copy_blocks``).
 """
@@ -23,10 +45,53 @@ tensor side can batch every copy of a step into one kernel launch (``hf_paged.ke
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Iterable
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AppendResult", "BlockAllocator", "BlockManager", "BlockStats", "NoFreeBlocksError"]
+__all__ = [
+    "AppendResult",
+    "BlockAllocator",
+    "BlockManager",
+    "BlockStats",
+    "CachingBlockAllocator",
+    "NoFreeBlocksError",
+    "PrefixCacheStats",
+    "PrefixMatch",
+    "hash_block",
+]
+
+ROOT_KEY = 0x9E3779B97F4A7C15  # chain key "before" the first block
+ROOT_ENTRY = 0  # parent entry id of a first block; real entry ids start at 1
+
+_digest: Callable[[bytes], int] | None = None
+
+
+def _load_digest() -> Callable[[bytes], int]:
+    """xxhash64 when the ``xxhash`` package is installed, else BLAKE2b cut to 64 bits (stdlib, slower)."""
+    global _digest
+    try:
+        import xxhash
+
+        _digest = xxhash.xxh64_intdigest
+    except ImportError:  # pragma: no cover - xxhash is a dependency; the fallback keeps the module importable
+        import hashlib
+
+        def _blake(data: bytes) -> int:
+            return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+        _digest = _blake
+    return _digest
+
+
+def hash_block(parent_key: int, token_ids: Sequence[int]) -> int:
+    """Key of a full block: 64-bit hash of the parent block's key followed by the block's token ids (int64 LE).
+
+    Looked up as a module global on every call, so tests can patch it (e.g. to a constant to force collisions).
+    """
+    digest = _digest or _load_digest()
+    return digest(parent_key.to_bytes(8, "little") + array("q", token_ids).tobytes())
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -88,7 +153,7 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         """Blocks with ref count >= 1."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_shared(self) -> int:
@@ -115,7 +180,7 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         """Take a free block and give it ref count 1."""
-        if not self._free:
+        if not self.num_free:
             raise NoFreeBlocksError(f"no free block left (num_blocks={self.num_blocks})")
         block = self._take_free_block()
         self._ref[block] = 1
@@ -151,8 +216,188 @@ class BlockAllocator:
         return self._ref[self._check_block(block)]
 
     def is_free(self, block: int) -> bool:
-        """Whether the block is in the free pool."""
+        """Whether the block is in the free pool (ref count 0; with a prefix cache: free or evictable)."""
         return self._ref[self._check_block(block)] == 0
+
+    def is_cached(self, block: int) -> bool:
+        """Whether the block holds a prefix-cache entry (never, without a prefix cache)."""
+        return False
+
+
+class _Entry:
+    """A prefix-cache entry: the content of one full block (its tokens after the prefix of entry ``parent``)."""
+
+    __slots__ = ("block", "id", "key", "parent", "tokens")
+
+    def __init__(self, entry_id: int, key: int, parent: int, tokens: tuple[int, ...], block: int) -> None:
+        self.id = entry_id
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.block = block
+
+
+class CachingBlockAllocator(BlockAllocator):
+    """A :class:`BlockAllocator` whose released keyed blocks stay cached in an evictable LRU pool.
+
+    Three disjoint pools: truly free (``free_blocks()``), used (ref count >= 1) and evictable (ref count 0 with a
+    cache entry, ``evictable_blocks()``, least recently released first). ``num_free`` counts free + evictable: both
+    can be allocated, truly free blocks first, then the least recently released evictable block (its entry is
+    dropped). A cached block can be taken back by reference (:meth:`acquire`) while it is evictable or in use.
+    """
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently released first
+        self._by_key: dict[int, _Entry] = {}
+        self._entry_of: list[_Entry | None] = [None] * self.num_blocks
+        self._next_entry = ROOT_ENTRY + 1
+        self.num_evictions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"CachingBlockAllocator(num_blocks={self.num_blocks}, num_free={self.num_free}, "
+            f"num_evictable={self.num_evictable}, num_cached={self.num_cached}, num_shared={self.num_shared})"
+        )
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated right now: truly free plus evictable."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks with ref count 0 (counted in :attr:`num_free`)."""
+        return len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a cache entry (in use or evictable)."""
+        return len(self._by_key)
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable blocks, next-to-be-evicted first."""
+        return list(self._lru)
+
+    def is_cached(self, block: int) -> bool:
+        return self._entry_of[self._check_block(block)] is not None
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._lru.popitem(last=False)
+        self._forget(block)
+        self.num_evictions += 1
+        return block
+
+    def _release_block(self, block: int) -> None:
+        if self._entry_of[block] is not None:
+            self._lru[block] = None  # most recently released: evicted last
+        else:
+            self._free.append(block)
+
+    def _forget(self, block: int) -> None:
+        """Drop the entry of ``block`` (its content stays where it is; only the index forgets it)."""
+        entry = self._entry_of[block]
+        if entry is not None:
+            self._entry_of[block] = None
+            if self._by_key.get(entry.key) is entry:
+                del self._by_key[entry.key]
+
+    # ------------------------------------------------------------------ cache operations
+
+    def lookup(self, key: int, parent: int, tokens: tuple[int, ...]) -> _Entry | None:
+        """The entry under ``key`` if it holds exactly ``tokens`` after entry ``parent`` (a verified hit), else None."""
+        entry = self._by_key.get(key)
+        if entry is None or entry.parent != parent or entry.tokens != tokens:
+            return None
+        return entry
+
+    def entry_id(self, block: int) -> int | None:
+        """Entry id held by ``block`` (None when it holds none)."""
+        entry = self._entry_of[block]
+        return None if entry is None else entry.id
+
+    def acquire(self, block: int) -> None:
+        """Take a reference to a cached block: out of the evictable pool at ref count 0, else one more sharer."""
+        if self._entry_of[block] is None:
+            raise ValueError(f"block {block} holds no cache entry; cannot acquire it")
+        if self._ref[block] == 0:
+            del self._lru[block]
+            self._ref[block] = 1
+        else:
+            self.incref(block)
+
+    def register(self, block: int, key: int, parent: int, tokens: tuple[int, ...]) -> int | None:
+        """Key a full, written, referenced block; return the entry id now describing its content, or None.
+
+        If an entry with the same key already describes the same content (another copy, or this very block), its id
+        is returned and ``block`` stays unkeyed. A key held by different content (a hash collision) is taken over
+        only if that entry is evictable; otherwise None: this content is not cached (never wrongly shared).
+        """
+        if self._ref[block] == 0:
+            raise ValueError(f"block {block} is not in use; only a written block can be keyed")
+        entry = self._by_key.get(key)
+        if entry is not None:
+            if entry.parent == parent and entry.tokens == tokens:
+                return entry.id
+            if self._ref[entry.block] > 0:
+                return None
+            # collision with an evictable entry: drop it, its block becomes truly free
+            old = entry.block
+            self._forget(old)
+            del self._lru[old]
+            self._free.append(old)
+        if self._entry_of[block] is not None:
+            return None  # already describes other content (cannot happen when keyed blocks are never rewritten)
+        entry = _Entry(self._next_entry, key, parent, tokens, block)
+        self._next_entry += 1
+        self._by_key[key] = entry
+        self._entry_of[block] = entry
+        return entry.id
+
+    def uncache(self, block: int) -> None:
+        """Remove the entry of a block in use (about to be written in place by its sole holder)."""
+        if self._ref[block] == 0:
+            raise ValueError(f"block {block} is not in use; cannot uncache it")
+        self._forget(block)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What :meth:`BlockManager.match_prefix` found for a token sequence (pure: nothing is reserved).
+
+    ``blocks`` are the cached blocks a sequence admitted now would map (whole blocks, verified); ``num_cached_tokens``
+    of its tokens need no computation (always ``< num_tokens`` so that the last token is computed, and a multiple of
+    the block size). ``pending`` says that the next block after the match is being computed by a resident sequence
+    right now (waiting a step for it would give a longer hit).
+    """
+
+    num_tokens: int
+    num_cached_tokens: int = 0
+    blocks: tuple[int, ...] = ()
+    entries: tuple[int, ...] = ()  # cache entry ids of ``blocks``
+    keys: tuple[int, ...] = ()  # chain keys of every full block of the tokens
+    num_hit_blocks: int = 0  # verified cached blocks, before keeping the last token uncached
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache counters of a :class:`BlockManager` (all zero when caching is off)."""
+
+    enabled: bool
+    queries: int  # sequences admitted through allocate_prefix
+    query_tokens: int  # tokens those sequences had (prompt, or prompt + output on recompute)
+    hit_tokens: int  # tokens served from the cache: prefill tokens saved
+    cached_blocks: int  # blocks holding an entry (in use or evictable)
+    evictable_blocks: int  # cached blocks with ref count 0 (counted as free)
+    evictions: int  # cached blocks reallocated for other content
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / query_tokens`` (0 when nothing was looked up)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -173,6 +418,9 @@ class BlockStats:
     cpu_blocks: int = 0
     cpu_used_blocks: int = 0
     cpu_free_blocks: int = 0
+    cached_blocks: int = 0  # prefix cache: evictable blocks (ref count 0, entry kept), included in free_blocks
+    prefix_query_tokens: int = 0  # prefix cache: tokens looked up at admission
+    prefix_hit_tokens: int = 0  # prefix cache: tokens served from the cache (prefill tokens saved)
 
     @property
     def waste_fraction(self) -> float:
@@ -183,6 +431,11 @@ class BlockStats:
     def sharing_saving(self) -> float:
         """Share of logical blocks that sharing saved: ``1 - used / logical`` (0 when there are no tables)."""
         return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix cache: ``prefix_hit_tokens / prefix_query_tokens`` (0 when nothing was looked up)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -198,14 +451,23 @@ class AppendResult:
 
 
 class _Seq:
-    """Per-sequence state. ``table`` holds GPU block ids, or CPU block ids while ``swapped``."""
+    """Per-sequence state. ``table`` holds GPU block ids, or CPU block ids while ``swapped``.
 
-    __slots__ = ("num_tokens", "swapped", "table")
+    Prefix caching: ``keys`` are the chain keys of the sequence's full blocks known so far (from the tokens given at
+    admission, then extended by :meth:`BlockManager.commit`); the first ``committed`` blocks are written and
+    ``entries[i]`` is the id of the cache entry describing block ``i``'s content (None after a collision). Keys past
+    ``committed`` are *pending*: those blocks are still to be computed.
+    """
+
+    __slots__ = ("committed", "entries", "keys", "num_tokens", "swapped", "table")
 
     def __init__(self, table: list[int], num_tokens: int) -> None:
         self.table = table
         self.num_tokens = num_tokens
         self.swapped = False
+        self.keys: list[int] = []
+        self.entries: list[int | None] = []
+        self.committed = 0
 
 
 class BlockManager:
@@ -221,7 +483,9 @@ class BlockManager:
     Cost: every operation is O(blocks it touches) (plus the group size for swaps); :meth:`stats` is O(live tables).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, *, enable_prefix_caching: bool = False
+    ) -> None:
         try:
             size = _as_int("block_size", block_size, 1)
         except ValueError:
@@ -234,15 +498,34 @@ class BlockManager:
         # Power-of-two block size: token -> (block index, offset) is a shift and a mask.
         self._shift = size.bit_length() - 1
         self._mask = size - 1
-        self.gpu = BlockAllocator(self.num_blocks)
         self.cpu = BlockAllocator(self.num_cpu_blocks)
         self._seqs: dict[Hashable, _Seq] = {}
+        self.enable_prefix_caching = False
+        self.gpu: BlockAllocator = BlockAllocator(self.num_blocks)
+        self._pending: dict[int, int] = {}  # chain key of a block still to be computed -> resident holders
+        self.prefix_queries = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.set_prefix_caching(enable_prefix_caching)
 
     def __repr__(self) -> str:
         return (
             f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"num_cpu_blocks={self.num_cpu_blocks}, seqs={len(self._seqs)}, gpu_free={self.gpu.num_free})"
+            f"num_cpu_blocks={self.num_cpu_blocks}, seqs={len(self._seqs)}, gpu_free={self.gpu.num_free}, "
+            f"prefix_caching={self.enable_prefix_caching})"
         )
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn automatic prefix caching on or off; only while no sequence exists (cached content is dropped)."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enabled!r}")
+        if enabled == self.enable_prefix_caching:
+            return
+        if self._seqs:
+            raise ValueError("cannot switch prefix caching while sequences hold blocks; free them first")
+        self.enable_prefix_caching = enabled
+        self.gpu = (CachingBlockAllocator if enabled else BlockAllocator)(self.num_blocks)
+        self._pending.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -364,7 +647,10 @@ class BlockManager:
             raise ValueError(f"child_id {child_id!r} already exists")
         for block in parent.table:
             self.gpu.incref(block)
-        self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
+        child = self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
+        if self.enable_prefix_caching:
+            child.keys, child.entries, child.committed = list(parent.keys), list(parent.entries), parent.committed
+            self._add_pending(child.keys, child.committed)
 
     def blocks_needed_to_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> int:
         """GPU blocks :meth:`append_slots` would take: new blocks plus one if copy-on-write is needed."""
@@ -423,6 +709,9 @@ class BlockManager:
             self.gpu.decref(old)  # cannot reach 0: it was shared
             table[-1] = new
             copies.append((old, new))
+        elif k and seq.num_tokens & self._mask and self.gpu.is_cached(table[-1]):
+            # sole holder of a cached block it cut into (truncate): the cache must not see it change
+            self.gpu.uncache(table[-1])
         for _ in range(new_blocks):
             table.append(self.gpu.allocate())
         start = seq.num_tokens
@@ -441,17 +730,31 @@ class BlockManager:
             raise ValueError(f"num_tokens must be <= {seq.num_tokens} (the length of seq_id {seq_id!r}), got {n}")
         keep = self.blocks_for(n)
         allocator = self.cpu if seq.swapped else self.gpu
-        for block in seq.table[keep:]:
+        dropped = seq.table[keep:]
+        if self.enable_prefix_caching:
+            dropped.reverse()  # tail first into the LRU pool: evicted first
+        for block in dropped:
             allocator.decref(block)
         del seq.table[keep:]
         seq.num_tokens = n
+        full = n >> self._shift
+        if len(seq.keys) > full:
+            self._drop_pending(seq.keys, max(seq.committed, full))
+            del seq.keys[full:]
+            del seq.entries[full:]
+            seq.committed = min(seq.committed, full)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence: release its references (on whichever device it lives) and forget its table."""
         seq = self._get(seq_id)
         allocator = self.cpu if seq.swapped else self.gpu
-        for block in seq.table:
-            allocator.decref(block)
+        if self.enable_prefix_caching:
+            self._drop_pending(seq.keys, seq.committed)
+            for block in reversed(seq.table):  # tail first into the LRU pool: evicted before the shared prefix
+                allocator.decref(block)
+        else:
+            for block in seq.table:
+                allocator.decref(block)
         del self._seqs[seq_id]
 
     def reset(self) -> None:
@@ -459,6 +762,7 @@ class BlockManager:
         self._seqs.clear()
         self.gpu._reset()
         self.cpu._reset()
+        self._pending.clear()
 
     # ------------------------------------------------------------------ queries
 
@@ -534,6 +838,167 @@ class BlockManager:
             cpu_blocks=self.num_cpu_blocks,
             cpu_used_blocks=self.cpu.num_used,
             cpu_free_blocks=self.cpu.num_free,
+            cached_blocks=getattr(gpu, "num_evictable", 0),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
+
+    # ------------------------------------------------------------------ prefix caching (§4.4 shared prefix)
+
+    def _add_pending(self, keys: list[int], start: int) -> None:
+        pending = self._pending
+        for key in keys[start:]:
+            pending[key] = pending.get(key, 0) + 1
+
+    def _drop_pending(self, keys: list[int], start: int) -> None:
+        pending = self._pending
+        for key in keys[start:]:
+            count = pending.get(key, 0) - 1
+            if count > 0:
+                pending[key] = count
+            else:
+                pending.pop(key, None)
+
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[int], list[tuple[int, ...]]]:
+        shift = self._shift
+        keys: list[int] = []
+        chunks: list[tuple[int, ...]] = []
+        key = ROOT_KEY
+        for i in range(num_blocks):
+            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
+            key = hash_block(key, chunk)
+            keys.append(key)
+            chunks.append(chunk)
+        return keys, chunks
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
+
+        Walks the chain of full blocks, stopping at the first block that is not cached with exactly these tokens
+        after exactly the prefix matched so far. At most ``(len(token_ids) - 1) // block_size`` blocks are used, so
+        at least one token (the last) is left to compute. Without prefix caching: an empty match.
+        """
+        n = len(token_ids)
+        if not self.enable_prefix_caching or n <= 0:
+            return PrefixMatch(num_tokens=n)
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        keys, chunks = self._chain_keys(token_ids, n >> self._shift)
+        usable = (n - 1) >> self._shift
+        blocks: list[int] = []
+        entries: list[int] = []
+        parent = ROOT_ENTRY
+        for key, chunk in zip(keys, chunks):
+            entry = gpu.lookup(key, parent, chunk)
+            if entry is None:
+                break
+            blocks.append(entry.block)
+            entries.append(entry.id)
+            parent = entry.id
+        hits = len(blocks)
+        mapped = min(hits, usable)
+        pending = hits < usable and keys[hits] in self._pending
+        return PrefixMatch(
+            num_tokens=n,
+            num_cached_tokens=mapped << self._shift,
+            blocks=tuple(blocks[:mapped]),
+            entries=tuple(entries[:mapped]),
+            keys=tuple(keys),
+            num_hit_blocks=hits,
+            pending=pending,
+        )
+
+    def blocks_needed_to_admit(self, requests: Iterable[tuple[PrefixMatch, int]]) -> int:
+        """GPU blocks that admitting sequences takes: :meth:`allocate_prefix` of each match, then
+        :meth:`append_slots` of its next ``num_new_tokens`` tokens (a cached block mapped by several counts once;
+        cached blocks in use by others cost nothing, evictable ones count since they leave the free pool)."""
+        total = 0
+        evictable: set[int] = set()
+        gpu, shift = self.gpu, self._shift
+        for match, num_new_tokens in requests:
+            k = _as_int("num_new_tokens", num_new_tokens, 0)
+            for block in match.blocks:
+                if gpu.ref_count(block) == 0:
+                    evictable.add(block)
+            cached = match.num_cached_tokens
+            total += self.blocks_for(cached + k) - (cached >> shift)
+        return total + len(evictable)
+
+    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int], match: PrefixMatch | None = None) -> int:
+        """Create the table of a new sequence whose tokens will be ``token_ids``, mapping its cached prefix.
+
+        Returns the number of leading tokens already cached (a multiple of the block size, < ``len(token_ids)``);
+        the table holds exactly those, so the caller computes the rest via :meth:`append_slots`. ``match`` (from
+        :meth:`match_prefix` with no allocation in between) avoids hashing again. Never allocates a new block.
+        Without prefix caching this is ``allocate(seq_id, 0)`` and returns 0.
+        """
+        if self.has_seq(seq_id):
+            raise ValueError(f"seq_id {seq_id!r} already exists")
+        if not self.enable_prefix_caching:
+            self._seqs[seq_id] = _Seq([], 0)
+            return 0
+        if match is None:
+            match = self.match_prefix(token_ids)
+        elif match.num_tokens != len(token_ids):
+            raise ValueError(f"match is for {match.num_tokens} tokens, token_ids has {len(token_ids)}")
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        for block, entry_id in zip(match.blocks, match.entries):
+            if gpu.entry_id(block) != entry_id:
+                raise ValueError("stale match: a matched block was evicted since match_prefix; match again")
+        for block in match.blocks:
+            gpu.acquire(block)
+        seq = self._seqs[seq_id] = _Seq(list(match.blocks), match.num_cached_tokens)
+        seq.keys = list(match.keys)
+        seq.entries = list(match.entries)
+        seq.committed = len(match.blocks)
+        self._add_pending(seq.keys, seq.committed)
+        self.prefix_queries += 1
+        self.prefix_query_tokens += match.num_tokens
+        self.prefix_hit_tokens += match.num_cached_tokens
+        return match.num_cached_tokens
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
+        """Key the full blocks among the first ``num_computed`` tokens (their KV is written); return how many.
+
+        Call after the forward that wrote them (the scheduler does, before each step, at preemption and before a
+        sequence is freed). ``token_ids`` are the sequence's tokens (those given to :meth:`allocate_prefix`,
+        extended). Cheap when no new block became full. No-op without prefix caching or while swapped out.
+        """
+        seq = self._get(seq_id)
+        if not self.enable_prefix_caching or seq.swapped:
+            return 0
+        shift = self._shift
+        n = num_computed
+        if type(n) is not int or n < 0:  # validate off the per-step fast path
+            n = _as_int("num_computed", num_computed, 0)
+        start = seq.committed
+        if min(n, seq.num_tokens) >> shift <= start:  # the per-step common case: no block became full
+            return 0
+        full = min(n, seq.num_tokens, len(token_ids)) >> shift
+        if full <= start:
+            return 0
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        keys, entries, table = seq.keys, seq.entries, seq.table
+        self._drop_pending(keys[:full], start)
+        for i in range(start, full):
+            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
+            if i == len(keys):
+                keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
+            parent = entries[i - 1] if i else ROOT_ENTRY
+            entries.append(None if parent is None else gpu.register(table[i], keys[i], parent, chunk))
+        seq.committed = full
+        return full - start
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hit counters and cache occupancy (see :class:`PrefixCacheStats`)."""
+        gpu = self.gpu
+        return PrefixCacheStats(
+            enabled=self.enable_prefix_caching,
+            queries=self.prefix_queries,
+            query_tokens=self.prefix_query_tokens,
+            hit_tokens=self.prefix_hit_tokens,
+            cached_blocks=getattr(gpu, "num_cached", 0),
+            evictable_blocks=getattr(gpu, "num_evictable", 0),
+            evictions=getattr(gpu, "num_evictions", 0),
         )
 
     # ------------------------------------------------------------------ swapping (§4.5)

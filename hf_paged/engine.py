@@ -15,13 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .cache import PagedCache, parse_memory
 from .model_runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "EngineClosedError", "RequestOutput", "CompletionOutput"]
+
+
+class EngineClosedError(RuntimeError):
+    """A request was added to an engine after `Engine.close()`."""
 
 
 @dataclass
@@ -31,6 +36,7 @@ class CompletionOutput:
     finish_reason: str | None
     text: str | None = None
     scores: list[torch.Tensor] | None = None
+    score: float | None = None  # beam search: the hypothesis' score (transformers' `sequences_scores`)
 
 
 @dataclass
@@ -59,6 +65,8 @@ class Engine:
         preemption_mode: "recompute" (default) or "swap"; `swap_space` GiB of (pinned) CPU memory back the swap.
         seed: seed of the engine's generator for requests without their own `seed`.
         use_cuda_graph: replay CUDA graphs for decode-only steps (default: on CUDA).
+        enable_prefix_caching: reuse the KV blocks of earlier prompts' common prefixes (default on; see
+            `hf_paged.block_manager`). Hits and saved prefill tokens: `stats` / `prefix_cache_stats()`.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class Engine:
         seed: int | None = None,
         show_progress: bool = False,
         use_cuda_graph: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from .integrations.generate import enable
 
@@ -119,6 +128,7 @@ class Engine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.block_manager = self.cache.block_manager
+        self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,
@@ -131,10 +141,13 @@ class Engine:
             use_cuda_graph=use_cuda_graph,
         )
         self._lock = threading.RLock()
+        self._closed = False
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
+                      "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
+        self.beam_search = BeamSearch(self)
 
     # ------------------------------------------------------------------ memory
     def _profile_num_blocks(self, per_block: int, utilization: float) -> int:
@@ -181,6 +194,8 @@ class Engine:
 
     def add_request(self, prompt, request_id=None, params: SamplingParams | None = None, **kwargs) -> object:
         """Queue a request; returns its id. `kwargs` are `SamplingParams` fields (unknown names raise TypeError)."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
         unknown = set(kwargs) - SamplingParams.names()
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
@@ -188,6 +203,13 @@ class Engine:
             params = SamplingParams(**kwargs)
         elif kwargs:
             raise TypeError("pass either params or keyword arguments, not both")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings needs a tokenizer: create the engine with tokenizer=...")
         if not params.eos_token_id and not params.ignore_eos:
@@ -200,28 +222,29 @@ class Engine:
                 f"prompt length {len(token_ids)} + max_new_tokens {params.max_new_tokens} exceeds the model's "
                 f"max_position_embeddings ({self.max_model_len})"
             )
-        if params.num_return_sequences > self.scheduler.max_num_seqs:
+        width, name = max((params.num_return_sequences, "num_return_sequences"), (params.num_beams, "num_beams"))
+        if width > self.scheduler.max_num_seqs:
+            raise ValueError(f"{name}={width} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        if width > self.scheduler.max_num_batched_tokens:
             raise ValueError(
-                f"num_return_sequences={params.num_return_sequences} exceeds max_num_seqs={self.scheduler.max_num_seqs}"
-            )
-        if params.num_return_sequences > self.scheduler.max_num_batched_tokens:
-            raise ValueError(
-                f"num_return_sequences={params.num_return_sequences} exceeds max_num_batched_tokens="
+                f"{name}={width} exceeds max_num_batched_tokens="
                 f"{self.scheduler.max_num_batched_tokens}: its samples are scheduled together, one token each"
             )
-        blocks = self.block_manager.blocks_for(total) * params.num_return_sequences
+        blocks = self.block_manager.blocks_for(total) * width
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {blocks} KV blocks (prompt {len(token_ids)} + max_new_tokens {params.max_new_tokens})"
                 f" but the whole pool has {self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory"
             )
         with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
             if request_id is None:
                 request_id = f"req-{next(self._auto_ids)}"
             if request_id in self._groups:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
-            group = SequenceGroup(request_id, [seq], next(self._arrivals), params)
+            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width)
             self._groups[request_id] = group
             self.scheduler.add(group)
         return request_id
@@ -238,6 +261,27 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Stop serving: abort every unfinished request (its blocks are freed now) and refuse new ones.
+
+        The aborted requests are still reported (finish reason "abort") by the next `step()` or the end of a running
+        `stream()`. Thread-safe and idempotent; `with Engine(...) as engine:` closes on exit.
+        """
+        with self._lock:
+            self._closed = True
+            for group in self.scheduler.groups():
+                self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked)."""
@@ -247,13 +291,20 @@ class Engine:
                 if self.scheduler.has_unfinished() and not self.scheduler.running:
                     raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
                 return self._collect_finished()
-            self.runner.apply_block_ops(sched)
+            phase = "blocks"  # how far the step got: decides what a failure or an interrupt must undo
             try:
+                self.runner.apply_block_ops(sched)
+                track_sharing(self.stats, self.block_manager.stats())
+                phase = "forward"
                 with torch.inference_mode():
                     logits, _ = self.runner.execute(sched)
+                    phase = "sample"
                     advanced = self._sample_and_update(sched, logits)
             except Exception as error:  # a failing step fails its own requests only
-                advanced = self._fail(sched, error)
+                advanced = self._fail(sched, error, phase)
+            except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate
+                self._interrupted(sched, error, phase)
+                raise
             self._track(sched)
             if finished_only:
                 advanced = [g for g in advanced if g.is_finished]
@@ -261,12 +312,17 @@ class Engine:
 
     def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
         rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
+        beam_entries = []
         logit_row = 0
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
             if not item.sample:
                 continue
             p = item.group.params
+            if p.num_beams > 1:  # beam groups are scored together by hf_paged.beam
+                beam_entries.append((item, logit_row))
+                logit_row += 1
+                continue
             copies = p.num_return_sequences if (len(item.group.seqs) == 1 and not item.seq.output_ids) else 1
             for _ in range(copies):
                 rows.append(logit_row)
@@ -296,6 +352,8 @@ class Engine:
                 self._check_stop(seq, item.group.params)
                 if item.group not in advanced:
                     advanced.append(item.group)
+        if beam_entries:
+            advanced.extend(g for g in self.beam_search.step(beam_entries, logits) if g not in advanced)
         for group in advanced:
             for seq in group.seqs:
                 if seq.status.is_finished:
@@ -328,7 +386,12 @@ class Engine:
         text = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
         return any(s in text for s in p.stop_strings)
 
-    def _fail(self, sched: SchedulerOutput, error: BaseException) -> list[SequenceGroup]:
+    def _fail(self, sched: SchedulerOutput, error: BaseException, phase: str = "forward") -> list[SequenceGroup]:
+        """Fail the requests scheduled in a step that raised (finish reason "error", `error` attached).
+
+        If the block operations raised (`phase == "blocks"`), the step's swaps may be incomplete: the groups they
+        moved are not failed (their tokens are intact) but recomputed from scratch instead of resumed.
+        """
         failed = []
         for item in sched.scheduled:
             if item.group not in failed:
@@ -336,7 +399,56 @@ class Engine:
         for group in failed:
             group.error = error
             self.scheduler.finish_group(group, SequenceStatus.FINISHED_ERROR)
+        if phase == "blocks":
+            for group in self._swapped_in_step(sched):
+                if group not in failed:
+                    self._requeue(group)
+        self.runner.invalidate_tables()
         return failed
+
+    def _interrupted(self, sched: SchedulerOutput, error: BaseException, phase: str) -> None:
+        """A step was interrupted (KeyboardInterrupt, SystemExit): keep every request whole and the engine usable.
+
+        Before sampling began nothing of the step's requests changed but their reserved slots and possibly half
+        written K/V: they go back to the waiting queue and are recomputed (with the groups of the step's swaps, whose
+        copies may be incomplete). During sampling their tokens and forks may be half applied: they are failed.
+        """
+        if phase == "sample":
+            self._fail(sched, error, phase)
+            return
+        groups = []
+        for group in [item.group for item in sched.scheduled] + (self._swapped_in_step(sched) if phase == "blocks"
+                                                                  else []):
+            if group not in groups:
+                groups.append(group)
+        for group in groups:
+            self._requeue(group)
+        self.runner.invalidate_tables()
+
+    def _swapped_in_step(self, sched: SchedulerOutput) -> list[SequenceGroup]:
+        """Groups whose blocks this step's swaps moved (swapped out, or swapped in and still running)."""
+        groups = [g for g in sched.preempted if g in self.scheduler.swapped] if sched.swap_out else []
+        if sched.swap_in:
+            moved = {gpu for _, gpu in sched.swap_in}
+            bm = self.block_manager
+            for group in self.scheduler.running:
+                if any(bm.has_seq(s.seq_id) and moved.intersection(bm.block_table(s.seq_id))
+                       for s in group.live_seqs()):
+                    groups.append(group)
+        return groups
+
+    def _requeue(self, group: SequenceGroup) -> None:
+        """Send a running or swapped group back to the waiting queue, to be recomputed (its blocks are freed)."""
+        scheduler = self.scheduler
+        for seq in group.live_seqs():
+            scheduler.free_seq(seq)
+            seq.num_computed = 0
+            seq.status = SequenceStatus.WAITING
+        for queue in (scheduler.running, scheduler.swapped):
+            if group in queue:
+                queue.remove(group)
+        if group not in scheduler.waiting:
+            scheduler._insert(scheduler.waiting, group)
 
     def _track(self, sched: SchedulerOutput) -> None:
         self.stats["steps"] += 1
@@ -346,6 +458,11 @@ class Engine:
         running = sum(len(g.live_seqs()) for g in self.scheduler.running)
         self.stats["max_running"] = max(self.stats["max_running"], running)
         self.stats["running_sum"] += running
+        bm = self.block_manager  # prefix cache: tokens looked up at admission, served from the cache (prefill saved)
+        if bm.prefix_query_tokens != self.stats["prefix_query_tokens"]:
+            self.stats["prefix_query_tokens"] = bm.prefix_query_tokens
+            self.stats["prefix_hit_tokens"] = bm.prefix_hit_tokens
+            self.stats["prefix_hit_rate"] = bm.prefix_hit_tokens / bm.prefix_query_tokens
 
     def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
         done = [g for g in self._groups.values() if g.is_finished and g not in exclude]
@@ -366,7 +483,10 @@ class Engine:
             text = None
             if finished and self.tokenizer is not None:
                 text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, group.data.get(seq.seq_id)))
+            beam_done = finished and getattr(group.params, "num_beams", 1) > 1 and reason in ("eos", "length")
+            score = seq.cumulative_logprob if beam_done else None
+            scores = group.data.get(seq.seq_id)
+            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score))
         prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
         return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error)
 
@@ -375,6 +495,9 @@ class Engine:
         """Step until every request is done, yielding each request's state whenever it advances."""
         while self.has_unfinished():
             yield from self.step()
+        with self._lock:  # aborted (or closed) after the last step, e.g. from another thread: still report them
+            leftovers = self._collect_finished()
+        yield from leftovers
 
     def generate(self, prompts, params=None, *, use_tqdm: bool | None = None, **kwargs) -> list[RequestOutput]:
         """Run `prompts` (token lists, 1-D tensors or strings) to completion; outputs in input order.
@@ -421,13 +544,22 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        for request_id in ids:  # aborted from another thread while we were stepping
-            if request_id not in results and request_id in self._groups:
-                results[request_id] = self._output(self._groups[request_id])
+        with self._lock:
+            for request_id in ids:  # aborted from another thread while we were stepping
+                if request_id not in results and request_id in self._groups:
+                    results[request_id] = self._output(self._groups[request_id])
         return [results[request_id] for request_id in ids]
 
     def kv_stats(self):
         return self.block_manager.stats()
+
+    def prefix_cache_stats(self):
+        """Prefix-cache hits, saved prefill tokens and cached blocks (`hf_paged.block_manager.PrefixCacheStats`)."""
+        return self.block_manager.prefix_cache_stats()
+
+    def sharing_stats(self) -> SharingStats:
+        """Blocks saved by sharing (parallel sampling, beam search) now and averaged over the engine's steps."""
+        return sharing_stats(self.stats, self.block_manager.stats())
 
 
 def _copy_params(p: SamplingParams) -> SamplingParams:

@@ -50,6 +50,9 @@ class SamplingParams:
     num_return_sequences: int = 1
     logits_processor: object = None
     output_scores: bool = False
+    num_beams: int = 1  # > 1: beam search (hf_paged.beam), transformers' arithmetic
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,7 +92,10 @@ class SamplingParams:
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         if not is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be a positive int, got {self.num_return_sequences!r}")
-        if self.num_return_sequences > 1 and not self.do_sample:
+        from .beam import validate_beam_params
+
+        validate_beam_params(self)
+        if self.num_return_sequences > 1 and not self.do_sample and self.num_beams == 1:
             raise ValueError(
                 "num_return_sequences > 1 needs do_sample=True (greedy would return identical copies) or num_beams"
             )

@@ -11,6 +11,14 @@ Every call to `schedule()` decides one engine step:
    a prompt longer than the remaining budget is prefilled in chunks over several steps.
 
 The scheduler reserves the KV slots of every scheduled token (`BlockManager.append_slots`), so the engine only writes.
+
+Prefix caching (when the block manager has it on): at the start of every `schedule()` the blocks that the previous
+step's forward filled are keyed (`BlockManager.commit`), and so are a sequence's blocks before it is preempted or
+freed. A waiting sequence is admitted with its longest cached whole-block prefix mapped by reference
+(`BlockManager.allocate_prefix`): `num_computed` starts past it and only the rest is scheduled (at least the last
+token). If the block right after a waiting group's cached prefix is being computed this very step by a running
+sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses for a step so that
+the group hits it instead of computing it a second time.
 """
 
 from __future__ import annotations
@@ -110,9 +118,20 @@ class Scheduler:
         return None
 
     def free_seq(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (finished, aborted or failed)."""
-        if self.block_manager.has_seq(seq.seq_id):
-            self.block_manager.free(seq.seq_id)
+        """Release a sequence's blocks (finished, aborted or failed); its computed full blocks stay cached."""
+        bm = self.block_manager
+        if bm.has_seq(seq.seq_id):
+            if bm.enable_prefix_caching:
+                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            bm.free(seq.seq_id)
+
+    def _commit_running(self) -> None:
+        """Key the blocks that the last forward filled (their KV is written now)."""
+        commit = self.block_manager.commit
+        for group in self.running:
+            for seq in group.seqs:
+                if not seq.status.is_finished:
+                    commit(seq.seq_id, seq.token_ids, seq.num_computed)
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
         """Mark every live sequence of `group` finished with `status`, free its blocks, drop it from the queues."""
@@ -143,6 +162,9 @@ class Scheduler:
         out = SchedulerOutput()
         bm = self.block_manager
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
+        caching = bm.enable_prefix_caching
+        if caching:
+            self._commit_running()
 
         index = 0
         while index < len(self.running):
@@ -185,25 +207,61 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
-                plan = self._plan(group, budget)
-                if plan is None:
-                    break
-                needed = sum(bm.blocks_for(n) for _, n in plan)
-                headroom = self.watermark_blocks if self.running else 0
-                if needed + headroom > bm.gpu.num_free:
-                    break
+                if caching:
+                    plan, matches = self._plan_admission(group, budget)
+                    if plan is None:
+                        break
+                else:
+                    plan = self._plan(group, budget)
+                    if plan is None:
+                        break
+                    needed = sum(bm.blocks_for(n) for _, n in plan)
+                    headroom = self.watermark_blocks if self.running else 0
+                    if needed + headroom > bm.gpu.num_free:
+                        break
                 self.waiting.pop(0)
                 for seq, _ in plan:
-                    bm.allocate(seq.seq_id, 0)
+                    if caching:
+                        cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, matches[seq.seq_id])
+                        assert cached == seq.num_computed, "prefix match changed during admission"
+                    else:
+                        bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
         return out
 
+    def _plan_admission(self, group: SequenceGroup, budget: list[int]):
+        """With prefix caching: `(plan, matches)` to admit a waiting group now, or `(None, None)`.
+
+        Each sequence's `num_computed` is moved past its cached prefix (reset to 0 when the group is not admitted).
+        Cached blocks taken from the evictable pool count against the free blocks. The group waits (one step) when
+        the block after a sequence's cached prefix is being computed by a running sequence right now.
+        """
+        bm = self.block_manager
+        seqs = group.live_seqs()
+        matches = {}
+        for seq in seqs:
+            match = bm.match_prefix(seq.token_ids)
+            if match.pending and self.running:
+                return None, None
+            matches[seq.seq_id] = match
+        for seq in seqs:
+            seq.num_computed = matches[seq.seq_id].num_cached_tokens
+        plan = self._plan(group, budget)
+        if plan is not None:
+            needed = bm.blocks_needed_to_admit((matches[seq.seq_id], n) for seq, n in plan)
+            headroom = self.watermark_blocks if self.running else 0
+            if needed + headroom <= bm.gpu.num_free:
+                return plan, matches
+        for seq in seqs:
+            seq.num_computed = 0
+        return None, None
+
     def _plan(self, group: SequenceGroup, budget: list[int]) -> list[tuple[Sequence, int]] | None:
         """Tokens per live sequence this step (gang: all sequences of the group or none)."""
         seqs = [s for s in group.live_seqs() if s.num_uncomputed > 0]
-        if not seqs or len(seqs) > budget[1]:
+        if not seqs or group.max_running_seqs() > budget[1]:  # a group about to fork needs its width
             return None
         tokens_left = budget[0]
         if tokens_left < len(seqs):
@@ -223,7 +281,7 @@ class Scheduler:
             out.copies.extend(result.copies)
             out.scheduled.append(ScheduledSeq(seq, group, start, n, result.slots))
             budget[0] -= n
-        budget[1] -= len(plan)
+        budget[1] -= max(len(plan), group.max_running_seqs())
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -232,6 +290,9 @@ class Scheduler:
         self.running.remove(group)
         group.num_preemptions += 1
         out.preempted.append(group)
+        if bm.enable_prefix_caching:  # its written blocks stay cached: a recompute may hit them on re-admission
+            for seq in seqs:
+                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         if self.preemption_mode == "swap" and bm.can_swap_out(ids):
             out.swap_out.extend(bm.swap_out(ids))
             for seq in seqs:

@@ -90,9 +90,15 @@ class SequenceGroup:
     num_preemptions: int = 0
     error: BaseException | None = None
     data: dict = field(default_factory=dict)
+    width: int = 1  # sequences it forks into after the prompt (parallel samples, beams)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]
+
+    def max_running_seqs(self) -> int:
+        """Sequences this group runs at once from its next step on: its width until it forks, then its live ones."""
+        live = len(self.live_seqs())
+        return max(self.width, live) if len(self.seqs) == 1 else live
 
     @property
     def is_finished(self) -> bool:

@@ -14,7 +14,7 @@ import copy
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from ..sampling import SamplingParams
 from .attention import ATTENTION_NAME, register
@@ -29,8 +29,9 @@ _HONOURED = {
     "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
     "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
     "num_return_sequences", "output_scores", "return_dict_in_generate", "use_cache", "cache_implementation",
-    "num_beams", "decoder_start_token_id", "transformers_version", "_from_model_config", "_commit_hash",
-    "_original_object_hash", "compile_config", "cache_config", "disable_compile", "generation_kwargs",
+    "num_beams", "length_penalty", "early_stopping", "decoder_start_token_id", "transformers_version",
+    "_from_model_config", "_commit_hash", "_original_object_hash", "compile_config", "cache_config",
+    "disable_compile", "generation_kwargs",
 }
 _MODEL_KWARGS = {"attention_mask", "input_ids", "use_cache", "tokenizer", "position_ids", "token_type_ids"}
 
@@ -95,10 +96,10 @@ def _generation_params(model, generation_config, kwargs: dict) -> tuple[Generati
             f"cache_implementation='paged' does not support generation option(s) {unsupported}; "
             "drop them or use transformers' own generate() with hf_paged.PagedCache"
         )
-    if (config.num_beams or 1) > 1:
+    if (config.num_beams or 1) > 1 and config.do_sample:
         raise ValueError(
-            "num_beams > 1 is not available with cache_implementation='paged' yet; pass "
-            "past_key_values=hf_paged.PagedCache(config=model.config) to transformers' beam search instead"
+            "num_beams > 1 with do_sample=True (beam sampling) is not available with cache_implementation='paged'; "
+            "pass past_key_values=hf_paged.PagedCache(config=model.config) to transformers' beam sampling instead"
         )
     return config, model_kwargs
 
@@ -137,7 +138,9 @@ def sampling_params_from_config(
         repetition_penalty=config.repetition_penalty or 1.0,
         eos_token_id=eos, stop_strings=config.stop_strings or (), ignore_eos=not eos,
         num_return_sequences=config.num_return_sequences or 1, logits_processor=logits_processor or None,
-        output_scores=bool(config.output_scores),
+        output_scores=bool(config.output_scores), num_beams=config.num_beams or 1,
+        length_penalty=config.length_penalty if config.length_penalty is not None else 1.0,
+        early_stopping=config.early_stopping if config.early_stopping is not None else False,
     )
     return params, pad
 
@@ -188,6 +191,8 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
     config, _ = _generation_params(model, generation_config, kwargs)
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer only supports batch size 1 (as in transformers)")
+    if streamer is not None and (config.num_beams or 1) > 1:
+        raise ValueError("`streamer` cannot be used with beam search (as in transformers); set num_beams=1")
 
     width = input_ids.shape[1]
     params, pad = sampling_params_from_config(
@@ -242,6 +247,8 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             raise RuntimeError(f"request {result.request_id} failed: {result.error}") from result.error
 
     n = params.num_return_sequences
+    if params.num_beams > 1:
+        return _beam_output(config, params, input_ids, results)
     outputs = [o for r in results for o in r.outputs[:n]]
     new_len = max(len(o.token_ids) for o in outputs)
     sequences = torch.full((len(outputs), width + new_len), pad, dtype=torch.long)
@@ -262,6 +269,38 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             for t in range(new_len)
         )
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+def _beam_output(config: GenerationConfig, params: SamplingParams, input_ids: torch.Tensor, results):
+    """transformers' beam-search return value: best `num_return_sequences` hypotheses per row, filled like
+    `_beam_search` fills its static-shaped buffers (`pad_token_id or eos_token_id[0]`, or -1 without eos)."""
+    eos = config.eos_token_id
+    eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+    fill = (pad or eos[0]) if eos else -1
+    n, width, k = params.num_return_sequences, input_ids.shape[1], params.num_beams
+    outputs = [o for r in results for o in r.outputs[:n]]
+    new_len = max(len(o.token_ids) for o in outputs)
+    sequences = torch.full((len(outputs), width + new_len), fill, dtype=torch.long)
+    sequences[:, :width] = input_ids.cpu().repeat_interleave(n, dim=0)
+    for row, out in enumerate(outputs):
+        sequences[row, width : width + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
+    sequences = sequences.to(input_ids.device)
+    if not config.return_dict_in_generate:
+        return sequences
+    sequences_scores = scores = None
+    if config.output_scores:
+        sequences_scores = torch.tensor([o.score for o in outputs], dtype=torch.float32, device=input_ids.device)
+        # per step, the processed log-probs of each request's k running beams (a request that stopped earlier than
+        # the batch has -inf rows there: transformers keeps scoring its beams, hf_paged frees them)
+        steps = [r.outputs[0].scores or [] for r in results]
+        vocab = next((s[0].shape[-1] for s in steps if s), 0)
+        absent = torch.full((k, vocab), float("-inf"))
+        scores = tuple(
+            torch.cat([s[t] if t < len(s) else absent for s in steps]).to(input_ids.device)
+            for t in range(max(len(s) for s in steps))
+        )
+    return GenerateBeamDecoderOnlyOutput(sequences=sequences, sequences_scores=sequences_scores, scores=scores)
 
 
 _subclass_cache: dict[type, type] = {}
