@@ -548,14 +548,17 @@ class BlockManager:
         shift, mask = self._shift, self._mask
         return [(table[p >> shift] << shift) | (p & mask) for p in range(start, end)]
 
-    def _append_plan(self, seq: _Seq, num_new_tokens: int) -> tuple[bool, int]:
-        """(copy-on-write needed, new blocks needed) to append ``num_new_tokens`` tokens to a resident sequence."""
+    def _append_plan(self, seq: _Seq, num_new_tokens: int, allocator: BlockAllocator | None = None) -> tuple[bool, int]:
+        """(copy-on-write needed, new blocks needed) to append ``num_new_tokens`` tokens to a sequence.
+
+        ``allocator`` holds the ref counts of the sequence's table (the GPU pool unless the table is swapped out).
+        """
         if num_new_tokens == 0:
             return False, 0
         n = seq.num_tokens
         # The last block can only be written in place if this table is its sole holder; a partial last block held
         # by others (fork, or a truncate that cut into a shared block) must be copied first.
-        cow = bool(n & self._mask) and self.gpu.ref_count(seq.table[-1]) > 1
+        cow = bool(n & self._mask) and (allocator or self.gpu).ref_count(seq.table[-1]) > 1
         new_blocks = self.blocks_for(n + num_new_tokens) - len(seq.table)
         return cow, new_blocks
 
@@ -665,21 +668,27 @@ class BlockManager:
         block appends, the last one to do so finds itself the sole holder and writes in place. A scheduler checking
         a whole sequence group against the free pool should use this so it does not preempt needlessly.
         """
+        pairs = []
+        for seq_id, num_new_tokens in requests:
+            k = _as_int("num_new_tokens", num_new_tokens, 0)
+            pairs.append((seq_id, self._get_resident(seq_id, "appending", "requests entry"), k))
+        return self._count_appends(pairs, self.gpu)
+
+    def _count_appends(self, pairs: list[tuple[Hashable, _Seq, int]], allocator: BlockAllocator) -> int:
+        """Blocks that appending ``k`` tokens to each ``(seq_id, seq, k)`` takes, ref counts read from ``allocator``."""
         total = 0
         seen: set[Hashable] = set()
         cow_holders: dict[int, int] = {}  # shared partial last block -> appending holders
-        for seq_id, num_new_tokens in requests:
-            k = _as_int("num_new_tokens", num_new_tokens, 0)
-            seq = self._get_resident(seq_id, "appending", "requests entry")
+        for seq_id, seq, k in pairs:
             if seq_id in seen:
                 raise ValueError(f"requests lists {seq_id!r} twice")
             seen.add(seq_id)
-            cow, new_blocks = self._append_plan(seq, k)
+            cow, new_blocks = self._append_plan(seq, k, allocator)
             total += new_blocks
             if cow:
                 cow_holders[seq.table[-1]] = cow_holders.get(seq.table[-1], 0) + 1
         for block, holders in cow_holders.items():
-            total += holders - 1 if holders == self.gpu.ref_count(block) else holders
+            total += holders - 1 if holders == allocator.ref_count(block) else holders
         return total
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
@@ -1024,6 +1033,18 @@ class BlockManager:
         """
         seqs = self._group(seq_ids, swapped=False, action="swap out")
         return self._move(seqs, self.gpu, self.cpu, to_cpu=True)
+
+    def blocks_needed_to_swap_in_and_append(self, requests: Iterable[tuple[Hashable, int]]) -> int:
+        """Exact GPU blocks that :meth:`swap_in` of a swapped group and then :meth:`append_slots` of each
+        ``(seq_id, num_new_tokens)`` take: the group's distinct blocks plus its new blocks and copy-on-writes.
+
+        A swapped group shares CPU blocks only inside itself and :meth:`swap_in` keeps that sharing, so the append
+        plan read off the CPU tables is the plan the sequences will have on the GPU.
+        """
+        pairs = [(seq_id, _as_int("num_new_tokens", k, 0)) for seq_id, k in requests]
+        seqs = self._group([seq_id for seq_id, _ in pairs], swapped=True, action="swap in")
+        appends = self._count_appends([(seq_id, seq, k) for (seq_id, k), seq in zip(pairs, seqs)], self.cpu)
+        return len(self._distinct_blocks(seqs)) + appends
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
         """Whether the GPU pool can take the whole group back now (exact block count, no headroom)."""

@@ -189,19 +189,19 @@ class Scheduler:
             while self.swapped and budget[1] > 0:
                 group = self.swapped[0]
                 seqs = group.live_seqs()
-                ids = [s.seq_id for s in seqs]
-                if len(seqs) > budget[1] or len(seqs) > budget[0]:
+                plan = self._plan(group, budget)
+                if plan is None:
                     break
-                if not bm.can_swap_in(ids) or bm.gpu.num_free < bm.blocks_needed_to_swap_in(ids) + len(seqs):
+                # exact: swapping in and running this step must fit (plus headroom only while others run), so a
+                # group always comes back once the pool is empty (admission bounded it by the whole pool)
+                needed = bm.blocks_needed_to_swap_in_and_append((s.seq_id, n) for s, n in plan)
+                if needed + (self.watermark_blocks if self.running else 0) > bm.gpu.num_free:
                     break
-                out.swap_in.extend(bm.swap_in(ids))
+                out.swap_in.extend(bm.swap_in([s.seq_id for s in seqs]))
                 self.swapped.pop(0)
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert(self.running, group)
-                plan = self._plan(group, budget)
-                if plan is None or bm.blocks_needed_to_append_many((s.seq_id, n) for s, n in plan) > bm.gpu.num_free:
-                    break  # swapped in; it runs next step
                 self._reserve(group, plan, out, budget)
 
         if not out.preempted and not self.swapped:

@@ -656,6 +656,34 @@ def test_swap_round_trip_preserves_sharing() -> None:
     assert bm.block_table("p")[2] != bm.block_table("c")[2]
 
 
+@pytest.mark.parametrize("tokens, k", [(5, 1), (4, 1), (5, 3), (1, 1), (6, 2)])
+def test_blocks_needed_to_swap_in_and_append_is_exact(tokens: int, k: int) -> None:
+    """The scheduler's swap-in gate: predicted blocks == blocks a swap-in plus one append of every sibling take."""
+    bm = BlockManager(16, 2, num_cpu_blocks=16)
+    bm.allocate("p", tokens)
+    for child in ("c1", "c2"):
+        bm.fork("p", child)  # three holders of every block, the last one partial when tokens is odd
+    group = ["p", "c1", "c2"]
+    bm.swap_out(group)
+    requests = [(s, k) for s in group]
+    predicted = bm.blocks_needed_to_swap_in_and_append(requests)
+    free = bm.gpu.num_free
+    bm.swap_in(group)
+    for seq_id, n in requests:
+        bm.append_slots(seq_id, n)
+    assert predicted == free - bm.gpu.num_free
+
+
+def test_blocks_needed_to_swap_in_and_append_errors() -> None:
+    bm = BlockManager(4, 2, num_cpu_blocks=4)
+    bm.allocate("a", 3)
+    with pytest.raises(ValueError, match="not swapped out"):
+        bm.blocks_needed_to_swap_in_and_append([("a", 1)])
+    bm.swap_out(["a"])
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        bm.blocks_needed_to_swap_in_and_append([("a", -1)])
+
+
 def test_swap_is_all_or_nothing() -> None:
     bm = BlockManager(8, 2, num_cpu_blocks=3)
     bm.allocate("a", 4)

@@ -271,12 +271,6 @@ def test_swap_failure_loses_no_request(model, prompts, references, error):
     assert_no_leaks(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Scheduler swap-in wants blocks_needed_to_swap_in + len(seqs) free blocks even on an empty pool: a swapped "
-    "group of n samples holding b blocks with b + n > num_blocks never comes back (see "
-    "tests/test_scheduler_state_machine.py::test_swapped_parallel_group_comes_back_on_an_otherwise_empty_pool)",
-)
 def test_swapped_parallel_request_resumes_once_the_pool_is_empty(model):
     engine = make_engine(model, block_size=4, num_blocks=3, preemption_mode="swap", swap_space=0.001)
     first = engine.add_request([5, 6, 7, 8], max_new_tokens=5, ignore_eos=True)
@@ -538,9 +532,13 @@ def test_add_and_abort_from_other_threads_while_one_thread_steps(model, prompts,
     no block leaks, and greedy requests that were not aborted are token-identical to transformers."""
     engine = make_engine(model, num_blocks=16, preemption_mode="swap", swap_space=0.01, max_num_seqs=6)
     errors, final, lock = [], {}, threading.Lock()
-    added: dict[str, int] = {}  # request id -> prompt index (-1: sampled)
+    # a long request the aborter aborts once it has produced tokens: an abort of a running request happens whatever
+    # the thread timing (the random aborts below may all land on finished or unknown ids)
+    engine.add_request(prompts[0], request_id="victim", max_new_tokens=60, ignore_eos=True)
+    added: dict[str, int] = {"victim": -2}  # request id -> prompt index (-1: sampled, -2: the victim)
     aborted: set[str] = set()
     producers_done = threading.Event()
+    victim_running = threading.Event()
 
     def guard(function):
         def run(*args):
@@ -556,6 +554,8 @@ def test_add_and_abort_from_other_threads_while_one_thread_steps(model, prompts,
         while time.monotonic() < deadline:
             outs = engine.step()  # also reports requests aborted after the last scheduled step
             for out in outs:
+                if out.request_id == "victim" and out.outputs[0].token_ids:
+                    victim_running.set()
                 if out.finished:
                     with lock:
                         assert out.request_id not in final, f"{out.request_id} finished twice"
@@ -586,6 +586,10 @@ def test_add_and_abort_from_other_threads_while_one_thread_steps(model, prompts,
     @guard
     def aborter():
         rng = random.Random(99)
+        assert victim_running.wait(60), "the victim never ran"
+        assert engine.abort("victim"), "the victim (60 tokens to go) finished before it could be aborted"
+        with lock:
+            aborted.add("victim")
         while not producers_done.is_set() or engine.has_unfinished():
             with lock:
                 candidates = sorted(added)
@@ -607,15 +611,16 @@ def test_add_and_abort_from_other_threads_while_one_thread_steps(model, prompts,
         thread.join(130)
     assert not any(t.is_alive() for t in threads + [abort_thread]), "a thread hung"
     assert not errors, errors
-    assert set(final) == set(added) and len(added) == 36
-    assert aborted, "nothing was aborted"
+    assert set(final) == set(added) and len(added) == 37
+    assert "victim" in aborted
     for request_id, index in added.items():
         out = final[request_id]
         assert out.error is None
         if request_id in aborted:
             assert {o.finish_reason for o in out.outputs} == {"abort"}
-            if index >= 0:
-                assert tokens(out) == references[index][: len(tokens(out))]
+            if index >= 0 or index == -2:
+                reference = references[max(index, 0)]  # the victim runs past it: compare what both have
+                assert tokens(out)[: len(reference)] == reference[: len(tokens(out))]
         elif index >= 0:
             assert tokens(out) == references[index], request_id
         else:

@@ -538,12 +538,6 @@ TestSchedulerMachineLong = pytest.mark.slow(_LongRun.TestCase)
 # ------------------------------------------------------------------------------------------------ found bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler swap-in asks for blocks_needed_to_swap_in + len(seqs) free blocks even when nothing else runs: "
-    "a swapped group of n sequences holding b distinct blocks with b + n > num_blocks never comes back (the engine "
-    "raises 'could not admit any request')",
-)
 def test_swapped_parallel_group_comes_back_on_an_otherwise_empty_pool():
     """Found by the long state-machine run. Pool 3 blocks of 4; A (4 + 5 tokens) then B (1 token, n=3 samples).
 
