@@ -355,13 +355,12 @@ class SharingStats:
         return self.logical_blocks - self.used_blocks
 
 
-def track_sharing(stats: dict, block_stats) -> None:
-    """Accumulate one step's block usage into the engine's `stats` dict."""
-    used, logical = block_stats.used_blocks, block_stats.logical_blocks
+def track_sharing(stats: dict, used: int, logical: int) -> None:
+    """Accumulate one step's block usage (`BlockManager.usage()`: O(1)) into the engine's `stats` dict."""
     stats["sharing_steps"] = stats.get("sharing_steps", 0) + 1
     stats["used_blocks_sum"] = stats.get("used_blocks_sum", 0) + used
     stats["logical_blocks_sum"] = stats.get("logical_blocks_sum", 0) + logical
-    stats["step_saving_sum"] = stats.get("step_saving_sum", 0.0) + block_stats.sharing_saving
+    stats["step_saving_sum"] = stats.get("step_saving_sum", 0.0) + (1.0 - used / logical if logical else 0.0)
     stats["peak_used_blocks"] = max(stats.get("peak_used_blocks", 0), used)
     stats["peak_logical_blocks"] = max(stats.get("peak_logical_blocks", 0), logical)
 

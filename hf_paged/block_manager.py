@@ -503,6 +503,7 @@ class BlockManager:
         self.enable_prefix_caching = False
         self.gpu: BlockAllocator = BlockAllocator(self.num_blocks)
         self._pending: dict[int, int] = {}  # chain key of a block still to be computed -> resident holders
+        self._num_logical = 0  # sum of len(table) over resident tables, kept by every operation (usage() is O(1))
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -610,6 +611,7 @@ class BlockManager:
                 src.decref(block)
             seq.table = [mapping[block] for block in seq.table]
             seq.swapped = to_cpu
+            self._num_logical += -len(seq.table) if to_cpu else len(seq.table)
         return list(mapping.items())
 
     # ------------------------------------------------------------------ sizing
@@ -638,6 +640,7 @@ class BlockManager:
             raise NoFreeBlocksError(f"allocating {n} tokens needs {need} blocks, only {self.gpu.num_free} are free")
         table = [self.gpu.allocate() for _ in range(need)]
         self._seqs[seq_id] = _Seq(table, n)
+        self._num_logical += need
         return list(table)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -651,6 +654,7 @@ class BlockManager:
         for block in parent.table:
             self.gpu.incref(block)
         child = self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
+        self._num_logical += len(parent.table)
         if self.enable_prefix_caching:
             child.keys, child.entries, child.committed = list(parent.keys), list(parent.entries), parent.committed
             self._add_pending(child.keys, child.committed)
@@ -723,9 +727,66 @@ class BlockManager:
             self.gpu.uncache(table[-1])
         for _ in range(new_blocks):
             table.append(self.gpu.allocate())
+        self._num_logical += new_blocks
         start = seq.num_tokens
         seq.num_tokens = start + k
         return AppendResult(slots=self._slots(table, start, start + k), copies=copies)
+
+    def append_decode_slots(
+        self,
+        seq_ids: Sequence[Hashable],
+        token_ids: Sequence[Sequence[int]] | None = None,
+        num_computed: Sequence[int] | None = None,
+    ) -> list[int] | None:
+        """One decode step of many sequences at once: reserve the next slot of each, all or nothing.
+
+        The hot path of a continuous-batching step: equivalent to ``append_slots(seq_id, 1)`` for every sequence in
+        order, at a fraction of the cost. Returns the slots, or None, with nothing reserved, when the pool cannot
+        hold every new block or some sequence would need a copy-on-write (a shared partial last block) or would write
+        into a cached block; the caller then takes the per-sequence path, which preempts or copies as needed.
+
+        With prefix caching, ``token_ids[i]`` / ``num_computed[i]`` of each sequence are committed first (the blocks
+        the previous forward filled get their keys, as :meth:`commit` does); that happens even when None is returned
+        (committing is idempotent).
+        """
+        seqs, mask, gpu = self._seqs, self._mask, self.gpu
+        caching = self.enable_prefix_caching
+        if caching and (token_ids is None or num_computed is None):
+            raise ValueError("token_ids and num_computed are required with prefix caching")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids lists a sequence twice")
+        states: list[_Seq] = []
+        need = 0
+        refs = gpu._ref
+        entry_of = gpu._entry_of if caching else None  # type: ignore[attr-defined]
+        shift = self._shift
+        for index, seq_id in enumerate(seq_ids):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.swapped:
+                self._get_resident(seq_id, "appending", "seq_ids entry")  # raises the documented ValueError
+            if caching and (num_computed[index] >> shift) > seq.committed:  # type: ignore[index]
+                self.commit(seq_id, token_ids[index], num_computed[index])  # type: ignore[index]
+            n = seq.num_tokens
+            if n & mask:
+                last = seq.table[-1]
+                if refs[last] > 1 or (entry_of is not None and entry_of[last] is not None):
+                    return None
+            else:
+                need += 1
+            states.append(seq)
+        if need > gpu.num_free:
+            return None
+        allocate = gpu.allocate
+        slots = []
+        for seq in states:
+            n = seq.num_tokens
+            table = seq.table
+            if not n & mask:
+                table.append(allocate())
+            slots.append((table[-1] << shift) | (n & mask))
+            seq.num_tokens = n + 1
+        self._num_logical += need
+        return slots
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens and release the blocks past them (cache cropping).
@@ -745,6 +806,8 @@ class BlockManager:
         for block in dropped:
             allocator.decref(block)
         del seq.table[keep:]
+        if not seq.swapped:
+            self._num_logical -= len(dropped)
         seq.num_tokens = n
         full = n >> self._shift
         if len(seq.keys) > full:
@@ -764,6 +827,8 @@ class BlockManager:
         else:
             for block in seq.table:
                 allocator.decref(block)
+        if not seq.swapped:
+            self._num_logical -= len(seq.table)
         del self._seqs[seq_id]
 
     def reset(self) -> None:
@@ -772,6 +837,7 @@ class BlockManager:
         self.gpu._reset()
         self.cpu._reset()
         self._pending.clear()
+        self._num_logical = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -785,6 +851,16 @@ class BlockManager:
     def seq_ids(self) -> list:
         """All known sequence ids, in creation order."""
         return list(self._seqs)
+
+    def table_view(self, seq_id: Hashable) -> list[int]:
+        """The live table itself, not a copy (hot paths): read it, never modify it, and do not keep it across
+        operations that may replace it (swaps)."""
+        return self._get(seq_id).table
+
+    def usage(self) -> tuple[int, int]:
+        """``(used_blocks, logical_blocks)`` of the GPU pool in O(1): physical blocks in use, and the blocks the
+        resident tables would use without sharing (see :meth:`stats`, which also measures fragmentation)."""
+        return self.gpu.num_used, self._num_logical
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of the table; CPU block ids while the sequence is swapped out (see :meth:`is_swapped`)."""
@@ -956,6 +1032,7 @@ class BlockManager:
         for block in match.blocks:
             gpu.acquire(block)
         seq = self._seqs[seq_id] = _Seq(list(match.blocks), match.num_cached_tokens)
+        self._num_logical += len(match.blocks)
         seq.keys = list(match.keys)
         seq.entries = list(match.entries)
         seq.committed = len(match.blocks)

@@ -8,8 +8,10 @@ samples on the device with one host sync. Requests join and leave at every step;
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -141,10 +143,13 @@ class Engine:
             use_cuda_graph=use_cuda_graph,
         )
         self._lock = threading.RLock()
+        self._waiters = 0  # calls from other threads waiting for the lock; the stepping thread lets them in first
+        self._waiters_lock = threading.Lock()
         self._closed = False
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
+        self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
                       "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
         self.beam_search = BeamSearch(self)
@@ -236,7 +241,7 @@ class Engine:
                 f"request needs {blocks} KV blocks (prompt {len(token_ids)} + max_new_tokens {params.max_new_tokens})"
                 f" but the whole pool has {self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory"
             )
-        with self._lock:
+        with self._control():
             if self._closed:
                 raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
             if request_id is None:
@@ -244,18 +249,20 @@ class Engine:
             if request_id in self._groups:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
-            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width)
+            plain = width == 1 and not (params.do_sample or params.needs_processing or params.output_scores)
+            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width, plain=plain)
             self._groups[request_id] = group
             self.scheduler.add(group)
         return request_id
 
     def abort(self, request_id) -> bool:
         """Stop a request now and free its blocks; True if it was still running."""
-        with self._lock:
+        with self._control():
             group = self.scheduler.abort(request_id)
             if group is None:
                 return False
             self.sampler.forget(request_id)
+            self._unreported.append(group)
             return True
 
     def has_unfinished(self) -> bool:
@@ -267,10 +274,11 @@ class Engine:
         The aborted requests are still reported (finish reason "abort") by the next `step()` or the end of a running
         `stream()`. Thread-safe and idempotent; `with Engine(...) as engine:` closes on exit.
         """
-        with self._lock:
+        with self._control():
             self._closed = True
             for group in self.scheduler.groups():
                 self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+                self._unreported.append(group)
 
     @property
     def closed(self) -> bool:
@@ -285,6 +293,8 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked)."""
+        while self._waiters:  # add_request / abort / close from other threads go first (see _control)
+            time.sleep(0.0002)
         with self._lock:
             sched = self.scheduler.schedule()
             if sched.is_empty:
@@ -294,7 +304,7 @@ class Engine:
             phase = "blocks"  # how far the step got: decides what a failure or an interrupt must undo
             try:
                 self.runner.apply_block_ops(sched)
-                track_sharing(self.stats, self.block_manager.stats())
+                track_sharing(self.stats, *self.block_manager.usage())
                 phase = "forward"
                 with torch.inference_mode():
                     logits, _ = self.runner.execute(sched)
@@ -311,10 +321,14 @@ class Engine:
             return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
 
     def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
+        """Pick the next tokens, append them, apply stop conditions and forks; return the groups that advanced."""
+        scheduled = sched.scheduled
+        if logits.shape[0] == len(scheduled) and all(item.group.plain for item in scheduled):
+            return self._update_plain(scheduled, logits)
         rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
         beam_entries = []
         logit_row = 0
-        for item in sched.scheduled:
+        for item in scheduled:
             item.seq.num_computed += item.num_tokens
             if not item.sample:
                 continue
@@ -332,7 +346,7 @@ class Engine:
                 keys.append(item.group.request_id)
                 owners.append(item)
             logit_row += 1
-        advanced: list[SequenceGroup] = []
+        advanced: dict[int, SequenceGroup] = {}
         if rows:
             if rows == list(range(logits.shape[0])):
                 picked = logits  # one row per sampling sequence, in order: no gather, no index upload
@@ -350,16 +364,33 @@ class Engine:
                 if item.group.params.output_scores:
                     item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
                 self._check_stop(seq, item.group.params)
-                if item.group not in advanced:
-                    advanced.append(item.group)
+                advanced.setdefault(id(item.group), item.group)
         if beam_entries:
-            advanced.extend(g for g in self.beam_search.step(beam_entries, logits) if g not in advanced)
-        for group in advanced:
+            for group in self.beam_search.step(beam_entries, logits):
+                advanced.setdefault(id(group), group)
+        groups = list(advanced.values())
+        for group in groups:
             for seq in group.seqs:
                 if seq.status.is_finished:
                     self.scheduler.free_seq(seq)
-        self.scheduler.remove_finished()
-        return advanced
+        self.scheduler.remove_finished(groups)
+        return groups
+
+    def _update_plain(self, scheduled, logits: torch.Tensor) -> list[SequenceGroup]:
+        """The hot path: every scheduled sequence is a plain greedy one that samples; its token is the argmax."""
+        tokens = logits.argmax(dim=-1).tolist()  # the step's one host sync
+        check_stop = self._check_stop
+        finished = []
+        for item, token in zip(scheduled, tokens):
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            seq.token_ids.append(token)
+            check_stop(seq, item.group.params)
+            if seq.status.is_finished:
+                finished.append(item.group)
+        if finished:
+            self.scheduler.remove_finished(finished)
+        return [item.group for item in scheduled]
 
     def _fork(self, item) -> Sequence:
         """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""
@@ -372,9 +403,9 @@ class Engine:
         return child
 
     def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
-        produced = seq.num_tokens - seq.prompt_len
-        token = seq.token_ids[-1]
-        if not p.ignore_eos and token in p.eos_token_id and produced >= p.min_new_tokens:
+        token_ids = seq.token_ids
+        produced = len(token_ids) - seq.prompt_len
+        if not p.ignore_eos and token_ids[-1] in p.eos_token_id and produced >= p.min_new_tokens:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "eos"
         elif produced >= p.max_new_tokens:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
@@ -414,7 +445,7 @@ class Engine:
         copies may be incomplete). During sampling their tokens and forks may be half applied: they are failed.
         """
         if phase == "sample":
-            self._fail(sched, error, phase)
+            self._unreported.extend(self._fail(sched, error, phase))  # the step returns nothing: report them next
             return
         groups = []
         for group in [item.group for item in sched.scheduled] + (self._swapped_in_step(sched) if phase == "blocks"
@@ -455,7 +486,7 @@ class Engine:
         for item in sched.scheduled:
             key = "decode_tokens" if item.num_tokens == 1 else "prefill_tokens"
             self.stats[key] += item.num_tokens
-        running = sum(len(g.live_seqs()) for g in self.scheduler.running)
+        running = self.scheduler.num_running_seqs()
         self.stats["max_running"] = max(self.stats["max_running"], running)
         self.stats["running_sum"] += running
         bm = self.block_manager  # prefix cache: tokens looked up at admission, served from the cache (prefill saved)
@@ -464,9 +495,34 @@ class Engine:
             self.stats["prefix_hit_tokens"] = bm.prefix_hit_tokens
             self.stats["prefix_hit_rate"] = bm.prefix_hit_tokens / bm.prefix_query_tokens
 
+    @contextlib.contextmanager
+    def _control(self):
+        """The engine lock, for calls that may come from any thread (add_request, abort, close, ...).
+
+        Python's locks are not fair: a thread that steps in a loop would take the lock back before a waiting
+        `abort()` woke up, and a streaming server's aborts and new requests could wait for many steps. So these calls
+        announce themselves, and `step()` waits for every announced call to get through before it locks.
+        """
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
-        done = [g for g in self._groups.values() if g.is_finished and g not in exclude]
-        return [self._output(g) for g in done]
+        """Outputs of the requests finished outside a step (aborted, closed) that were not reported yet."""
+        if not self._unreported:
+            return []
+        skip = {id(g) for g in exclude}
+        done, self._unreported = self._unreported, []
+        # `is g`: an id may already belong to a new request (ids are reusable once reported)
+        return [self._output(g) for g in done if id(g) not in skip and self._groups.get(g.request_id) is g]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.is_finished
@@ -495,7 +551,7 @@ class Engine:
         """Step until every request is done, yielding each request's state whenever it advances."""
         while self.has_unfinished():
             yield from self.step()
-        with self._lock:  # aborted (or closed) after the last step, e.g. from another thread: still report them
+        with self._control():  # aborted (or closed) after the last step, e.g. from another thread: still report them
             leftovers = self._collect_finished()
         yield from leftovers
 
@@ -544,7 +600,7 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        with self._lock:
+        with self._control():
             for request_id in ids:  # aborted from another thread while we were stepping
                 if request_id not in results and request_id in self._groups:
                     results[request_id] = self._output(self._groups[request_id])

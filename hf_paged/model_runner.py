@@ -1,10 +1,20 @@
 """Turn a scheduler decision into one model forward: inputs, block operations, CUDA graphs.
 
 Prefill-carrying steps run eagerly over the flattened `[1, T]` batch. Decode-only steps on CUDA replay a CUDA graph
-captured for the next larger batch-size bucket: the graph reads persistent device buffers (token ids, positions, slot
-mapping, block tables, sequence lengths) that each step refills with one host-to-device copy per buffer, so a decode
-step costs a handful of copies and one graph launch instead of hundreds of kernel launches from Python.
+captured for the next larger batch-size bucket. The graph reads persistent device buffers:
+
+* `meta`: one int64 row each for token ids, positions, slot mapping, sequence lengths and table-store rows, refilled
+  by a single host-to-device copy per step;
+* `store`: a device-side table store where every sequence keeps its block table in a row of its own across steps.
+  Only the rows whose table changed (a new block, a copy-on-write, a new sequence) are uploaded; the graph gathers
+  the step's `block_tables` from the store by the `meta` row indices. A sequence that finishes therefore costs
+  nothing to the others (no row shifts, no re-upload).
+
+So a decode step costs a few small copies and one graph launch instead of hundreds of kernel launches from Python.
 Rows of a bucket beyond the real batch write nowhere (slot -1) and attend to nothing (length 0).
+
+`decode_mode` is "graph" (CUDA graphs), "static" (the same buffers and host path, the forward run eagerly: lets the
+CPU tests cover the decode path of the GPU token for token) or "eager".
 """
 
 from __future__ import annotations
@@ -46,14 +56,19 @@ class ModelRunner:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
-        self.use_cuda_graph = use_cuda_graph
+        self.decode_mode = "graph" if use_cuda_graph else "eager"
         max_len = max_model_len or 8192
         self.max_blocks_per_seq = -(-max_len // self.block_size)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._buffers = None
+        self._graphs: dict[int, object] = {}  # bucket -> callable running the decode forward, returning its logits
+        self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
         self.graph_steps = 0
         self.eager_steps = 0
+        self.table_rows_uploaded = 0
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.decode_mode == "graph"
 
     # ------------------------------------------------------------------ block operations
     def apply_block_ops(self, sched: SchedulerOutput) -> None:
@@ -72,14 +87,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`)."""
+        if sched.preempted or sched.swap_in or sched.swap_out:
+            self.invalidate_tables()  # tables were rebuilt or moved: a row's (length, last block) proves nothing
         scheduled = sched.scheduled
-        decode_only = all(item.num_tokens == 1 for item in scheduled)
-        if self.use_cuda_graph and decode_only and len(scheduled) <= self.max_num_seqs:
-            return self._execute_graph(sched)
+        if self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs:
+            if all(item.num_tokens == 1 for item in scheduled):
+                return self._execute_static(sched)
         return self._execute_eager(sched)
 
     def _execute_eager(self, sched: SchedulerOutput):
-        self.invalidate_tables()
         bm = self.cache.block_manager
         ids: list[int] = []
         positions: list[int] = []
@@ -91,7 +107,7 @@ class ModelRunner:
             ids.extend(item.seq.token_ids[item.start : end])
             positions.extend(range(item.start, end))
             slots.extend(item.slots)
-            tables.append(bm.block_table(item.seq.seq_id))
+            tables.append(bm.table_view(item.seq.seq_id))
             lens.append(end)
             q_lens.append(item.num_tokens)
             offset += item.num_tokens
@@ -111,33 +127,50 @@ class ModelRunner:
         logits = output.logits[0]
         return (logits if sample_index else logits[:0]), samplers
 
-    # ------------------------------------------------------------------ CUDA graphs
+    # ------------------------------------------------------------------ static decode buffers, CUDA graphs
     def _ensure_buffers(self) -> None:
         if self._buffers is not None:
             return
         n, mb, dev = self.max_num_seqs, self.max_blocks_per_seq, self.device
-        # one int64 buffer for the per-row vectors, so a step uploads them with a single copy:
-        # row 0 token ids, 1 positions, 2 slot mapping, 3 sequence lengths (the kernels accept int64 indices)
-        meta = torch.zeros((4, n), dtype=torch.long, device=dev)
+        pin = dev.type == "cuda"
+        # one int64 buffer for the per-row vectors, so a step uploads them with a single copy: row 0 token ids,
+        # 1 positions, 2 slot mapping, 3 sequence lengths, 4 table-store rows (the kernels accept int64 indices)
+        meta = torch.zeros((5, n), dtype=torch.long, device=dev)
+        self._store_capacity = 2 * n + 1  # every live sequence plus as many finished ones before a sweep
         self._buffers = {
             "meta": meta,
             "ids": meta[0],
             "pos": meta[1],
             "slots": meta[2],
             "lens": meta[3],
+            "rows": meta[4],
             "tables": torch.zeros((n, mb), dtype=torch.int32, device=dev),
+            "store": torch.zeros((self._store_capacity, mb), dtype=torch.int32, device=dev),
+            "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
+            "staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
         }
-        self._host_meta = torch.zeros((4, n), dtype=torch.long).pin_memory()
+        self._host_meta = torch.zeros((5, n), dtype=torch.long, pin_memory=pin)
         self._host_view = self._host_meta.numpy()
-        self._row_keys: list[tuple | None] = [None] * n  # what each device block-table row holds
+        self._host_staging = torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin)
+        self._host_staging_view = self._host_staging.numpy()
+        self._host_staging_rows = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+        self.invalidate_tables()
 
     def invalidate_tables(self) -> None:
-        """Forget which block tables the device rows hold (after preemption, swaps or an eager step)."""
+        """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
+        self._row_of: dict = {}  # seq_id -> [store row, table length, last block] as uploaded
         if self._buffers is not None:
-            self._row_keys = [None] * self.max_num_seqs
+            self._free_rows = list(range(self._store_capacity - 1, 0, -1))  # row 0: the padding rows' row
 
-    def _graph_step(self, batch: int) -> StepMetadata:
+    def _take_row(self, live: set) -> int:
+        """A free store row; when none is left, rows of sequences not in this step are swept first."""
+        if not self._free_rows:
+            for seq_id in [s for s in self._row_of if s not in live]:
+                self._free_rows.append(self._row_of.pop(seq_id)[0])
+        return self._free_rows.pop()
+
+    def _step_metadata(self, batch: int) -> StepMetadata:
         b = self._buffers
         return StepMetadata(
             layout="ragged", slot_mapping=b["slots"][:batch], block_tables=b["tables"][:batch],
@@ -145,31 +178,40 @@ class ModelRunner:
         )
 
     def _run_model(self, batch: int) -> torch.Tensor:
+        """The decode forward over the static buffers (what a graph records): gather the tables, run the model."""
         b = self._buffers
-        self.cache.set_engine_step(self._graph_step(batch))
+        torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
+        self.cache.set_engine_step(self._step_metadata(batch))
         out = self.model(
             input_ids=b["ids"][:batch][None], position_ids=b["pos"][:batch][None], past_key_values=self.cache,
             use_cache=True, logits_to_keep=0,
         )
         return out.logits[0]
 
-    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
+        if self.decode_mode != "graph":
+            return lambda: self._run_model(batch)
         b = self._buffers
         b["slots"].fill_(-1)
         b["lens"].zero_()
+        b["rows"].zero_()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (Triton autotuning / lazy init) outside the graph
-                self._run_model(batch)
+            self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._run_model(batch)
-        return graph, logits
+
+        def replay(graph=graph, logits=logits):
+            graph.replay()
+            return logits
+
+        return replay
 
     def capture_all(self) -> None:
         """Capture every bucket up front (largest first, sharing one memory pool)."""
@@ -178,60 +220,66 @@ class ModelRunner:
             for batch in sorted(_buckets(self.max_num_seqs), reverse=True):
                 if batch not in self._graphs:
                     self._graphs[batch] = self._capture(batch)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    def _execute_graph(self, sched: SchedulerOutput):
+    def _execute_static(self, sched: SchedulerOutput):
         self._ensure_buffers()
         scheduled = sched.scheduled
         real = len(scheduled)
         bucket = next(s for s in _buckets(self.max_num_seqs) if s >= real)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
-            self.invalidate_tables()
-        if sched.preempted or sched.swap_in or sched.swap_out:
-            self.invalidate_tables()
-        graph, logits = self._graphs[bucket]
-        bm = self.cache.block_manager
-        ids, pos, slots, lens = [], [], [], []
-        changed_rows, changed_tables = [], []
-        row_keys = self._row_keys
-        for k, item in enumerate(scheduled):
+        run = self._graphs.get(bucket)
+        if run is None:
+            run = self._graphs[bucket] = self._capture(bucket)
+        table_view = self.cache.block_manager.table_view
+        row_of = self._row_of
+        ids, pos, slots, rows = [], [], [], []
+        changed: list[tuple[int, list[int]]] = []
+        live = None
+        for item in scheduled:
             seq = item.seq
             start = item.start
             ids.append(seq.token_ids[start])
             pos.append(start)
             slots.append(item.slots[0])
-            lens.append(start + 1)
-            table = bm.block_table(seq.seq_id)
-            # a running sequence's table only grows or has its last block replaced (copy-on-write) between
-            # two graph steps; anything else (preemption, swap, eager steps) invalidates every row
-            key = (seq.seq_id, len(table), table[-1])
-            if row_keys[k] != key:
-                row_keys[k] = key
-                changed_rows.append(k)
-                changed_tables.append(table)
-        for k in range(real, bucket):
-            row_keys[k] = None
-        width = max((len(t) for t in changed_tables), default=0)
-        if width > self.max_blocks_per_seq:
-            self.invalidate_tables()
+            seq_id = seq.seq_id
+            table = table_view(seq_id)
+            entry = row_of.get(seq_id)
+            if entry is None:
+                if live is None:
+                    live = {i.seq.seq_id for i in scheduled}
+                entry = row_of[seq_id] = [self._take_row(live), -1, -1]
+            if entry[1] != len(table) or entry[2] != table[-1]:
+                # a table only grows or has its last block replaced between two steps of a running sequence;
+                # anything else (preemption, swaps, failed steps) invalidated every row before we got here
+                entry[1], entry[2] = len(table), table[-1]
+                changed.append((entry[0], table))
+            rows.append(entry[0])
+        if any(len(t) > self.max_blocks_per_seq for _, t in changed):
             return self._execute_eager(sched)
         host = self._host_view
         host[0, :real] = ids
         host[1, :real] = pos
         host[2, :real] = slots
-        host[3, :real] = lens
+        host[3, :real] = [p + 1 for p in pos]
+        host[4, :real] = rows
         host[2, real:bucket] = -1
         host[3, real:bucket] = 0
-        dev = self._buffers
-        dev["meta"][:, :bucket].copy_(self._host_meta[:, :bucket], non_blocking=True)
-        if changed_rows:
-            rows = torch.tensor([t + [0] * (width - len(t)) for t in changed_tables], dtype=torch.int32)
-            index = torch.tensor(changed_rows, dtype=torch.long)
-            if len(changed_rows) == changed_rows[-1] + 1:  # a prefix of rows: plain slice copy
-                dev["tables"][: len(changed_rows), :width].copy_(rows, non_blocking=True)
-            else:
-                dev["tables"][index.to(self.device, non_blocking=True), :width] = rows.to(self.device, non_blocking=True)
-        graph.replay()
+        host[4, real:bucket] = 0
+        b = self._buffers
+        b["meta"][:, :bucket].copy_(self._host_meta[:, :bucket], non_blocking=True)
+        if changed:
+            staged = self._host_staging_view
+            width = 0
+            for j, (_, table) in enumerate(changed):
+                staged[j, : len(table)] = table
+                width = max(width, len(table))
+            k = len(changed)
+            self._host_staging_rows.numpy()[:k] = [row for row, _ in changed]
+            b["staging"][:k, :width].copy_(self._host_staging[:k, :width], non_blocking=True)
+            b["staging_rows"][:k].copy_(self._host_staging_rows[:k], non_blocking=True)
+            b["store"].index_copy_(0, b["staging_rows"][:k], b["staging"][:k])
+            self.table_rows_uploaded += k
+        logits = run()
         self.graph_steps += 1
         return logits[:real], list(range(real))

@@ -24,6 +24,7 @@ the group hits it instead of computing it a second time.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -34,7 +35,7 @@ __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """`num_tokens` tokens of `seq` starting at `start` are computed this step; `sample` when it reaches the end."""
 
@@ -149,13 +150,20 @@ class Scheduler:
             self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
         return group
 
-    def remove_finished(self) -> list[SequenceGroup]:
-        done = [g for g in self.running if g.is_finished]
-        for group in done:
-            for seq in group.seqs:
-                self.free_seq(seq)
-            self.running.remove(group)
+    def remove_finished(self, candidates: Iterable[SequenceGroup] | None = None) -> list[SequenceGroup]:
+        """Free and drop the finished running groups; only `candidates` are looked at when given (hot path)."""
+        done = [g for g in (self.running if candidates is None else candidates) if g.is_finished]
+        if done:
+            for group in done:
+                for seq in group.seqs:
+                    self.free_seq(seq)
+            gone = {id(g) for g in done}
+            self.running[:] = [g for g in self.running if id(g) not in gone]
         return done
+
+    def num_running_seqs(self) -> int:
+        """Live sequences of the running groups."""
+        return sum(1 if len(g.seqs) == 1 else len(g.live_seqs()) for g in self.running)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -163,10 +171,11 @@ class Scheduler:
         bm = self.block_manager
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
         caching = bm.enable_prefix_caching
-        if caching:
+        decoded = self._schedule_decodes(out, budget)
+        if caching and not decoded:
             self._commit_running()
 
-        index = 0
+        index = len(self.running) if decoded else 0
         while index < len(self.running):
             group = self.running[index]
             plan = self._plan(group, budget)
@@ -230,6 +239,40 @@ class Scheduler:
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
         return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int]) -> bool:
+        """The common step of a busy engine in one pass: every running group is one sequence decoding one token.
+
+        If so, and the pool holds every new block with no copy-on-write, their slots are reserved by one
+        `BlockManager.append_decode_slots` call and True is returned. The result equals what the per-group loop
+        of `schedule()` would do (nothing can be preempted when everything fits), at a fraction of its cost.
+        Otherwise nothing is reserved and False is returned; the per-group loop handles the step.
+        """
+        running = self.running
+        if not running or len(running) > budget[0] or len(running) > budget[1]:
+            return False
+        seqs = []
+        for group in running:
+            if group.width != 1 or len(group.seqs) != 1:
+                return False
+            seq = group.seqs[0]
+            if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed != 1:
+                return False
+            seqs.append(seq)
+        bm = self.block_manager
+        ids = [seq.seq_id for seq in seqs]
+        if bm.enable_prefix_caching:
+            slots = bm.append_decode_slots(ids, [s.token_ids for s in seqs], [s.num_computed for s in seqs])
+        else:
+            slots = bm.append_decode_slots(ids)
+        if slots is None:
+            return False
+        scheduled = out.scheduled
+        for group, seq, slot in zip(running, seqs, slots):
+            scheduled.append(ScheduledSeq(seq, group, seq.num_computed, 1, [slot]))
+        budget[0] -= len(seqs)
+        budget[1] -= len(seqs)
+        return True
 
     def _plan_admission(self, group: SequenceGroup, budget: list[int]):
         """With prefix caching: `(plan, matches)` to admit a waiting group now, or `(None, None)`.

@@ -23,19 +23,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED  # hot path: a set lookup, not Enum.value
+    is_finished: bool  # a plain attribute of each member (set below): read on every step for every sequence
 
 
-_FINISHED = frozenset(
-    {
-        SequenceStatus.FINISHED_STOPPED,
-        SequenceStatus.FINISHED_LENGTH,
-        SequenceStatus.FINISHED_ABORTED,
-        SequenceStatus.FINISHED_ERROR,
-    }
-)
+for _status in SequenceStatus:
+    _status.is_finished = _status.name.startswith("FINISHED_")
+del _status
 
 _seq_ids = itertools.count()
 
@@ -91,6 +84,7 @@ class SequenceGroup:
     error: BaseException | None = None
     data: dict = field(default_factory=dict)
     width: int = 1  # sequences it forks into after the prompt (parallel samples, beams)
+    plain: bool = False  # engine hint: one greedy sequence, no logits processing, no scores (its token is the argmax)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]
@@ -102,4 +96,7 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.status.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status.is_finished
+        return all(s.status.is_finished for s in seqs)

@@ -906,6 +906,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.write(seq, result.slots)
         assert free_before - self.bm.gpu.num_free == needed
 
+    @precondition(lambda self: any(not self.bm.is_swapped(s) for s in self.bm.seq_ids()))
+    @rule(data=st.data())
+    def append_decode(self, data: st.DataObject) -> None:
+        """The batched decode path: one token for each of several sequences, all or nothing."""
+        bm = self.bm
+        seqs = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, unique=True))
+        requests = [(s, 1) for s in seqs]
+        tokens = [self.expected[s] for s in seqs]
+        computed = [bm.num_tokens(s) for s in seqs]
+        before = snapshot(bm) if not bm.enable_prefix_caching else None  # with caching it commits first
+        free_before = bm.gpu.num_free
+        slots = bm.append_decode_slots(seqs, tokens, computed)
+        if slots is None:
+            if before is not None:
+                assert snapshot(bm) == before
+            needs_copy = any(
+                bm.num_tokens(s) % bm.block_size
+                and (bm.gpu.ref_count(bm.block_table(s)[-1]) > 1 or bm.gpu.is_cached(bm.block_table(s)[-1]))
+                for s in seqs
+            )
+            assert needs_copy or bm.blocks_needed_to_append_many(requests) > bm.gpu.num_free
+            return
+        assert len(slots) == len(seqs)
+        assert free_before - bm.gpu.num_free == sum(n % bm.block_size == 0 for n in computed)
+        for seq, slot in zip(seqs, slots):
+            self.expected[seq].extend(self.tokens(1))
+            self.write(seq, [slot])
+
     @precondition(lambda self: bool(self.bm.seq_ids()))
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
@@ -1012,6 +1040,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
         cpu_used = {b for s in self.swapped() for b in bm.block_table(s)}
         shared = sum(1 for b in fill if bm.gpu.ref_count(b) > 1)
+        assert bm.usage() == (len(fill), logical), "the O(1) counters drifted from the tables"
         expected = BlockStats(
             num_blocks=bm.num_blocks,
             used_blocks=len(fill),

@@ -593,3 +593,69 @@ def test_engine_leaves_the_model_usable_by_transformers(model, prompts, referenc
     make_engine(model, num_blocks=16).generate(prompts[:2], max_new_tokens=4)  # enables the model
     with dense(model):
         assert greedy_reference(model, prompts[0], MAX_NEW) == references[0]
+
+
+# ------------------------------------------------------------------------------- static decode path (CUDA graphs' host)
+
+
+def _static(engine):
+    """Run decode steps the way the CUDA-graph path does (persistent buffers, table store, bucketed batches), with
+    the forward run eagerly: the CPU can then check the GPU's decode path token for token."""
+    engine.runner.decode_mode = "static"
+    return engine
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(num_blocks=200),
+        dict(num_blocks=24, max_num_batched_tokens=32),  # tiny pool: recompute preemption, chunked prefill
+        dict(num_blocks=24, preemption_mode="swap", swap_space=0.01, max_num_seqs=8),
+        dict(num_blocks=200, enable_prefix_caching=False, max_num_seqs=5),  # rows swept and reused
+    ],
+    ids=["roomy", "recompute", "swap", "small_batches"],
+)
+def test_static_decode_path_equals_transformers(model, prompts, references, engine_kwargs):
+    engine = _static(make_engine(model, **engine_kwargs))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW)
+    assert tokens(results) == references
+    assert engine.runner.graph_steps > 0 and engine.runner.eager_steps > 0
+    if engine_kwargs["num_blocks"] == 24:
+        assert sum(engine.scheduler.num_preemptions.values()) > 0
+    assert_no_leaks(engine)
+
+
+def test_static_decode_uploads_only_changed_tables(model):
+    """A finishing sequence shifts the batch rows but costs the others no re-upload: tables travel when they change
+    (a new sequence, a new block), about once per block of decoding per sequence, not once per step."""
+    engine = _static(make_engine(model, num_blocks=400, block_size=4, max_num_seqs=16))
+    lengths = [3, 5, 9, 2, 7, 4, 6, 8]
+    prompts = random_prompts(lengths, seed=5)
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=8 + 6 * i, ignore_eos=True)
+                                        for i in range(len(prompts))])
+    assert [len(r.outputs[0].token_ids) for r in results] == [8 + 6 * i for i in range(len(prompts))]
+    decode_tokens = engine.stats["decode_tokens"]
+    assert engine.runner.table_rows_uploaded <= len(prompts) + decode_tokens // 4 + len(prompts)
+    assert engine.runner.table_rows_uploaded < decode_tokens / 2
+
+
+def test_static_decode_with_beams_parallel_samples_and_prefix_hits(model, prompts):
+    """Forks (shared tables, copy-on-write of the last block) and prefix-cache hits through the static path give
+    exactly what the eager path gives."""
+    shared = prompts[1][:24]
+    requests = [(shared + p[:5], dict(max_new_tokens=10, num_beams=3, num_return_sequences=2)) for p in prompts[:3]]
+    requests += [(shared + p[:3], dict(max_new_tokens=9, do_sample=True, num_return_sequences=3, seed=i))
+                 for i, p in enumerate(prompts[3:6])]
+    requests += [(p, dict(max_new_tokens=12)) for p in prompts[6:10]]
+    outputs = []
+    for mode in ("eager", "static"):
+        engine = make_engine(model, num_blocks=120)
+        engine.runner.decode_mode = mode
+        results = engine.generate([p for p, _ in requests],
+                                  [hf_paged.SamplingParams(**kw) for _, kw in requests])
+        outputs.append([[o.token_ids for o in r.outputs] for r in results])
+        assert engine.prefix_cache_stats().hit_tokens > 0
+        assert_no_leaks(engine)
+        if mode == "static":
+            assert engine.runner.graph_steps > 0
+    assert outputs[0] == outputs[1]

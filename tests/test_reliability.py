@@ -337,14 +337,21 @@ def test_keyboard_interrupt_in_the_forward_leaves_the_engine_reusable(model, pro
     assert_no_leaks(engine)
 
 
-def test_keyboard_interrupt_while_sampling_fails_that_steps_requests_only(model, prompts, references):
+@pytest.mark.parametrize("where", ["sampler", "plain_greedy_update"])
+def test_keyboard_interrupt_while_sampling_fails_that_steps_requests_only(model, prompts, references, where):
     """Ctrl-C after the forward, while tokens are picked: those requests may be half-updated (forks, tokens), so
-    they are failed with the KeyboardInterrupt attached; the others are untouched."""
+    they are failed with the KeyboardInterrupt attached; the others are untouched.
+
+    "sampler": the general path (`output_scores` requests go through the sampler); "plain_greedy_update": the plain
+    greedy fast path, interrupted inside its per-sequence loop after some sequences got their token."""
     engine = make_engine(model, num_blocks=14, max_num_seqs=4)
     spy = StepSpy(engine)
-    trigger = Trigger(engine.sampler, (5,), KeyboardInterrupt())
-    engine.sampler = trigger
-    ids = [engine.add_request(p, request_id=f"g{i}", max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
+    if where == "sampler":
+        trigger = engine.sampler = Trigger(engine.sampler, (5,), KeyboardInterrupt())
+    else:
+        trigger = engine._check_stop = Trigger(engine._check_stop, (10,), KeyboardInterrupt())
+    extra = {"output_scores": True} if where == "sampler" else {}
+    ids = [engine.add_request(p, request_id=f"g{i}", max_new_tokens=MAX_NEW, **extra) for i, p in enumerate(prompts)]
     final, hit = {}, set()
     for _ in range(2000):
         if not engine.has_unfinished():

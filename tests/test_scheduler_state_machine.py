@@ -556,6 +556,62 @@ def test_swapped_parallel_group_comes_back_on_an_otherwise_empty_pool():
     sim.drain(random.Random(0))
 
 
+# ------------------------------------------------------------------------------------------------ decode fast path
+
+
+def _decision(sim: Sim, out) -> tuple:
+    """A step's schedule in terms both simulators share (request ids and positions, not the global sequence ids)."""
+    def who(seq):
+        group = next(g for g in sim.groups.values() if any(s is seq for s in g.seqs))
+        return group.request_id, next(i for i, s in enumerate(group.seqs) if s is seq)
+
+    return (
+        [(who(i.seq), i.start, i.num_tokens, tuple(i.slots)) for i in out.scheduled],
+        list(out.copies), list(out.swap_out), list(out.swap_in), [g.request_id for g in out.preempted],
+    )
+
+
+@pytest.mark.parametrize("mode, caching", [("recompute", False), ("swap", False), ("recompute", True)])
+def test_decode_fast_path_schedules_exactly_like_the_per_group_loop(mode, caching):
+    """`Scheduler._schedule_decodes` (one batched reservation) against the per-group loop it short-cuts: two
+    simulators in lockstep, one with the fast path switched off, must make the same decision at every step."""
+    sims = [Sim(14, 2, 16 if mode == "swap" else 0, 6, 16, mode, caching) for _ in range(2)]
+    sims[1].sched._schedule_decodes = lambda out, budget: False
+    rngs = [random.Random(7), random.Random(7)]
+    original = Sim.step
+    fast_steps = 0
+    for _ in range(600):
+        r = rngs[0].random()
+        rngs[1].random()
+        if r < 0.2:
+            spec = Spec(rngs[0].choice(["single"] * 5 + ["parallel"]), 1, rngs[0].randint(1, 8), 0.05)
+            rngs[1].choice(["single"] * 5 + ["parallel"]), rngs[1].randint(1, 8)
+            if spec.kind == "parallel":
+                spec.width = 2
+            length = rngs[0].randint(1, 6)
+            rngs[1].randint(1, 6)
+            for sim in sims:
+                sim.add(length, spec)
+        decisions = []
+        for sim, rng in zip(sims, rngs):
+            captured = {}
+            schedule = sim.sched.schedule
+
+            def spy(schedule=schedule, captured=captured):
+                captured["out"] = schedule()
+                return captured["out"]
+
+            sim.sched.schedule = spy
+            original(sim, rng)
+            del sim.sched.schedule
+            decisions.append(_decision(sim, captured["out"]))
+        assert decisions[0] == decisions[1]
+        fast_steps += bool(decisions[0][0]) and all(n == 1 for _, _, n, _ in decisions[0][0])
+        for sim in sims:
+            sim.check()
+    assert fast_steps > 50 and sum(sims[0].sched.num_preemptions.values()) > 0
+
+
 # ------------------------------------------------------------------------------------------------ seeded random walks
 
 
