@@ -1,8 +1,15 @@
-"""End-to-end generation throughput: hf_paged's engine vs transformers `generate()` with `DynamicCache`.
+"""End-to-end generation throughput: hf_paged's engine vs transformers `generate()` with `DynamicCache` and
+transformers' own continuous batching (`generate_batch`), in one process.
 
 Workloads come from a seeded generator (ShareGPT-like or Alpaca-like lognormal lengths) or a JSONL file of prompts;
 EOS is ignored so every system produces exactly the requested number of tokens. Models are random-init named shapes
 in bf16 (or a local checkpoint). Prints a markdown table, writes a JSON file and a PNG plot.
+
+hf_paged is reported twice: `output_tok_s` counts its start-up (KV pool, memory profiling, CUDA-graph capture) in
+the wall time, `steady_tok_s` does not (an engine is built once and serves for its lifetime, as vLLM's throughput
+benchmark times it). transformers' `generate_batch` warms up (captures its graphs) inside its own timed run.
+`--dynamic-max-batches N` times DynamicCache on its first N batches only (its full run is minutes) and reports its
+rate on that subset. Every system runs under `--system-timeout` seconds; the JSON is rewritten after each one.
 
     python benchmarks/bench_generate.py --model llama-1b --workload sharegpt --num-requests 256 --out results/
 """
@@ -10,10 +17,13 @@ in bf16 (or a local checkpoint). Prints a markdown table, writes a JSON file and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import platform
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -72,12 +82,37 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_dynamic(model, workload, batch_size: int, device: str, progress: bool):
+class SystemTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Raise SystemTimeout in the main thread after `seconds` (0: no limit), so one stuck system cannot eat the run."""
+    if not seconds:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemTimeout(f"over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_dynamic(model, workload, batch_size: int, device: str, progress: bool, max_batches: int = 0):
     """transformers generate() + DynamicCache: fixed batches in arrival order, left padding, run to the longest."""
     from tqdm.auto import tqdm
 
     computed = 0
     batches = [workload[i : i + batch_size] for i in range(0, len(workload), batch_size)]
+    if max_batches:
+        batches = batches[:max_batches]
     for batch in tqdm(batches, desc="DynamicCache", disable=not progress):
         width = max(len(p) for p, _ in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -90,7 +125,8 @@ def run_dynamic(model, workload, batch_size: int, device: str, progress: bool):
             model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
                            min_new_tokens=longest, do_sample=False, pad_token_id=0)
         computed += longest * len(batch)
-    return {"computed_tokens": computed}
+    return {"computed_tokens": computed, "batches": len(batches),
+            "output_tokens": sum(o for batch in batches for _, o in batch)}
 
 
 def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
@@ -102,9 +138,18 @@ def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                               max_new_tokens=max(o for _, o in workload))
     cb_config = ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph)
+    hints = {}
+    try:  # what generate_batch itself passes: lets it size its cache for the workload
+        from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+
+        hints["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p, _ in workload),
+                                                max_generated_length=max(o for _, o in workload),
+                                                num_requests=len(workload))
+    except (ImportError, TypeError):
+        pass
     done = 0
     with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5, **hints
     ) as manager:
         for prompt, out_len in workload:
             manager.add_request(prompt, max_new_tokens=out_len)
@@ -120,8 +165,66 @@ def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
     return {"finished": done}
 
 
+class StepTimer:
+    """Host-side time of each part of every engine step (schedule, execute, sample+update) and the batch size.
+
+    `execute` returns once the decode graph is launched (the GPU runs on), so for decode steps `sample` holds the
+    wait for the GPU plus the host update: `schedule + execute` is the host time the GPU waits for."""
+
+    def __init__(self, engine):
+        self.rows: list[tuple[int, bool, float, float, float]] = []  # batch, decode-only, schedule, execute, sample
+        self._parts = [0.0, 0.0, 0.0]
+        self._batch, self._decode = 0, True
+        sched_fn, exec_fn, sample_fn = engine.scheduler.schedule, engine.runner.execute, engine._sample_and_update
+
+        def schedule():
+            t = time.perf_counter()
+            out = sched_fn()
+            self._parts[0] = time.perf_counter() - t
+            self._batch = len(out.scheduled)
+            self._decode = all(item.num_tokens == 1 for item in out.scheduled)
+            return out
+
+        def execute(sched):
+            t = time.perf_counter()
+            out = exec_fn(sched)
+            self._parts[1] = time.perf_counter() - t
+            return out
+
+        def sample(sched, logits):
+            t = time.perf_counter()
+            out = sample_fn(sched, logits)
+            self._parts[2] = time.perf_counter() - t
+            self.rows.append((self._batch, self._decode, *self._parts))
+            return out
+
+        engine.scheduler.schedule, engine.runner.execute, engine._sample_and_update = schedule, execute, sample
+
+    def summary(self) -> dict:
+        decode = [r for r in self.rows if r[1]]
+        prefill = [r for r in self.rows if not r[1]]
+
+        def mean_ms(rows, i):
+            return 1000 * float(np.mean([r[i] for r in rows])) if rows else float("nan")
+
+        bins = {}
+        for lo, hi in ((1, 8), (9, 32), (33, 96), (97, 192), (193, 100000)):
+            sel = [r for r in decode if lo <= r[0] <= hi]
+            if sel:
+                bins[f"{lo}-{hi}"] = {"steps": len(sel), "schedule_ms": mean_ms(sel, 2), "execute_ms": mean_ms(sel, 3),
+                                      "sample_ms": mean_ms(sel, 4),
+                                      "step_ms": mean_ms(sel, 2) + mean_ms(sel, 3) + mean_ms(sel, 4)}
+        return {
+            "decode_steps": len(decode), "prefill_steps": len(prefill),
+            "decode_step_ms": mean_ms(decode, 2) + mean_ms(decode, 3) + mean_ms(decode, 4),
+            "decode_host_ms": mean_ms(decode, 2) + mean_ms(decode, 3),
+            "prefill_step_ms": mean_ms(prefill, 2) + mean_ms(prefill, 3) + mean_ms(prefill, 4),
+            "decode_by_batch": bins,
+        }
+
+
 def run_paged(model, workload, args, progress: bool):
-    """hf_paged's engine; wall time includes its start-up (memory profiling, pool, CUDA graph capture)."""
+    """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, CUDA graph capture)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -134,8 +237,10 @@ def run_paged(model, workload, args, progress: bool):
         engine.runner.capture_all()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
+    timer = StepTimer(engine)
     params = [hf_paged.SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in workload]
     waste = []
+    run_start = time.perf_counter()
     ids = [engine.add_request(p, params=sp) for (p, _), sp in zip(workload, params)]
     done = 0
     from tqdm.auto import tqdm
@@ -150,10 +255,14 @@ def run_paged(model, workload, args, progress: bool):
             s = engine.kv_stats()
             if s.allocated_slots:
                 waste.append(s.waste_slots / s.allocated_slots)
+    sync(args.device)
+    run_s = time.perf_counter() - run_start
     bar.close()
     steps = max(1, engine.stats["steps"])
-    return {
+    result = {
         "setup_s": setup_s,
+        "run_s": run_s,
+        "steady_tok_s": sum(o for _, o in workload) / run_s,
         "num_blocks": engine.block_manager.num_blocks,
         "steps": engine.stats["steps"],
         "mean_running_batch": engine.stats["running_sum"] / steps,
@@ -162,7 +271,11 @@ def run_paged(model, workload, args, progress: bool):
         "preemptions": sum(engine.scheduler.num_preemptions.values()),
         "graph_steps": engine.runner.graph_steps,
         "eager_steps": engine.runner.eager_steps,
+        "table_rows_uploaded": engine.runner.table_rows_uploaded,
+        "timing": timer.summary(),
     }
+    engine.close()
+    return result
 
 
 def main() -> None:
@@ -175,6 +288,9 @@ def main() -> None:
     parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
                         help="comma list of: paged, generate_batch, generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
+    parser.add_argument("--dynamic-max-batches", type=int, default=0,
+                        help="time DynamicCache on its first N batches only (0: all) and report its rate there")
+    parser.add_argument("--system-timeout", type=int, default=0, help="seconds per system (0: no limit)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -194,6 +310,18 @@ def main() -> None:
     model = build_model(args.model, args.device, dtype)
     progress = not args.no_progress
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"generate_{args.model}_{args.workload}_{len(workload)}"
+    meta = {
+        "model": args.model, "workload": args.workload, "num_requests": len(workload),
+        "mean_input": float(np.mean([len(p) for p, _ in workload])), "mean_output": output_tokens / len(workload),
+        "output_tokens": output_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
+    }
+    import transformers
+
+    meta["transformers"] = transformers.__version__
     for system in args.systems.split(","):
         gc.collect()
         if args.device.startswith("cuda"):
@@ -201,59 +329,68 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         sync(args.device)
         start = time.perf_counter()
-        if system == "dynamic":
-            extra = run_dynamic(model, workload, args.dynamic_batch_size, args.device, progress)
-        elif system in ("generate_batch", "generate_batch_graphs"):
-            extra = run_generate_batch(model, workload, system.endswith("graphs"), progress)
-        elif system == "paged" and args.profile:
-            import cProfile
-            import io
-            import pstats
+        tokens = output_tokens
+        try:
+            with time_limit(args.system_timeout):
+                if system == "dynamic":
+                    extra = run_dynamic(model, workload, args.dynamic_batch_size, args.device, progress,
+                                        args.dynamic_max_batches)
+                    tokens = extra["output_tokens"]
+                elif system in ("generate_batch", "generate_batch_graphs"):
+                    extra = run_generate_batch(model, workload, system.endswith("graphs"), progress)
+                elif system == "paged" and args.profile:
+                    import cProfile
+                    import io
+                    import pstats
 
-            profiler = cProfile.Profile()
-            extra = profiler.runcall(run_paged, model, workload, args, progress)
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "profile_paged.txt").write_text(text.getvalue())
-        elif system == "paged":
-            extra = run_paged(model, workload, args, progress)
-        else:
-            raise SystemExit(f"unknown system {system!r}")
-        sync(args.device)
+                    profiler = cProfile.Profile()
+                    extra = profiler.runcall(run_paged, model, workload, args, progress)
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+                    (out / "profile_paged.txt").write_text(text.getvalue())
+                elif system == "paged":
+                    extra = run_paged(model, workload, args, progress)
+                else:
+                    raise SystemExit(f"unknown system {system!r}")
+                sync(args.device)
+        except (SystemTimeout, RuntimeError) as error:  # a stuck or failing system: record it, go on
+            print(f"{system}: {type(error).__name__}: {error}", flush=True)
+            rows.append({"system": system, "error": f"{type(error).__name__}: {error}",
+                         "elapsed_s": time.perf_counter() - start})
+            continue
+        finally:
+            if system == "paged":
+                import hf_paged
+
+                hf_paged.disable(model)
+                model._hf_paged_engine = None
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
-        rows.append({"system": system, "wall_s": wall, "output_tok_s": output_tokens / wall,
-                     "req_s": len(workload) / wall, "peak_gib": peak, **extra})
-        if system == "paged":
-            import hf_paged
-
-            hf_paged.disable(model)
-            model._hf_paged_engine = None
-    base = {r["system"]: r["output_tok_s"] for r in rows}
-    meta = {
-        "model": args.model, "workload": args.workload, "num_requests": len(workload),
-        "mean_input": float(np.mean([len(p) for p, _ in workload])), "mean_output": output_tokens / len(workload),
-        "output_tokens": output_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__, "python": platform.python_version(),
-    }
-    import transformers
-
-    meta["transformers"] = transformers.__version__
+        rows.append({"system": system, "wall_s": wall, "output_tok_s": tokens / wall,
+                     "req_s": extra.get("batches", 0) * args.dynamic_batch_size / wall if system == "dynamic"
+                     and args.dynamic_max_batches else len(workload) / wall, "peak_gib": peak, **extra})
+        print(f"{system}: {tokens / wall:,.0f} output tok/s", flush=True)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    rows_ok = [r for r in rows if "error" not in r]
+    base = {r["system"]: r["output_tok_s"] for r in rows_ok}
     print(f"\n{meta}\n")
     print("| system | wall s | output tok/s | req/s | x dynamic | x generate_batch | peak GiB | mean batch | KV waste % |")
     print("|---|---|---|---|---|---|---|---|---|")
     cb = base.get("generate_batch_graphs", base.get("generate_batch"))
-    for r in rows:
-        ratio = r["output_tok_s"] / base["dynamic"] if "dynamic" in base else float("nan")
-        ratio_cb = r["output_tok_s"] / cb if cb else float("nan")
-        print(f"| {r['system']} | {r['wall_s']:.1f} | {r['output_tok_s']:,.0f} | {r['req_s']:.2f} | {ratio:.2f} | "
-              f"{ratio_cb:.2f} | "
+    table = []
+    for r in rows_ok:
+        table.append((r["system"], r["wall_s"], r["output_tok_s"], r))
+        if r["system"] == "paged":  # the same run without the engine's start-up
+            table.append(("paged (steady, start-up excluded)", r["run_s"], r["steady_tok_s"], r))
+    for name, wall, tok_s, r in table:
+        ratio = tok_s / base["dynamic"] if "dynamic" in base else float("nan")
+        ratio_cb = tok_s / cb if cb else float("nan")
+        print(f"| {name} | {wall:.1f} | {tok_s:,.0f} | {r['req_s']:.2f} | {ratio:.2f} | {ratio_cb:.2f} | "
               f"{r['peak_gib']:.1f} | {r.get('mean_running_batch', float('nan')):.1f} | "
               f"{r.get('kv_waste_pct', float('nan')):.2f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_{args.model}_{args.workload}_{len(workload)}"
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['system']} | failed: {r['error']} |")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib
@@ -261,9 +398,10 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        colors = ["#2a7" if r["system"] == "paged" else "#999" for r in rows]
-        ax.bar([r["system"] for r in rows], [r["output_tok_s"] for r in rows], color=colors)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        colors = ["#2a7" if name.startswith("paged") else "#999" for name, *_ in table]
+        ax.bar([name.replace(" (steady, start-up excluded)", "\n(steady)") for name, *_ in table],
+               [tok_s for _, _, tok_s, _ in table], color=colors)
         ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("output tokens / s")
         ax.set_title(f"{args.model}, {args.workload}, {len(workload)} requests")

@@ -211,6 +211,26 @@ class BlockAllocator:
             return True
         return False
 
+    def incref_many(self, blocks: list[int]) -> None:
+        """:meth:`incref` of every block of a table (in use by construction): the hot loop of a fork, unchecked."""
+        refs = self._ref
+        for block in blocks:
+            count = refs[block]
+            if count == 1:
+                self._num_shared += 1
+            refs[block] = count + 1
+
+    def decref_many(self, blocks: list[int]) -> None:
+        """:meth:`decref` of every block of a table, in order: the hot loop of a free, unchecked."""
+        refs, release = self._ref, self._release_block
+        for block in blocks:
+            count = refs[block] - 1
+            refs[block] = count
+            if count == 1:
+                self._num_shared -= 1
+            elif count == 0:
+                release(block)
+
     def ref_count(self, block: int) -> int:
         """Number of tables holding the block (0 when free)."""
         return self._ref[self._check_block(block)]
@@ -559,7 +579,7 @@ class BlockManager:
         n = seq.num_tokens
         # The last block can only be written in place if this table is its sole holder; a partial last block held
         # by others (fork, or a truncate that cut into a shared block) must be copied first.
-        cow = bool(n & self._mask) and (allocator or self.gpu).ref_count(seq.table[-1]) > 1
+        cow = bool(n & self._mask) and (allocator or self.gpu)._ref[seq.table[-1]] > 1
         new_blocks = self.blocks_for(n + num_new_tokens) - len(seq.table)
         return cow, new_blocks
 
@@ -651,8 +671,7 @@ class BlockManager:
         parent = self._get_resident(parent_id, "forking it", "parent_id")
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} already exists")
-        for block in parent.table:
-            self.gpu.incref(block)
+        self.gpu.incref_many(parent.table)
         child = self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
         self._num_logical += len(parent.table)
         if self.enable_prefix_caching:
@@ -722,7 +741,7 @@ class BlockManager:
             self.gpu.decref(old)  # cannot reach 0: it was shared
             table[-1] = new
             copies.append((old, new))
-        elif k and seq.num_tokens & self._mask and self.gpu.is_cached(table[-1]):
+        elif k and seq.num_tokens & self._mask and self.enable_prefix_caching and self.gpu.is_cached(table[-1]):
             # sole holder of a cached block it cut into (truncate): the cache must not see it change
             self.gpu.uncache(table[-1])
         for _ in range(new_blocks):
@@ -737,13 +756,14 @@ class BlockManager:
         seq_ids: Sequence[Hashable],
         token_ids: Sequence[Sequence[int]] | None = None,
         num_computed: Sequence[int] | None = None,
-    ) -> list[int] | None:
+    ) -> AppendResult | None:
         """One decode step of many sequences at once: reserve the next slot of each, all or nothing.
 
-        The hot path of a continuous-batching step: equivalent to ``append_slots(seq_id, 1)`` for every sequence in
-        order, at a fraction of the cost. Returns the slots, or None, with nothing reserved, when the pool cannot
-        hold every new block or some sequence would need a copy-on-write (a shared partial last block) or would write
-        into a cached block; the caller then takes the per-sequence path, which preempts or copies as needed.
+        The hot path of a continuous-batching step: the same slots and copy-on-write pairs as ``append_slots(seq_id,
+        1)`` for every sequence in order (siblings sharing a partial last block copy it, the last of them writes in
+        place), at a fraction of the cost. Returns one slot per sequence and the copies, or None, with nothing
+        reserved, when the pool cannot hold every new block or some sequence would write into a cached block (after
+        a truncate); the caller then takes the per-sequence path, which preempts as needed.
 
         With prefix caching, ``token_ids[i]`` / ``num_computed[i]`` of each sequence are committed first (the blocks
         the previous forward filled get their keys, as :meth:`commit` does); that happens even when None is returned
@@ -757,6 +777,7 @@ class BlockManager:
             raise ValueError("seq_ids lists a sequence twice")
         states: list[_Seq] = []
         need = 0
+        cow_holders: dict[int, int] = {}  # shared partial last block -> appending holders
         refs = gpu._ref
         entry_of = gpu._entry_of if caching else None  # type: ignore[attr-defined]
         shift = self._shift
@@ -769,24 +790,38 @@ class BlockManager:
             n = seq.num_tokens
             if n & mask:
                 last = seq.table[-1]
-                if refs[last] > 1 or (entry_of is not None and entry_of[last] is not None):
+                if entry_of is not None and entry_of[last] is not None:
                     return None
+                if refs[last] > 1:
+                    cow_holders[last] = cow_holders.get(last, 0) + 1
             else:
                 need += 1
             states.append(seq)
+        new_blocks = need
+        for block, holders in cow_holders.items():
+            need += holders - 1 if holders == refs[block] else holders
         if need > gpu.num_free:
             return None
         allocate = gpu.allocate
-        slots = []
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
         for seq in states:
             n = seq.num_tokens
             table = seq.table
             if not n & mask:
                 table.append(allocate())
+            elif refs[table[-1]] > 1:  # shared partial last block: copy it (the last holder finds ref 1: in place)
+                old = table[-1]
+                new = allocate()
+                refs[old] -= 1
+                if refs[old] == 1:
+                    gpu._num_shared -= 1
+                table[-1] = new
+                copies.append((old, new))
             slots.append((table[-1] << shift) | (n & mask))
             seq.num_tokens = n + 1
-        self._num_logical += need
-        return slots
+        self._num_logical += new_blocks
+        return AppendResult(slots=slots, copies=copies)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens and release the blocks past them (cache cropping).
@@ -803,8 +838,7 @@ class BlockManager:
         dropped = seq.table[keep:]
         if self.enable_prefix_caching:
             dropped.reverse()  # tail first into the LRU pool: evicted first
-        for block in dropped:
-            allocator.decref(block)
+        allocator.decref_many(dropped)
         del seq.table[keep:]
         if not seq.swapped:
             self._num_logical -= len(dropped)
@@ -822,11 +856,9 @@ class BlockManager:
         allocator = self.cpu if seq.swapped else self.gpu
         if self.enable_prefix_caching:
             self._drop_pending(seq.keys, seq.committed)
-            for block in reversed(seq.table):  # tail first into the LRU pool: evicted before the shared prefix
-                allocator.decref(block)
+            allocator.decref_many(seq.table[::-1])  # tail first into the LRU pool: evicted before the shared prefix
         else:
-            for block in seq.table:
-                allocator.decref(block)
+            allocator.decref_many(seq.table)
         if not seq.swapped:
             self._num_logical -= len(seq.table)
         del self._seqs[seq_id]

@@ -241,37 +241,46 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: list[int]) -> bool:
-        """The common step of a busy engine in one pass: every running group is one sequence decoding one token.
+        """The common step of a busy engine in one pass: every live sequence of every running group decodes one token.
 
-        If so, and the pool holds every new block with no copy-on-write, their slots are reserved by one
-        `BlockManager.append_decode_slots` call and True is returned. The result equals what the per-group loop
-        of `schedule()` would do (nothing can be preempted when everything fits), at a fraction of its cost.
-        Otherwise nothing is reserved and False is returned; the per-group loop handles the step.
+        If so, and the budgets and the pool hold all of them, their slots (and the copy-on-writes of shared partial
+        last blocks, e.g. after beam forks) are reserved by one `BlockManager.append_decode_slots` call and True is
+        returned. The result equals what the per-group loop of `schedule()` would do (nothing is preempted when
+        everything fits), at a fraction of its cost. Otherwise nothing is reserved and False is returned; the
+        per-group loop handles the step.
         """
         running = self.running
-        if not running or len(running) > budget[0] or len(running) > budget[1]:
+        if not running:
             return False
-        seqs = []
+        seqs: list[Sequence] = []
+        owners: list[SequenceGroup] = []
+        seq_budget = 0
         for group in running:
-            if group.width != 1 or len(group.seqs) != 1:
-                return False
-            seq = group.seqs[0]
-            if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed != 1:
-                return False
-            seqs.append(seq)
+            group_seqs = group.seqs
+            live = group_seqs if len(group_seqs) == 1 else group.live_seqs()
+            for seq in live:
+                if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed != 1:
+                    return False
+                seqs.append(seq)
+                owners.append(group)
+            # what _reserve charges: max(len(plan), group.max_running_seqs()) (a group about to fork needs its width)
+            seq_budget += max(group.width, len(live)) if len(group_seqs) == 1 else len(live)
+        if len(seqs) > budget[0] or seq_budget > budget[1]:
+            return False
         bm = self.block_manager
         ids = [seq.seq_id for seq in seqs]
         if bm.enable_prefix_caching:
-            slots = bm.append_decode_slots(ids, [s.token_ids for s in seqs], [s.num_computed for s in seqs])
+            result = bm.append_decode_slots(ids, [s.token_ids for s in seqs], [s.num_computed for s in seqs])
         else:
-            slots = bm.append_decode_slots(ids)
-        if slots is None:
+            result = bm.append_decode_slots(ids)
+        if result is None:
             return False
         scheduled = out.scheduled
-        for group, seq, slot in zip(running, seqs, slots):
+        for group, seq, slot in zip(owners, seqs, result.slots):
             scheduled.append(ScheduledSeq(seq, group, seq.num_computed, 1, [slot]))
+        out.copies.extend(result.copies)
         budget[0] -= len(seqs)
-        budget[1] -= len(seqs)
+        budget[1] -= seq_budget
         return True
 
     def _plan_admission(self, group: SequenceGroup, budget: list[int]):

@@ -909,28 +909,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(not self.bm.is_swapped(s) for s in self.bm.seq_ids()))
     @rule(data=st.data())
     def append_decode(self, data: st.DataObject) -> None:
-        """The batched decode path: one token for each of several sequences, all or nothing."""
+        """The batched decode path: one token for each of several sequences (siblings often share a partial last
+        block: copy-on-write), all or nothing, taking exactly the blocks the per-sequence path would."""
         bm = self.bm
         seqs = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, unique=True))
         requests = [(s, 1) for s in seqs]
         tokens = [self.expected[s] for s in seqs]
         computed = [bm.num_tokens(s) for s in seqs]
+        needed = bm.blocks_needed_to_append_many(requests)
         before = snapshot(bm) if not bm.enable_prefix_caching else None  # with caching it commits first
         free_before = bm.gpu.num_free
-        slots = bm.append_decode_slots(seqs, tokens, computed)
-        if slots is None:
+        result = bm.append_decode_slots(seqs, tokens, computed)
+        if result is None:
             if before is not None:
                 assert snapshot(bm) == before
-            needs_copy = any(
-                bm.num_tokens(s) % bm.block_size
-                and (bm.gpu.ref_count(bm.block_table(s)[-1]) > 1 or bm.gpu.is_cached(bm.block_table(s)[-1]))
-                for s in seqs
+            writes_cached = any(
+                bm.num_tokens(s) % bm.block_size and bm.gpu.is_cached(bm.block_table(s)[-1]) for s in seqs
             )
-            assert needs_copy or bm.blocks_needed_to_append_many(requests) > bm.gpu.num_free
+            assert writes_cached or needed > bm.gpu.num_free
             return
-        assert len(slots) == len(seqs)
-        assert free_before - bm.gpu.num_free == sum(n % bm.block_size == 0 for n in computed)
-        for seq, slot in zip(seqs, slots):
+        assert len(result.slots) == len(seqs)
+        assert free_before - bm.gpu.num_free == needed
+        self.copy(result.copies, "gpu", "gpu")
+        for seq, slot in zip(seqs, result.slots):
             self.expected[seq].extend(self.tokens(1))
             self.write(seq, [slot])
 

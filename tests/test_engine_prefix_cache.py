@@ -131,6 +131,7 @@ def test_drop_in_cache_does_not_cache_prefixes():
         hf_paged.Engine(model, num_blocks=8, enable_prefix_caching="yes")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_prefix_caching_on_cuda_matches_dynamic_cache(family):

@@ -8,7 +8,7 @@ import torch
 import hf_paged
 from hf_paged.testing import tiny_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -57,6 +57,37 @@ def test_cuda_graph_decode_equals_eager(dtype):
         engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=32, use_cuda_graph=graphs)
         outs = engine.generate(prompts, max_new_tokens=32)
         results.append([o.outputs[0].token_ids for o in outs])
+        if graphs:
+            assert engine.runner.graph_steps > 0
+        assert engine.kv_stats().used_blocks == 0
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cuda_graphs_equal_eager_under_pressure_with_forks_and_prefix_hits(mode):
+    """The graph path's table store and buffers through preemption (recompute / swap: tables rebuilt or moved),
+    beam forks and parallel samples (copy-on-write), prefix-cache hits and rows swept for reuse: every token equal to
+    the eager path's on the same GPU."""
+    model = tiny_model("llama", dtype=torch.float32).cuda()
+    hf_paged.enable(model)
+    prompts = _prompts(24, seed=2)
+    shared = prompts[0][:32]
+    requests = []
+    for i, p in enumerate(prompts):
+        if i % 6 == 1:
+            requests.append((shared + p[:6], dict(max_new_tokens=14, num_beams=3, num_return_sequences=2)))
+        elif i % 6 == 2:
+            requests.append((shared + p[:4], dict(max_new_tokens=12, do_sample=True, num_return_sequences=2, seed=i)))
+        else:
+            requests.append((p, dict(max_new_tokens=20)))
+    results = []
+    for graphs in (False, True):
+        engine = hf_paged.Engine(model, num_blocks=24, block_size=16, max_num_seqs=12, use_cuda_graph=graphs,
+                                 preemption_mode=mode, swap_space=0.05 if mode == "swap" else 0.0)
+        outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
+        results.append([[o.token_ids for o in r.outputs] for r in outs])
+        assert sum(engine.scheduler.num_preemptions.values()) > 0
+        assert engine.prefix_cache_stats().hit_tokens > 0
         if graphs:
             assert engine.runner.graph_steps > 0
         assert engine.kv_stats().used_blocks == 0

@@ -575,18 +575,19 @@ def _decision(sim: Sim, out) -> tuple:
 def test_decode_fast_path_schedules_exactly_like_the_per_group_loop(mode, caching):
     """`Scheduler._schedule_decodes` (one batched reservation) against the per-group loop it short-cuts: two
     simulators in lockstep, one with the fast path switched off, must make the same decision at every step."""
-    sims = [Sim(14, 2, 16 if mode == "swap" else 0, 6, 16, mode, caching) for _ in range(2)]
+    sims = [Sim(10, 2, 16 if mode == "swap" else 0, 6, 16, mode, caching) for _ in range(2)]
     sims[1].sched._schedule_decodes = lambda out, budget: False
     rngs = [random.Random(7), random.Random(7)]
     original = Sim.step
-    fast_steps = 0
+    fast_steps = fast_copies = 0
     for _ in range(600):
         r = rngs[0].random()
         rngs[1].random()
-        if r < 0.2:
-            spec = Spec(rngs[0].choice(["single"] * 5 + ["parallel"]), 1, rngs[0].randint(1, 8), 0.05)
-            rngs[1].choice(["single"] * 5 + ["parallel"]), rngs[1].randint(1, 8)
-            if spec.kind == "parallel":
+        if r < 0.3:
+            kinds = ["single"] * 4 + ["parallel", "beam"]
+            spec = Spec(rngs[0].choice(kinds), 1, rngs[0].randint(1, 8), 0.05)
+            rngs[1].choice(kinds), rngs[1].randint(1, 8)
+            if spec.kind != "single":
                 spec.width = 2
             length = rngs[0].randint(1, 6)
             rngs[1].randint(1, 6)
@@ -597,19 +598,22 @@ def test_decode_fast_path_schedules_exactly_like_the_per_group_loop(mode, cachin
             captured = {}
             schedule = sim.sched.schedule
 
-            def spy(schedule=schedule, captured=captured):
-                captured["out"] = schedule()
-                return captured["out"]
+            def spy(schedule=schedule, captured=captured, sim=sim):
+                out = schedule()
+                captured["decision"] = _decision(sim, out)  # now: the step replaces beams and finishes groups
+                return out
 
             sim.sched.schedule = spy
             original(sim, rng)
             del sim.sched.schedule
-            decisions.append(_decision(sim, captured["out"]))
+            decisions.append(captured["decision"])
         assert decisions[0] == decisions[1]
-        fast_steps += bool(decisions[0][0]) and all(n == 1 for _, _, n, _ in decisions[0][0])
+        decode_step = bool(decisions[0][0]) and all(n == 1 for _, _, n, _ in decisions[0][0])
+        fast_steps += decode_step
+        fast_copies += decode_step and bool(decisions[0][1])
         for sim in sims:
             sim.check()
-    assert fast_steps > 50 and sum(sims[0].sched.num_preemptions.values()) > 0
+    assert fast_steps > 50 and fast_copies > 5 and sum(sims[0].sched.num_preemptions.values()) > 0
 
 
 # ------------------------------------------------------------------------------------------------ seeded random walks
