@@ -267,16 +267,15 @@ class ModelRunner:
         host[3, real:bucket] = 0
         host[4, real:bucket] = 0
         b = self._buffers
-        b["meta"][:, :bucket].copy_(self._host_meta[:, :bucket], non_blocking=True)
+        # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
+        b["meta"].copy_(self._host_meta, non_blocking=True)
         if changed:
             staged = self._host_staging_view
-            width = 0
             for j, (_, table) in enumerate(changed):
-                staged[j, : len(table)] = table
-                width = max(width, len(table))
+                staged[j, : len(table)] = table  # past the table: stale ids nobody reads (lengths bound the reads)
             k = len(changed)
             self._host_staging_rows.numpy()[:k] = [row for row, _ in changed]
-            b["staging"][:k, :width].copy_(self._host_staging[:k, :width], non_blocking=True)
+            b["staging"][:k].copy_(self._host_staging[:k], non_blocking=True)
             b["staging_rows"][:k].copy_(self._host_staging_rows[:k], non_blocking=True)
             b["store"].index_copy_(0, b["staging_rows"][:k], b["staging"][:k])
             self.table_rows_uploaded += k
