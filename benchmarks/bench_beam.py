@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import build_model  # noqa: E402
+from bench_generate import StepTimer, build_model  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.cache import kv_bytes_per_token  # noqa: E402
@@ -100,6 +100,7 @@ def run_paged(model, prompts: torch.Tensor, k: int, args) -> dict:
         enable_prefix_caching=False,  # random prompts share nothing; keep the measurement to sharing inside a request
     )
     setup = time.perf_counter() - start
+    timer = StepTimer(engine)
     params = hf_paged.SamplingParams(max_new_tokens=args.new_tokens, num_beams=k, ignore_eos=True)
     ids = [engine.add_request(p, params=params) for p in prompts.tolist()]
     series = []  # (used, without sharing) blocks at every step
@@ -129,6 +130,7 @@ def run_paged(model, prompts: torch.Tensor, k: int, args) -> dict:
         "num_blocks": engine.block_manager.num_blocks,
         "preemptions": sum(engine.scheduler.num_preemptions.values()),
         "saving_series": steps_saving[:: max(1, len(steps_saving) // 200)],
+        "timing": timer.summary(),
     }
     engine.close()
     del engine
@@ -170,25 +172,6 @@ def main() -> None:
     output_tokens = args.num_prompts * args.new_tokens
     widths = [int(k) for k in args.beams.split(",")]
     systems = args.systems.split(",")
-    rows = []
-    if "paged" in systems:
-        warm_up_paged(model, args)
-        for k in widths:
-            row = {"system": "hf_paged", "num_beams": k, **run_paged(model, prompts, k, args)}
-            rows.append(row)
-            print(f"hf_paged num_beams={k}: {output_tokens / row['wall_s']:,.0f} tok/s", flush=True)
-        hf_paged.disable(model)
-    if "transformers" in systems:
-        with torch.inference_mode():  # warm-up call (kernel selection, allocator), not timed
-            model.generate(input_ids=prompts[:2, :32].to(args.device), num_beams=2, max_new_tokens=4,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-        for k in widths:
-            row = {"system": "transformers", "num_beams": k, **run_transformers(model, prompts, k, args)}
-            rows.append(row)
-            print(f"transformers num_beams={k}: {output_tokens / row['wall_s']:,.0f} tok/s", flush=True)
-    for row in rows:
-        row["output_tok_s"] = output_tokens / row["wall_s"]
-
     import transformers
 
     meta = {
@@ -196,8 +179,30 @@ def main() -> None:
         "new_tokens": args.new_tokens, "seed": args.seed, "output_tokens": output_tokens,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "dtype": args.dtype,
+        "python": platform.python_version(), "dtype": args.dtype, "command": " ".join(sys.argv),
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"beam_{args.model}_{args.num_prompts}x{args.prompt_len}+{args.new_tokens}"
+    rows = []
+
+    def record(row: dict) -> None:  # written after every run: a time limit keeps what finished
+        row["output_tok_s"] = output_tokens / row["wall_s"]
+        rows.append(row)
+        print(f"{row['system']} num_beams={row['num_beams']}: {row['output_tok_s']:,.0f} tok/s", flush=True)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    if "paged" in systems:
+        warm_up_paged(model, args)
+        for k in widths:
+            record({"system": "hf_paged", "num_beams": k, **run_paged(model, prompts, k, args)})
+        hf_paged.disable(model)
+    if "transformers" in systems:
+        with torch.inference_mode():  # warm-up call (kernel selection, allocator), not timed
+            model.generate(input_ids=prompts[:2, :32].to(args.device), num_beams=2, max_new_tokens=4,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+        for k in widths:
+            record({"system": "transformers", "num_beams": k, **run_transformers(model, prompts, k, args)})
     print(f"\n{meta}\n")
     hf = {r["num_beams"]: r for r in rows if r["system"] == "transformers"}
     print("| system | beams | wall s | output tok/s | x transformers | KV GiB | KV vs transformers | sharing saved "
@@ -211,10 +216,6 @@ def main() -> None:
                   if r["system"] == "hf_paged" else "-")
         print(f"| {r['system']} | {r['num_beams']} | {r['wall_s']:.1f} | {r['output_tok_s']:,.0f} | {speed:.2f} | "
               f"{r['kv_gib']:.2f} | {100 * kv:.0f} % | {saving} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"beam_{args.model}_{args.num_prompts}x{args.prompt_len}+{args.new_tokens}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib
 

@@ -223,8 +223,9 @@ class StepTimer:
         }
 
 
-def run_paged(model, workload, args, progress: bool):
-    """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, CUDA graph capture)."""
+def run_paged(model, workload, args, progress: bool, compile_modules: bool = False):
+    """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
+    CUDA graph capture; with `compile_modules`, Inductor compiling the fused submodules)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -232,9 +233,8 @@ def run_paged(model, workload, args, progress: bool):
                              use_cuda_graph=None if not args.no_cuda_graph else False,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
-                             kv_cache_memory=args.kv_cache_memory)
-    if engine.runner.use_cuda_graph:
-        engine.runner.capture_all()
+                             kv_cache_memory=args.kv_cache_memory, compile_modules=compile_modules)
+    engine.warm_up()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
     timer = StepTimer(engine)
@@ -272,6 +272,7 @@ def run_paged(model, workload, args, progress: bool):
         "graph_steps": engine.runner.graph_steps,
         "eager_steps": engine.runner.eager_steps,
         "table_rows_uploaded": engine.runner.table_rows_uploaded,
+        "pipelined_steps": engine.pipelined_steps,
         "timing": timer.summary(),
     }
     engine.close()
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
-                        help="comma list of: paged, generate_batch, generate_batch_graphs, dynamic")
+                        help="comma list of: paged, paged_compiled, generate_batch, generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
     parser.add_argument("--dynamic-max-batches", type=int, default=0,
                         help="time DynamicCache on its first N batches only (0: all) and report its rate there")
@@ -348,8 +349,8 @@ def main() -> None:
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
-                elif system == "paged":
-                    extra = run_paged(model, workload, args, progress)
+                elif system in ("paged", "paged_compiled"):
+                    extra = run_paged(model, workload, args, progress, compile_modules=system == "paged_compiled")
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)
@@ -359,7 +360,7 @@ def main() -> None:
                          "elapsed_s": time.perf_counter() - start})
             continue
         finally:
-            if system == "paged":
+            if system.startswith("paged"):
                 import hf_paged
 
                 hf_paged.disable(model)
@@ -380,8 +381,8 @@ def main() -> None:
     table = []
     for r in rows_ok:
         table.append((r["system"], r["wall_s"], r["output_tok_s"], r))
-        if r["system"] == "paged":  # the same run without the engine's start-up
-            table.append(("paged (steady, start-up excluded)", r["run_s"], r["steady_tok_s"], r))
+        if r["system"].startswith("paged"):  # the same run without the engine's start-up
+            table.append((f"{r['system']} (steady, start-up excluded)", r["run_s"], r["steady_tok_s"], r))
     for name, wall, tok_s, r in table:
         ratio = tok_s / base["dynamic"] if "dynamic" in base else float("nan")
         ratio_cb = tok_s / cb if cb else float("nan")
@@ -400,7 +401,8 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         colors = ["#2a7" if name.startswith("paged") else "#999" for name, *_ in table]
-        ax.bar([name.replace(" (steady, start-up excluded)", "\n(steady)") for name, *_ in table],
+        ax.bar([name.replace(" (steady, start-up excluded)", "\n(steady)").replace("_compiled", "\n+compile")
+                for name, *_ in table],
                [tok_s for _, _, tok_s, _ in table], color=colors)
         ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("output tokens / s")

@@ -58,8 +58,7 @@ def make_engine(model, args):
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, use_cuda_graph=False if args.no_cuda_graph else None,
     )
-    if engine.runner.use_cuda_graph:
-        engine.runner.capture_all()
+    engine.warm_up()
     return engine
 
 

@@ -61,7 +61,7 @@ def block_size_sweep(model, workload, block_sizes):
         gc.collect()
         torch.cuda.empty_cache()
         engine = hf_paged.Engine(model, block_size=bs, max_num_seqs=256, max_num_batched_tokens=8192)
-        engine.runner.capture_all()
+        engine.warm_up()
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.generate([p for p, _ in workload],

@@ -140,7 +140,8 @@ class BeamSearch:
             picked = logits[rows[0] : rows[0] + len(rows)]
         else:
             picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        log_probs = torch.nn.functional.log_softmax(picked.to(dtype=torch.float32, copy=True), dim=-1)
+        # float32 result straight from the (bf16 / float32) logits: no float32 copy of the logits first
+        log_probs = torch.nn.functional.log_softmax(picked, dim=-1, dtype=torch.float32)
         first_rows, offset = [], 0
         for group, state, group_rows in ready:
             n = len(group_rows)
@@ -169,7 +170,10 @@ class BeamSearch:
         for (_, _, rows), first in zip(ready, first_rows):
             # the first step expands beam 0 only: its row stands for all k slots (the others start at -1e9)
             index.extend(range(first, first + k) if len(rows) == k else [first] * k)
-        beam_log_probs = log_probs.index_select(0, torch.tensor(index, device=device)).view(G, k, vocab)
+        if index == list(range(index[0], index[0] + len(index))):  # the steady state: rows already in order
+            beam_log_probs = log_probs[index[0] : index[0] + len(index)].view(G, k, vocab)
+        else:
+            beam_log_probs = log_probs.index_select(0, torch.tensor(index, device=device)).view(G, k, vocab)
         running_scores = torch.cat([s.running_scores for s in states])
         beam_scores = torch.cat([s.beam_scores for s in states])
         is_sent_finished = torch.cat([s.is_sent_finished for s in states])

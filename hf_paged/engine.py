@@ -31,6 +31,19 @@ class EngineClosedError(RuntimeError):
     """A request was added to an engine after `Engine.close()`."""
 
 
+_IN_FLIGHT = -1  # token id standing for a token a launched step has not delivered to the host yet
+
+
+@dataclass
+class _InFlight:
+    """A launched plain decode step: its argmax is on the device, on its way to `host` (done when `event` is)."""
+
+    sched: SchedulerOutput
+    tokens: torch.Tensor  # [n] int64 on the device: input of the next pipelined step
+    host: torch.Tensor  # [n] int64 on the host (pinned on CUDA)
+    event: torch.cuda.Event | None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -69,6 +82,9 @@ class Engine:
         use_cuda_graph: replay CUDA graphs for decode-only steps (default: on CUDA).
         enable_prefix_caching: reuse the KV blocks of earlier prompts' common prefixes (default on; see
             `hf_paged.block_manager`). Hits and saved prefill tokens: `stats` / `prefix_cache_stats()`.
+        compile_modules: `torch.compile` the model's RMSNorm, rotary-embedding and MLP submodules (their own code,
+            kernels fused by Inductor; `hf_paged.integrations.compile`). Fewer kernels per decode step; compiling
+            takes a while on first use (`warm_up()`). Default off.
     """
 
     def __init__(
@@ -88,6 +104,7 @@ class Engine:
         show_progress: bool = False,
         use_cuda_graph: bool | None = None,
         enable_prefix_caching: bool = True,
+        compile_modules: bool = False,
     ) -> None:
         from .integrations.generate import enable
 
@@ -97,7 +114,13 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if not isinstance(compile_modules, bool):
+            raise TypeError(f"compile_modules must be a bool, got {compile_modules!r}")
         enable(model)
+        if compile_modules:
+            from .integrations.compile import compile_submodules
+
+            compile_submodules(model)
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -150,6 +173,9 @@ class Engine:
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
         self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
+        self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
+        self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
+        self.pipelined_steps = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
                       "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
         self.beam_search = BeamSearch(self)
@@ -173,6 +199,16 @@ class Engine:
                 f"(weights + activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
             )
         return budget // per_block
+
+    def warm_up(self) -> None:
+        """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.
+
+        Optional: without it the same happens lazily, the first time each kernel shape or batch bucket is needed.
+        """
+        with self._control():
+            self.runner.warm_up_prefill(self.max_num_batched_tokens)
+            if self.runner.decode_mode == "graph":
+                self.runner.capture_all()
 
     # ------------------------------------------------------------------ requests
     def _normalize_prompt(self, prompt) -> list[int]:
@@ -258,6 +294,7 @@ class Engine:
     def abort(self, request_id) -> bool:
         """Stop a request now and free its blocks; True if it was still running."""
         with self._control():
+            self._drain()
             group = self.scheduler.abort(request_id)
             if group is None:
                 return False
@@ -275,6 +312,7 @@ class Engine:
         `stream()`. Thread-safe and idempotent; `with Engine(...) as engine:` closes on exit.
         """
         with self._control():
+            self._drain()
             self._closed = True
             for group in self.scheduler.groups():
                 self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
@@ -292,33 +330,196 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked)."""
+        """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked).
+
+        With `finished_only=True` (what `generate()` uses), decode steps of plain greedy requests on the CUDA-graph
+        path are pipelined: the next step is scheduled and launched before this one's tokens reach the host, its
+        input ids taken from this step's argmax on the device, so the GPU does not wait for the host in between.
+        """
         while self._waiters:  # add_request / abort / close from other threads go first (see _control)
             time.sleep(0.0002)
         with self._lock:
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
-                if self.scheduler.has_unfinished() and not self.scheduler.running:
-                    raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
-                return self._collect_finished()
-            phase = "blocks"  # how far the step got: decides what a failure or an interrupt must undo
+            current, self._in_flight = self._in_flight, None
+            if current is None:
+                sched = self.scheduler.schedule()
+                if sched.is_empty:
+                    if self.scheduler.has_unfinished() and not self.scheduler.running:
+                        raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
+                    return self._collect_finished()
+                phase = "blocks"  # how far the step got: decides what a failure or an interrupt must undo
+                try:
+                    self.runner.apply_block_ops(sched)
+                    track_sharing(self.stats, *self.block_manager.usage())
+                    phase = "forward"
+                    with torch.inference_mode():
+                        logits, _ = self.runner.execute(sched)
+                        phase = "sample"
+                        if finished_only and self._can_pipeline(sched, logits):
+                            current = self._launch(sched, logits)
+                        else:
+                            advanced = self._sample_and_update(sched, logits)
+                except Exception as error:  # a failing step fails its own requests only
+                    advanced = self._fail(sched, error, phase)
+                except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate
+                    self._interrupted(sched, error, phase)
+                    raise
+                if current is None:
+                    self._track(sched)
+                    return self._outputs(advanced, finished_only)
+            return self._outputs(self._advance_pipeline(current, finished_only), finished_only)
+
+    def _outputs(self, advanced: list[SequenceGroup], finished_only: bool) -> list[RequestOutput]:
+        if finished_only:
+            advanced = [g for g in advanced if g.is_finished]
+        return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
+
+    # ------------------------------------------------------------------ pipelined decode
+    def _can_pipeline(self, sched: SchedulerOutput, logits: torch.Tensor) -> bool:
+        """A static-path decode step of plain greedy requests covering every running request, none waiting."""
+        scheduler = self.scheduler
+        scheduled = sched.scheduled
+        return (
+            self.runner.last_static
+            and not (scheduler.waiting or scheduler.swapped or sched.copies)
+            and logits.shape[0] == len(scheduled) == len(scheduler.running)
+            and all(item.group.plain for item in scheduled)
+        )
+
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
+        """Pick the step's tokens on the device and start their copy to the host; do not wait for it.
+
+        Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
+        can plan the next step (one more token for each) before the token is known.
+        """
+        tokens = logits.argmax(dim=-1)
+        n = tokens.shape[0]
+        event = None
+        if tokens.is_cuda:
+            if not self._token_hosts or self._token_hosts[0].shape[0] < n:
+                size = max(n, self.scheduler.max_num_seqs)
+                self._token_hosts = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._token_hosts.reverse()  # never the buffer of the step still in flight
+            host = self._token_hosts[0][:n]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_tokens
+            item.seq.token_ids.append(_IN_FLIGHT)
+        return _InFlight(sched, tokens, host, event)
+
+    def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
+        """The next decode step of every running request that `current` does not finish by length, if it fits."""
+        scheduler = self.scheduler
+        if scheduler.waiting or scheduler.swapped:
+            return None  # admissions need the normal scheduler: let the pipeline drain
+        done = {id(item.group) for item in current.sched.scheduled
+                if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
+        running = scheduler.running
+        sched = SchedulerOutput()
+        scheduler.running = [g for g in running if id(g) not in done] if done else running
+        try:
+            decodes = scheduler._schedule_decodes(
+                sched, [scheduler.max_num_batched_tokens, scheduler.max_num_seqs])
+        finally:
+            scheduler.running = running
+        if not decodes:
+            return None  # nothing was reserved
+        assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
+        return sched
+
+    def _advance_pipeline(self, current: _InFlight, finished_only: bool) -> list[SequenceGroup]:
+        """Launch the step after `current` (when it can), then wait for `current`'s tokens and apply them."""
+        sched = self._schedule_next(current) if finished_only else None
+        launched, failure, interrupt = None, None, None
+        if sched is not None:
             try:
                 self.runner.apply_block_ops(sched)
                 track_sharing(self.stats, *self.block_manager.usage())
-                phase = "forward"
+                rows = {id(item.seq): k for k, item in enumerate(current.sched.scheduled)}
+                source = (current.tokens, [rows[id(item.seq)] for item in sched.scheduled])
                 with torch.inference_mode():
-                    logits, _ = self.runner.execute(sched)
-                    phase = "sample"
-                    advanced = self._sample_and_update(sched, logits)
-            except Exception as error:  # a failing step fails its own requests only
-                advanced = self._fail(sched, error, phase)
-            except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate
-                self._interrupted(sched, error, phase)
-                raise
-            self._track(sched)
-            if finished_only:
-                advanced = [g for g in advanced if g.is_finished]
-            return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
+                    logits, _ = self.runner.execute(sched, input_tokens=source)
+                    launched = self._launch(sched, logits)
+            except Exception as error:
+                failure = error
+            except BaseException as error:
+                interrupt = error
+        try:
+            advanced = self._apply(current)
+        except BaseException as error:  # tokens half applied: fail both steps' requests (as in _interrupted)
+            failed = []
+            for step in (sched, current.sched):
+                if step is not None:
+                    self._drop_in_flight(step)
+                    failed += [g for g in self._fail(step, error, "sample") if g not in failed]
+            if isinstance(error, Exception):
+                return failed
+            self._unreported.extend(failed)
+            raise
+        self._track(current.sched)
+        if failure is not None:  # the next step's forward failed: its requests fail, as in a normal step
+            self._drop_in_flight(sched)
+            failed = self._fail(sched, failure, "forward")
+            advanced += [g for g in failed if g not in advanced]
+        elif interrupt is not None:  # nothing of it was applied: requeue its requests, lose nothing
+            self._drop_in_flight(sched)
+            self._interrupted(sched, interrupt, "forward")
+            self._unreported.extend(g for g in advanced if g.is_finished)  # the applied step's results
+            raise interrupt
+        elif launched is not None:
+            self._in_flight = launched
+            self.pipelined_steps += 1
+        return advanced
+
+    def _apply(self, current: _InFlight) -> list[SequenceGroup]:
+        """Wait for a launched step's tokens; put each where `_IN_FLIGHT` stands, then apply the stop conditions.
+
+        A request that stops here may already be in the next launched step: its token from that step is dropped
+        (its blocks are freed now; the stream runs that step before any later use of them). A request aborted while
+        its step was in flight keeps the tokens it had before that step.
+        """
+        if current.event is not None:
+            current.event.synchronize()
+        tokens = current.host.tolist()
+        check_stop = self._check_stop
+        advanced, finished = [], []
+        for item, token in zip(current.sched.scheduled, tokens):
+            seq = item.seq
+            ids = seq.token_ids
+            at = item.start + item.num_tokens  # where this step's token goes
+            if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
+                del ids[at:]
+                continue
+            later = ids[at + 1 :]  # the next launched step's placeholder, if any
+            del ids[at:]
+            ids.append(token)
+            check_stop(seq, item.group.params)
+            advanced.append(item.group)
+            if seq.status.is_finished:
+                finished.append(item.group)
+            else:
+                ids.extend(later)
+        if finished:
+            self.scheduler.remove_finished(finished)
+        return advanced
+
+    def _drop_in_flight(self, sched: SchedulerOutput) -> None:
+        """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""
+        for item in sched.scheduled:
+            seq = item.seq
+            del seq.token_ids[item.start + item.num_tokens :]
+            seq.num_computed = min(seq.num_computed, item.start)
+
+    def _drain(self) -> None:
+        """Apply the launched step, if any, before the engine's state is read or changed outside a step."""
+        current, self._in_flight = self._in_flight, None
+        if current is not None:
+            advanced = self._apply(current)
+            self._track(current.sched)
+            self._unreported.extend(g for g in advanced if g.is_finished)
 
     def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
         """Pick the next tokens, append them, apply stop conditions and forks; return the groups that advanced."""
@@ -552,6 +753,7 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
         with self._control():  # aborted (or closed) after the last step, e.g. from another thread: still report them
+            self._drain()
             leftovers = self._collect_finished()
         yield from leftovers
 
@@ -601,6 +803,7 @@ class Engine:
             if bar is not None:
                 bar.close()
         with self._control():
+            self._drain()
             for request_id in ids:  # aborted from another thread while we were stepping
                 if request_id not in results and request_id in self._groups:
                     results[request_id] = self._output(self._groups[request_id])

@@ -65,6 +65,7 @@ class ModelRunner:
         self.graph_steps = 0
         self.eager_steps = 0
         self.table_rows_uploaded = 0
+        self.last_static = False
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -85,15 +86,27 @@ class ModelRunner:
         cache._copy_blocks(sched.copies)
 
     # ------------------------------------------------------------------ forward
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`)."""
+    def execute(self, sched: SchedulerOutput, input_tokens=None) -> tuple[torch.Tensor, list[int]]:
+        """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`).
+
+        `input_tokens = (tokens, rows)`: the step's input token ids are `tokens[rows]`, gathered on the device (the
+        previous step's argmax, not yet on the host: a pipelined decode step). Static decode path only.
+        """
         if sched.preempted or sched.swap_in or sched.swap_out:
             self.invalidate_tables()  # tables were rebuilt or moved: a row's (length, last block) proves nothing
-        scheduled = sched.scheduled
-        if self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs:
-            if all(item.num_tokens == 1 for item in scheduled):
-                return self._execute_static(sched)
+        if self.static_eligible(sched):
+            self.last_static = True
+            return self._execute_static(sched, input_tokens)
+        if input_tokens is not None:
+            raise ValueError("input_tokens needs a decode step on the static path")
+        self.last_static = False
         return self._execute_eager(sched)
+
+    def static_eligible(self, sched: SchedulerOutput) -> bool:
+        """Whether `execute` runs this step on the static decode buffers (CUDA graph, or "static" on the CPU)."""
+        scheduled = sched.scheduled
+        return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
+                and all(item.num_tokens == 1 for item in scheduled))
 
     def _execute_eager(self, sched: SchedulerOutput):
         bm = self.cache.block_manager
@@ -134,8 +147,9 @@ class ModelRunner:
         n, mb, dev = self.max_num_seqs, self.max_blocks_per_seq, self.device
         pin = dev.type == "cuda"
         # one int64 buffer for the per-row vectors, so a step uploads them with a single copy: row 0 token ids,
-        # 1 positions, 2 slot mapping, 3 sequence lengths, 4 table-store rows (the kernels accept int64 indices)
-        meta = torch.zeros((5, n), dtype=torch.long, device=dev)
+        # 1 positions, 2 slot mapping, 3 sequence lengths, 4 table-store rows, 5 rows of the previous step's tokens
+        # to take as input ids (pipelined steps; the kernels accept int64 indices)
+        meta = torch.zeros((6, n), dtype=torch.long, device=dev)
         self._store_capacity = 2 * n + 1  # every live sequence plus as many finished ones before a sweep
         self._buffers = {
             "meta": meta,
@@ -144,17 +158,24 @@ class ModelRunner:
             "slots": meta[2],
             "lens": meta[3],
             "rows": meta[4],
+            "src": meta[5],
             "tables": torch.zeros((n, mb), dtype=torch.int32, device=dev),
             "store": torch.zeros((self._store_capacity, mb), dtype=torch.int32, device=dev),
             "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
             "staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
         }
-        self._host_meta = torch.zeros((5, n), dtype=torch.long, pin_memory=pin)
-        self._host_view = self._host_meta.numpy()
-        self._host_staging = torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin)
-        self._host_staging_view = self._host_staging.numpy()
-        self._host_staging_rows = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+        # Host sides of the uploads, twice: a copy from pinned memory is read by the GPU after copy_() returns, and a
+        # pipelined step writes its inputs before the step launched just before it has run. Alternating two sets,
+        # a set is written again only two launches later, when the engine has waited for the step that used it.
+        self._host_sets = [
+            {
+                "meta": torch.zeros((6, n), dtype=torch.long, pin_memory=pin),
+                "staging": torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin),
+                "staging_rows": torch.zeros(n, dtype=torch.long, pin_memory=pin),
+            }
+            for _ in range(2)
+        ]
         self.invalidate_tables()
 
     def invalidate_tables(self) -> None:
@@ -223,7 +244,31 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _execute_static(self, sched: SchedulerOutput):
+    def warm_up_prefill(self, max_tokens: int) -> None:
+        """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
+
+        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step, so a
+        few query lengths are run. Nothing is written (slot -1) and every table points at block 0.
+        """
+        cache = self.cache
+        with torch.inference_mode():
+            for q_len in (2, 8, 64, 256):
+                num_seqs = max(1, min(4, max_tokens // q_len))
+                tokens = num_seqs * q_len
+                table = [0] * -(-q_len // self.block_size)  # every position reads block 0
+                step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
+                                        [q_len] * num_seqs, self.device)
+                cache.set_engine_step(step)
+                positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
+                self.model(
+                    input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
+                    past_key_values=cache, use_cache=True,
+                    logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _execute_static(self, sched: SchedulerOutput, input_tokens=None):
         self._ensure_buffers()
         scheduled = sched.scheduled
         real = len(scheduled)
@@ -239,7 +284,8 @@ class ModelRunner:
         for item in scheduled:
             seq = item.seq
             start = item.start
-            ids.append(seq.token_ids[start])
+            if input_tokens is None:
+                ids.append(seq.token_ids[start])
             pos.append(start)
             slots.append(item.slots[0])
             seq_id = seq.seq_id
@@ -257,8 +303,13 @@ class ModelRunner:
             rows.append(entry[0])
         if any(len(t) > self.max_blocks_per_seq for _, t in changed):
             return self._execute_eager(sched)
-        host = self._host_view
-        host[0, :real] = ids
+        self._host_sets.reverse()
+        host_set = self._host_sets[0]
+        host = host_set["meta"].numpy()
+        if input_tokens is None:
+            host[0, :real] = ids
+        else:
+            host[5, :real] = input_tokens[1]
         host[1, :real] = pos
         host[2, :real] = slots
         host[3, :real] = [p + 1 for p in pos]
@@ -268,17 +319,19 @@ class ModelRunner:
         host[4, real:bucket] = 0
         b = self._buffers
         # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
-        b["meta"].copy_(self._host_meta, non_blocking=True)
+        b["meta"].copy_(host_set["meta"], non_blocking=True)
         if changed:
-            staged = self._host_staging_view
+            staged = host_set["staging"].numpy()
             for j, (_, table) in enumerate(changed):
                 staged[j, : len(table)] = table  # past the table: stale ids nobody reads (lengths bound the reads)
             k = len(changed)
-            self._host_staging_rows.numpy()[:k] = [row for row, _ in changed]
-            b["staging"][:k].copy_(self._host_staging[:k], non_blocking=True)
-            b["staging_rows"][:k].copy_(self._host_staging_rows[:k], non_blocking=True)
+            host_set["staging_rows"].numpy()[:k] = [row for row, _ in changed]
+            b["staging"][:k].copy_(host_set["staging"][:k], non_blocking=True)
+            b["staging_rows"][:k].copy_(host_set["staging_rows"][:k], non_blocking=True)
             b["store"].index_copy_(0, b["staging_rows"][:k], b["staging"][:k])
             self.table_rows_uploaded += k
+        if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
+            torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
         logits = run()
         self.graph_steps += 1
         return logits[:real], list(range(real))

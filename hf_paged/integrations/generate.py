@@ -338,10 +338,13 @@ def enable(model, **engine_kwargs):
 
 
 def disable(model, attn_implementation: str = "sdpa"):
-    """Undo `enable`: original class, `attn_implementation`, engine released."""
+    """Undo `enable`: original class, `attn_implementation`, engine released, compiled submodules uncompiled."""
+    from .compile import uncompile_submodules
+
     base = getattr(type(model), "_hf_paged_base", None)
     if base is not None:
         model.__class__ = base
+    uncompile_submodules(model)
     model.set_attn_implementation(attn_implementation)
     model._hf_paged_engine = None
     return model
