@@ -166,39 +166,49 @@ def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
 
 
 class StepTimer:
-    """Host-side time of each part of every engine step (schedule, execute, sample+update) and the batch size.
+    """Host-side time of the parts of every engine step (schedule, execute, sample+update) and its batch size.
 
     `execute` returns once the decode graph is launched (the GPU runs on), so for decode steps `sample` holds the
-    wait for the GPU plus the host update: `schedule + execute` is the host time the GPU waits for."""
+    wait for the GPU plus the host update: `schedule + execute` is the host time the GPU waits for. Pipelined steps
+    (scheduled by the fast path and launched before the previous step's tokens arrive) are timed at `execute` and at
+    `_apply` (their wait + update). The wrappers pass every argument through: the engine calls `execute` with a
+    keyword for pipelined steps (a wrapper that dropped it broke every pipelined step of one H100 run)."""
 
     def __init__(self, engine):
         self.rows: list[tuple[int, bool, float, float, float]] = []  # batch, decode-only, schedule, execute, sample
         self._parts = [0.0, 0.0, 0.0]
         self._batch, self._decode = 0, True
-        sched_fn, exec_fn, sample_fn = engine.scheduler.schedule, engine.runner.execute, engine._sample_and_update
+        sched_fn, exec_fn = engine.scheduler.schedule, engine.runner.execute
+        sample_fn, apply_fn = engine._sample_and_update, engine._apply
 
-        def schedule():
+        def schedule(*args, **kwargs):
             t = time.perf_counter()
-            out = sched_fn()
+            out = sched_fn(*args, **kwargs)
             self._parts[0] = time.perf_counter() - t
-            self._batch = len(out.scheduled)
-            self._decode = all(item.num_tokens == 1 for item in out.scheduled)
             return out
 
-        def execute(sched):
+        def execute(sched, *args, **kwargs):
+            if kwargs.get("input_tokens") is not None:
+                self._parts[0] = 0.0  # scheduled by the pipeline's fast path, inside the previous step
+            self._batch = len(sched.scheduled)
+            self._decode = all(item.num_tokens == 1 for item in sched.scheduled)
             t = time.perf_counter()
-            out = exec_fn(sched)
+            out = exec_fn(sched, *args, **kwargs)
             self._parts[1] = time.perf_counter() - t
             return out
 
-        def sample(sched, logits):
-            t = time.perf_counter()
-            out = sample_fn(sched, logits)
-            self._parts[2] = time.perf_counter() - t
-            self.rows.append((self._batch, self._decode, *self._parts))
-            return out
+        def timed(function):
+            def wrapper(*args, **kwargs):
+                t = time.perf_counter()
+                out = function(*args, **kwargs)
+                self._parts[2] = time.perf_counter() - t
+                self.rows.append((self._batch, self._decode, *self._parts))
+                return out
 
-        engine.scheduler.schedule, engine.runner.execute, engine._sample_and_update = schedule, execute, sample
+            return wrapper
+
+        engine.scheduler.schedule, engine.runner.execute = schedule, execute
+        engine._sample_and_update, engine._apply = timed(sample_fn), timed(apply_fn)
 
     def summary(self) -> dict:
         decode = [r for r in self.rows if r[1]]
@@ -246,9 +256,11 @@ def run_paged(model, workload, args, progress: bool, compile_modules: bool = Fal
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(ids), desc="hf_paged", disable=not progress)
+    outputs = {}
     while engine.has_unfinished():
         for out in engine.step(finished_only=True):
             if out.finished:
+                outputs[out.request_id] = out
                 done += 1
                 bar.update(1)
         if engine.stats["steps"] % 16 == 0:
@@ -258,6 +270,14 @@ def run_paged(model, workload, args, progress: bool, compile_modules: bool = Fal
     sync(args.device)
     run_s = time.perf_counter() - run_start
     bar.close()
+    # a throughput is only a throughput if every request produced exactly its tokens
+    failed = [o for o in outputs.values() if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed, first: {failed[0].error!r}")
+    wrong = [i for i, (rid, (_, n)) in enumerate(zip(ids, workload))
+             if rid not in outputs or len(outputs[rid].outputs[0].token_ids) != n]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} requests did not return exactly their output length (first: #{wrong[0]})")
     steps = max(1, engine.stats["steps"])
     result = {
         "setup_s": setup_s,
