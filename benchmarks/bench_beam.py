@@ -163,7 +163,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plot-only", default=None, help="redraw the plot of a results JSON and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        data = json.loads(Path(args.plot_only).read_text())
+        plot(data["rows"], data["meta"], Path(args.plot_only).with_suffix(".png"))
+        return
     if args.device == "cpu" and args.kv_cache_memory is None:
         args.kv_cache_memory = "1GiB"
 
@@ -216,6 +221,10 @@ def main() -> None:
                   if r["system"] == "hf_paged" else "-")
         print(f"| {r['system']} | {r['num_beams']} | {r['wall_s']:.1f} | {r['output_tok_s']:,.0f} | {speed:.2f} | "
               f"{r['kv_gib']:.2f} | {100 * kv:.0f} % | {saving} |")
+    plot(rows, meta, out / f"{stem}.png")
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
     try:
         import matplotlib
 
@@ -224,7 +233,7 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
     for system, color in (("hf_paged", "#2a7"), ("transformers", "#999")):
         sel = [r for r in rows if r["system"] == system]
         if sel:
@@ -232,13 +241,16 @@ def main() -> None:
             ax2.plot([r["num_beams"] for r in sel], [r["kv_gib"] for r in sel], "o-", color=color, label=system)
     ax1.set_xlabel("num_beams")
     ax1.set_ylabel("output tokens / s")
+    ax1.set_ylim(bottom=0)
     ax2.set_xlabel("num_beams")
-    ax2.set_ylabel("KV GiB (transformers: held; hf_paged: referenced at peak)")
+    ax2.set_ylabel("KV GiB")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("transformers: held at the end; hf_paged: referenced at the peak", fontsize=8)
     ax1.legend()
-    fig.suptitle(f"beam search, {args.model}, {args.num_prompts} prompts x {args.prompt_len} + {args.new_tokens}",
-                 fontsize=9)
+    fig.suptitle(f"beam search, {meta['model']}, {meta['num_prompts']} prompts x {meta['prompt_len']} + "
+                 f"{meta['new_tokens']} tokens, {meta['device']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
