@@ -21,6 +21,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import platform
 import signal
 import sys
@@ -60,6 +61,46 @@ def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str 
 
     ins, outs = lengths(mean_in), lengths(mean_out)
     return [(rng.integers(100, 30000, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def init_tensor_parallel(device: str) -> tuple[int, int]:
+    """(rank, world size) under torchrun (process group initialised, one GPU per rank), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world
+
+
+def build_tp_model(name: str, dtype: torch.dtype, rank: int):
+    """Tensor parallel (under torchrun): every rank loads its shard of a checkpoint with transformers' plan.
+
+    A named shape is random-initialised once (seed 0) and saved by rank 0 to a temporary checkpoint first."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    path = name
+    if name in SHAPES:
+        path = os.path.join(tempfile.gettempdir(), f"hf_paged_bench_{name}_{str(dtype).split('.')[-1]}")
+        if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                build_model(name, "cpu", dtype).save_pretrained(path)
+        dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                 distributed_config=DistributedConfig(tp_plan="auto"))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
 
 
 def build_model(name: str, device: str, dtype: torch.dtype):
@@ -328,17 +369,27 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     workload = make_workload(args.workload, args.num_requests, args.seed, jsonl=args.jsonl)
     output_tokens = sum(o for _, o in workload)
-    model = build_model(args.model, args.device, dtype)
+    rank, world = init_tensor_parallel(args.device)
+    if world > 1:  # the same launch under torchrun: one shard of the model and one engine per rank
+        unsupported = set(args.systems.split(",")) - {"paged", "paged_compiled", "dynamic"}
+        if unsupported:
+            raise SystemExit(f"under tensor parallelism only paged, paged_compiled and dynamic run, not {unsupported}")
+        model = build_tp_model(args.model, dtype, rank)
+        if rank != 0:
+            args.no_progress = True
+    else:
+        model = build_model(args.model, args.device, dtype)
     progress = not args.no_progress
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_{args.model}_{args.workload}_{len(workload)}"
+    stem = f"generate_{Path(args.model).name}_{args.workload}_{len(workload)}" + (f"_tp{world}" if world > 1 else "")
     meta = {
         "model": args.model, "workload": args.workload, "num_requests": len(workload),
         "mean_input": float(np.mean([len(p) for p, _ in workload])), "mean_output": output_tokens / len(workload),
         "output_tokens": output_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
+        "tensor_parallel": world,
     }
     import transformers
 
@@ -352,7 +403,8 @@ def main() -> None:
         start = time.perf_counter()
         tokens = output_tokens
         try:
-            with time_limit(args.system_timeout):
+            # no per-rank alarm under tensor parallelism: one rank leaving a collective would hang the others
+            with time_limit(args.system_timeout if world == 1 else 0):
                 if system == "dynamic":
                     extra = run_dynamic(model, workload, args.dynamic_batch_size, args.device, progress,
                                         args.dynamic_max_batches)
@@ -390,8 +442,11 @@ def main() -> None:
         rows.append({"system": system, "wall_s": wall, "output_tok_s": tokens / wall,
                      "req_s": extra.get("batches", 0) * args.dynamic_batch_size / wall if system == "dynamic"
                      and args.dynamic_max_batches else len(workload) / wall, "peak_gib": peak, **extra})
-        print(f"{system}: {tokens / wall:,.0f} output tok/s", flush=True)
-        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        if rank == 0:
+            print(f"{system}: {tokens / wall:,.0f} output tok/s", flush=True)
+            (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    if rank != 0:
+        return
     rows_ok = [r for r in rows if "error" not in r]
     base = {r["system"]: r["output_tok_s"] for r in rows_ok}
     print(f"\n{meta}\n")

@@ -116,7 +116,8 @@ class BeamSearch:
         for members in buckets.values():
             packed.append(self._device_step([ready[i] for i in members], [first_rows[i] for i in members], log_probs))
             order.extend(members)
-        host = torch.cat([p.flatten() for p in packed]).tolist()  # the one host sync of this step's beam groups
+        # the one host sync of this step's beam groups; under tensor parallelism every rank takes the first rank's
+        host = self.engine._share(torch.cat([p.flatten() for p in packed])).tolist()
         offset = 0
         for index in order:
             group, state, _ = ready[index]

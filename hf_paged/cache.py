@@ -115,7 +115,7 @@ class _PagedLayer(CacheLayerMixin):
         self._layer_idx = layer_idx
 
     def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
-        self._cache._ensure_pool(key_states.device, key_states.dtype)
+        self._cache._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
 
     def update(self, key_states, value_states, *args, **kwargs):
         return self._cache.update(key_states, value_states, self._layer_idx)
@@ -149,6 +149,9 @@ class PagedCache(Cache):
         gpu_memory_utilization: fraction of the free CUDA memory given to the pool when sizing it automatically.
         kv_cache_memory: bytes (or "2GiB") for the pool; overrides the automatic size.
         num_cpu_blocks: size of the CPU swap pool (engine preemption by swapping), 0 = no swap.
+        num_layers, num_kv_heads, head_dim: override what `config` says (e.g. the KV heads of one tensor-parallel
+            rank). Without an override, a pool allocated on first use takes its KV head count from the key states
+            it is given, so the drop-in cache follows a model sharded by transformers' tensor parallelism.
     """
 
     def __init__(
@@ -166,8 +169,12 @@ class PagedCache(Cache):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
     ):
+        self._fixed_kv_heads = num_kv_heads is not None
         if config is not None:
-            num_layers, num_kv_heads, head_dim = _attention_shape(config)
+            config_layers, config_kv_heads, config_head_dim = _attention_shape(config)
+            num_layers = config_layers if num_layers is None else num_layers
+            num_kv_heads = config_kv_heads if num_kv_heads is None else num_kv_heads
+            head_dim = config_head_dim if head_dim is None else head_dim
         if num_layers is None or num_kv_heads is None or head_dim is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -239,10 +246,24 @@ class PagedCache(Cache):
             )
         return int(num_blocks)
 
-    def _ensure_pool(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights)."""
+    def _ensure_pool(self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None) -> None:
+        """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights).
+
+        `kv_heads`: the heads of the key states being written. A rank of a tensor-parallel model writes its share of
+        the config's KV heads; the pool is sized for what it gets, unless `num_kv_heads` was given explicitly.
+        """
         if self.pool is not None:
+            if kv_heads is not None and kv_heads != self.num_kv_heads:
+                raise ValueError(
+                    f"the model writes {kv_heads} KV heads per layer but this PagedCache holds {self.num_kv_heads}"
+                )
             return
+        if kv_heads is not None and kv_heads != self.num_kv_heads:
+            if self._fixed_kv_heads or self.num_kv_heads % kv_heads:
+                raise ValueError(
+                    f"the model writes {kv_heads} KV heads per layer but this PagedCache holds {self.num_kv_heads}"
+                )
+            self.num_kv_heads = kv_heads  # one tensor-parallel rank's share
         device = self._device or torch.device(device)
         dtype = self._dtype or dtype
         num_blocks = self._requested_blocks or self._auto_num_blocks(device, dtype)
@@ -269,7 +290,7 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this step's K/V of `layer_idx` into the pool; return the layer's pool tensors (tagged)."""
-        self._ensure_pool(key_states.device, key_states.dtype)
+        self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
         if self._engine_step_pending:
             self._engine_step_pending = False  # the engine prepared this forward's step
         elif self._step is None or layer_idx <= self._last_layer:

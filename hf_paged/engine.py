@@ -85,6 +85,11 @@ class Engine:
         compile_modules: `torch.compile` the model's RMSNorm, rotary-embedding and MLP submodules (their own code,
             kernels fused by Inductor; `hf_paged.integrations.compile`). Fewer kernels per decode step; compiling
             takes a while on first use (`warm_up()`). Default off.
+
+    A model sharded by transformers' tensor parallelism (`DistributedConfig(tp_plan="auto")` under `torchrun`) is
+    served by one engine per rank: each holds its KV heads, all hold the same blocks and make the same decisions
+    (`hf_paged.integrations.distributed`). Every rank must add the same requests in the same order. CUDA graphs are
+    off by default there (`use_cuda_graph=True` asks for them).
     """
 
     def __init__(
@@ -116,6 +121,9 @@ class Engine:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if not isinstance(compile_modules, bool):
             raise TypeError(f"compile_modules must be a bool, got {compile_modules!r}")
+        from .integrations.distributed import TensorParallel
+
+        self.tp = TensorParallel.of(model)
         enable(model)
         if compile_modules:
             from .integrations.compile import compile_submodules
@@ -134,7 +142,14 @@ class Engine:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {swap_space!r}")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.show_progress = show_progress
-        probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size)
+        kv_heads = None
+        if self.tp is not None:  # this rank's share of the KV heads (and a check that the query heads split too)
+            self.tp.local_heads(int(text_config.num_attention_heads), "num_attention_heads")
+            kv_heads = self.tp.local_heads(PagedCache(config=model.config, num_blocks=1).num_kv_heads,
+                                           "num_key_value_heads")
+            if use_cuda_graph is None:
+                use_cuda_graph = False
+        probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
         per_block = probe.bytes_per_block(self.dtype)
         num_cpu_blocks = int(swap_space * 1024**3) // per_block
         if preemption_mode == "swap" and num_cpu_blocks == 0:
@@ -142,8 +157,14 @@ class Engine:
         kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
         if num_blocks is None and kv_bytes is None and self.device.type == "cuda":
             num_blocks = self._profile_num_blocks(per_block, gpu_memory_utilization)
+        if self.tp is not None:  # one block table for all ranks: every rank's pool gets the smallest block count
+            if num_blocks is None:
+                num_blocks = probe._auto_num_blocks(self.device, self.dtype) if kv_bytes is None else max(
+                    1, kv_bytes // per_block)
+            num_blocks = self.tp.agree_min(num_blocks, self.device)
         self.cache = PagedCache(
             config=model.config,
+            num_kv_heads=kv_heads,
             num_blocks=num_blocks,
             block_size=block_size,
             device=self.device,
@@ -368,6 +389,10 @@ class Engine:
                     return self._outputs(advanced, finished_only)
             return self._outputs(self._advance_pipeline(current, finished_only), finished_only)
 
+    def _share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: every rank takes the first rank's picks (no-op in a single process)."""
+        return tokens if self.tp is None else self.tp.share(tokens)
+
     def _outputs(self, advanced: list[SequenceGroup], finished_only: bool) -> list[RequestOutput]:
         if finished_only:
             advanced = [g for g in advanced if g.is_finished]
@@ -391,7 +416,7 @@ class Engine:
         Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
         can plan the next step (one more token for each) before the token is known.
         """
-        tokens = logits.argmax(dim=-1)
+        tokens = self._share(logits.argmax(dim=-1))
         n = tokens.shape[0]
         event = None
         if tokens.is_cuda:
@@ -554,7 +579,7 @@ class Engine:
             else:
                 picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
             tokens, scores = self.sampler(picked, params, histories, num_out, keys)
-            token_list = tokens.tolist()
+            token_list = self._share(tokens).tolist()
             forks: dict[int, int] = {}
             for j, (item, token) in enumerate(zip(owners, token_list)):
                 seq = item.seq
@@ -579,7 +604,7 @@ class Engine:
 
     def _update_plain(self, scheduled, logits: torch.Tensor) -> list[SequenceGroup]:
         """The hot path: every scheduled sequence is a plain greedy one that samples; its token is the argmax."""
-        tokens = logits.argmax(dim=-1).tolist()  # the step's one host sync
+        tokens = self._share(logits.argmax(dim=-1)).tolist()  # the step's one host sync
         check_stop = self._check_stop
         finished = []
         for item, token in zip(scheduled, tokens):

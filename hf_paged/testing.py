@@ -31,6 +31,7 @@ __all__ = [
     "SMOLLM2_GGUF",
     "load_smollm2",
     "smollm2_cache_dir",
+    "smollm2_checkpoint",
     "smollm2_path",
     "tiny_batch",
     "tiny_config",
@@ -332,6 +333,21 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The converted SmolLM2 checkpoint directory (model, tokenizer), converted from the GGUF file if needed.
+
+    For `from_pretrained(path, ...)` with options of one's own, e.g. a tensor-parallel load under `torchrun`
+    (convert on one rank, then let every rank load).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    gguf = smollm2_path()
+    target = pathlib.Path(cache_dir) if cache_dir is not None else smollm2_cache_dir()
+    meta = _source_meta(gguf)
+    if not _cache_is_valid(target, meta):
+        _convert_smollm2(gguf, target, meta)
+    return target
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):
     """Load ``SmolLM2-135M-Instruct`` (a LlamaForCausalLM: 30 layers, 9 query / 3 KV heads, head_dim 64) and its
     tokenizer (with chat template), fully offline.
@@ -343,12 +359,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLik
     """
     from transformers import AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    gguf = smollm2_path()
-    target = pathlib.Path(cache_dir) if cache_dir is not None else smollm2_cache_dir()
-    meta = _source_meta(gguf)
-    if not _cache_is_valid(target, meta):
-        _convert_smollm2(gguf, target, meta)
+    target = smollm2_checkpoint(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True)

@@ -532,3 +532,22 @@ def test_paged_cache_on_a_model_that_was_not_enabled_gives_a_clear_error():
     with pytest.raises(Exception) as info:
         model.generate(**batch, past_key_values=new_cache(model), do_sample=False, max_new_tokens=3)
     assert "enable" in str(info.value), f"unclear error: {type(info.value).__name__}: {info.value}"
+
+
+def test_lazy_pool_takes_the_kv_heads_it_is_given():
+    """A rank of a tensor-parallel model writes its share of the KV heads: a pool allocated on first use follows it
+    (a divisor of the config's heads); an explicit num_kv_heads, or a non-divisor, is refused with a clear error."""
+    config = hf_paged.enable(tiny_model("llama")).config  # 2 KV heads, head_dim 16
+    cache = hf_paged.PagedCache(config=config, num_blocks=4, block_size=4)
+    keys = torch.randn(1, 1, 3, 16)
+    cache.update(keys, keys.clone(), 0)
+    assert cache.num_kv_heads == 1 and cache.pool.shape[3] == 1
+    with pytest.raises(ValueError, match="KV heads"):
+        cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 1)
+    fixed = hf_paged.PagedCache(config=config, num_blocks=4, block_size=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="KV heads"):
+        fixed.update(keys, keys.clone(), 0)
+    odd = hf_paged.PagedCache(config=hf_paged.enable(tiny_model("llama", num_key_value_heads=4)).config,
+                              num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV heads"):
+        odd.update(torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16), 0)

@@ -1,0 +1,130 @@
+"""Tensor-parallel serving: transformers shards the model over the ranks, hf_paged runs one engine per rank.
+
+    torchrun --standalone --nproc-per-node 3 examples/tensor_parallel.py          # SmolLM2-135M (9 / 3 heads)
+    torchrun --standalone --nproc-per-node 2 examples/tensor_parallel.py --model tiny
+    python examples/tensor_parallel.py                                              # one process: the same text
+
+Every rank loads its shard (`DistributedConfig(tp_plan="auto")`: q/k/v column-parallel, o_proj row-parallel), builds
+an `hf_paged.Engine` (its pool holds this rank's KV heads; the block tables are the same everywhere) and runs the
+same requests. Rank 0 prints the answers; `--json DIR` makes every rank write what it generated, to check that no
+rank diverged. The number of ranks must divide the model's query and KV heads. On CPUs the ranks talk over gloo; on
+GPUs (one per rank) over NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+
+import hf_paged
+from hf_paged.testing import smollm2_checkpoint, tiny_model
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Name three primary colours.",
+    "Write a haiku about the sea.",
+]
+
+
+def setup() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; one process without it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world, device
+
+
+def checkpoint(name: str, rank: int, world: int) -> Path:
+    """A local checkpoint directory, prepared by rank 0 while the others wait."""
+    if name == "tiny":  # a tiny random llama (4 query / 2 KV heads), the same on every rank
+        path = Path(tempfile.gettempdir()) / f"hf_paged_tp_tiny_{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
+        if rank == 0:
+            tiny_model("llama", seed=0).save_pretrained(path)
+    elif name == "smollm2":
+        path = smollm2_checkpoint() if rank == 0 else None
+    else:
+        path = Path(name)
+    if world > 1:
+        box = [str(path) if path is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        path = Path(box[0])
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a local checkpoint directory")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-memory", default="128MiB")
+    parser.add_argument("--num-blocks", type=int, default=None, help="a small pool forces preemption")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    parser.add_argument("--json", default=None, help="folder: every rank writes rank<N>.json with its outputs")
+    args = parser.parse_args()
+
+    rank, world, device = setup()
+    path = checkpoint(args.model, rank, world)
+    options = {"distributed_config": DistributedConfig(tp_plan="auto")} if world > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **options)
+    model = model.to(device) if world == 1 else model
+    model.eval()
+    tokenizer = None
+    if args.model != "tiny":
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    engine = hf_paged.Engine(
+        model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, preemption_mode=args.preemption_mode,
+        swap_space=0.05 if args.preemption_mode == "swap" else 0.0,
+    )
+    if tokenizer is not None:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    else:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 380, (n,), generator=gen).tolist() for n in (5, 23, 11, 37, 2, 17)]
+    greedy = hf_paged.SamplingParams(max_new_tokens=args.max_new_tokens)
+    params = [greedy] * len(prompts)
+    # one request of each other kind: their picks are broadcast from rank 0 like the greedy ones
+    prompts += [prompts[0], prompts[1]]
+    params += [hf_paged.SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=0.8,
+                                       num_return_sequences=2, seed=7),
+               hf_paged.SamplingParams(max_new_tokens=args.max_new_tokens, num_beams=3)]
+    results = engine.generate(prompts, params)
+    outputs = [[o.token_ids for o in r.outputs] for r in results]
+    if rank == 0:
+        print(f"{world} rank(s), {engine.cache.num_kv_heads} KV head(s) per rank, {engine.block_manager.num_blocks} "
+              f"blocks, {sum(engine.scheduler.num_preemptions.values())} preemption(s)")
+        for prompt, result in zip(prompts, results):
+            for out in result.outputs:
+                text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer else out.token_ids
+                print(f"[{len(prompt)} prompt tokens] -> {text!r}")
+    if args.json:
+        Path(args.json).mkdir(parents=True, exist_ok=True)
+        record = {"world": world, "kv_heads": engine.cache.num_kv_heads, "num_blocks": engine.block_manager.num_blocks,
+                  "preemptions": engine.scheduler.num_preemptions, "outputs": outputs, "prompts": prompts,
+                  "greedy": len(prompts) - 2,
+                  "errors": [repr(r.error) for r in results if r.error is not None]}
+        (Path(args.json) / f"rank{rank}.json").write_text(json.dumps(record))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
