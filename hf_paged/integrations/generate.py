@@ -249,13 +249,8 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
     n = params.num_return_sequences
     if params.num_beams > 1:
         return _beam_output(config, params, input_ids, results)
-    outputs = [o for r in results for o in r.outputs[:n]]
-    new_len = max(len(o.token_ids) for o in outputs)
-    sequences = torch.full((len(outputs), width + new_len), pad, dtype=torch.long)
-    sequences[:, :width] = input_ids.cpu().repeat_interleave(n, dim=0)
-    for row, out in enumerate(outputs):
-        sequences[row, width : width + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
-    sequences = sequences.to(input_ids.device)
+    outputs, sequences = _sequences(input_ids, results, n, pad)
+    new_len = sequences.shape[1] - width
     if not config.return_dict_in_generate:
         return sequences
     scores = None
@@ -271,6 +266,19 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
 
 
+def _sequences(input_ids: torch.Tensor, results, n: int, fill: int):
+    """(the first `n` completions of each request, `[rows * n, width + longest]` prompt + completion padded with
+    `fill`) on the inputs' device: the `sequences` transformers returns."""
+    width = input_ids.shape[1]
+    outputs = [o for r in results for o in r.outputs[:n]]
+    new_len = max(len(o.token_ids) for o in outputs)
+    sequences = torch.full((len(outputs), width + new_len), fill, dtype=torch.long)
+    sequences[:, :width] = input_ids.cpu().repeat_interleave(n, dim=0)
+    for row, out in enumerate(outputs):
+        sequences[row, width : width + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
+    return outputs, sequences.to(input_ids.device)
+
+
 def _beam_output(config: GenerationConfig, params: SamplingParams, input_ids: torch.Tensor, results):
     """transformers' beam-search return value: best `num_return_sequences` hypotheses per row, filled like
     `_beam_search` fills its static-shaped buffers (`pad_token_id or eos_token_id[0]`, or -1 without eos)."""
@@ -278,14 +286,8 @@ def _beam_output(config: GenerationConfig, params: SamplingParams, input_ids: to
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
     fill = (pad or eos[0]) if eos else -1
-    n, width, k = params.num_return_sequences, input_ids.shape[1], params.num_beams
-    outputs = [o for r in results for o in r.outputs[:n]]
-    new_len = max(len(o.token_ids) for o in outputs)
-    sequences = torch.full((len(outputs), width + new_len), fill, dtype=torch.long)
-    sequences[:, :width] = input_ids.cpu().repeat_interleave(n, dim=0)
-    for row, out in enumerate(outputs):
-        sequences[row, width : width + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
-    sequences = sequences.to(input_ids.device)
+    n, k = params.num_return_sequences, params.num_beams
+    outputs, sequences = _sequences(input_ids, results, n, fill)
     if not config.return_dict_in_generate:
         return sequences
     sequences_scores = scores = None
