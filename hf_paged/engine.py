@@ -442,15 +442,8 @@ class Engine:
             return None  # admissions need the normal scheduler: let the pipeline drain
         done = {id(item.group) for item in current.sched.scheduled
                 if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
-        running = scheduler.running
-        sched = SchedulerOutput()
-        scheduler.running = [g for g in running if id(g) not in done] if done else running
-        try:
-            decodes = scheduler._schedule_decodes(
-                sched, [scheduler.max_num_batched_tokens, scheduler.max_num_seqs])
-        finally:
-            scheduler.running = running
-        if not decodes:
+        sched = scheduler.schedule_decode_step(done)
+        if sched is None:
             return None  # nothing was reserved
         assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
         return sched

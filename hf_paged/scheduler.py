@@ -240,7 +240,17 @@ class Scheduler:
                 self._reserve(group, plan, out, budget)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int]) -> bool:
+    def schedule_decode_step(self, skip: set[int] = frozenset()) -> SchedulerOutput | None:
+        """The next step if it is a batched decode step of every running group but those whose `id()` is in `skip`
+        (groups known to finish before it), else None with nothing reserved. For a pipelined engine, which plans a
+        step before the previous one's tokens are known; no admission, swap or preemption happens here."""
+        out = SchedulerOutput()
+        budget = [self.max_num_batched_tokens, self.max_num_seqs]
+        groups = [g for g in self.running if id(g) not in skip] if skip else self.running
+        return out if self._schedule_decodes(out, budget, groups) else None
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int],
+                          running: list[SequenceGroup] | None = None) -> bool:
         """The common step of a busy engine in one pass: every live sequence of every running group decodes one token.
 
         If so, and the budgets and the pool hold all of them, their slots (and the copy-on-writes of shared partial
@@ -249,7 +259,8 @@ class Scheduler:
         everything fits), at a fraction of its cost. Otherwise nothing is reserved and False is returned; the
         per-group loop handles the step.
         """
-        running = self.running
+        if running is None:
+            running = self.running
         if not running:
             return False
         seqs: list[Sequence] = []
