@@ -10,9 +10,11 @@ sequence of each prompt (prompts x new tokens), as the anchor does.
   beams at the end of a call: prompts x k x (prompt + new tokens) tokens (it only grows during a call).
 * hf_paged: every prompt is one request of the engine (`num_beams=k`); the beams share KV blocks (fork, free,
   copy-on-write of a shared partial last block). Its KV memory is the peak of the blocks actually referenced, and
-  the sharing saving is `1 - used / without sharing` per step and over the run. Wall time includes the engine's
-  start-up for that width (pool, memory profiling, CUDA-graph capture); a small warm-up run compiles the kernels
-  first, as transformers gets its warm-up call.
+  the sharing saving is `1 - used / without sharing` per step and over the run. The engine of each width is built and
+  warmed up (`Engine.warm_up()`: kernel compilation, CUDA-graph capture of every batch bucket) before the timed run,
+  as transformers gets its warm-up call; that start-up is reported separately (`setup_s`).
+* hf_paged_compiled: the same with `compile_decode=True` (the whole decode step compiled by Inductor, attention one
+  hf_paged op, then captured as CUDA graphs).
 
 Prints a markdown table, writes JSON and a PNG plot (tok/s and KV GiB vs beam width).
 
@@ -90,7 +92,7 @@ def run_transformers(model, prompts: torch.Tensor, k: int, args) -> dict:
     return {"wall_s": wall, "prompts_per_call": per_call, "kv_gib": kv / 2**30, "peak_gpu_gib": peak}
 
 
-def run_paged(model, prompts: torch.Tensor, k: int, args) -> dict:
+def run_paged(model, prompts: torch.Tensor, k: int, args, compile_decode: bool = False) -> dict:
     free_memory(args.device)
     sync(args.device)
     start = time.perf_counter()
@@ -98,7 +100,12 @@ def run_paged(model, prompts: torch.Tensor, k: int, args) -> dict:
         model, block_size=args.block_size, max_num_seqs=len(prompts) * k, max_num_batched_tokens=args.max_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=False,  # random prompts share nothing; keep the measurement to sharing inside a request
+        compile_decode=compile_decode,
     )
+    engine.warm_up()
+    sync(args.device)
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
     setup = time.perf_counter() - start
     timer = StepTimer(engine)
     params = hf_paged.SamplingParams(max_new_tokens=args.new_tokens, num_beams=k, ignore_eos=True)
@@ -197,11 +204,13 @@ def main() -> None:
         print(f"{row['system']} num_beams={row['num_beams']}: {row['output_tok_s']:,.0f} tok/s", flush=True)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
-    if "paged" in systems:
-        warm_up_paged(model, args)
-        for k in widths:
-            record({"system": "hf_paged", "num_beams": k, **run_paged(model, prompts, k, args)})
-        hf_paged.disable(model)
+    for system in ("paged", "paged_compiled"):
+        if system in systems:
+            warm_up_paged(model, args)
+            for k in widths:
+                row = run_paged(model, prompts, k, args, compile_decode=system == "paged_compiled")
+                record({"system": "hf_" + system, "num_beams": k, **row})
+            hf_paged.disable(model)
     if "transformers" in systems:
         with torch.inference_mode():  # warm-up call (kernel selection, allocator), not timed
             model.generate(input_ids=prompts[:2, :32].to(args.device), num_beams=2, max_new_tokens=4,
@@ -210,7 +219,7 @@ def main() -> None:
             record({"system": "transformers", "num_beams": k, **run_transformers(model, prompts, k, args)})
     print(f"\n{meta}\n")
     hf = {r["num_beams"]: r for r in rows if r["system"] == "transformers"}
-    print("| system | beams | wall s | output tok/s | x transformers | KV GiB | KV vs transformers | sharing saved "
+    print("| system | beams | wall s (start-up s) | output tok/s | x transformers | KV GiB | KV vs transformers | sharing saved "
           "(mean / per-step mean / max) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -218,8 +227,9 @@ def main() -> None:
         speed = r["output_tok_s"] / base["output_tok_s"] if base else float("nan")
         kv = r["kv_gib"] / base["kv_gib"] if base else float("nan")
         saving = (f"{r['mean_saving_pct']:.1f} / {r['mean_step_saving_pct']:.1f} / {r['max_step_saving_pct']:.1f} %"
-                  if r["system"] == "hf_paged" else "-")
-        print(f"| {r['system']} | {r['num_beams']} | {r['wall_s']:.1f} | {r['output_tok_s']:,.0f} | {speed:.2f} | "
+                  if r["system"].startswith("hf_paged") else "-")
+        setup = f" ({r['setup_s']:.1f})" if "setup_s" in r else ""
+        print(f"| {r['system']} | {r['num_beams']} | {r['wall_s']:.1f}{setup} | {r['output_tok_s']:,.0f} | {speed:.2f} | "
               f"{r['kv_gib']:.2f} | {100 * kv:.0f} % | {saving} |")
     plot(rows, meta, out / f"{stem}.png")
 
@@ -234,7 +244,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for system, color in (("hf_paged", "#2a7"), ("transformers", "#999")):
+    for system, color in (("hf_paged", "#2a7"), ("hf_paged_compiled", "#16a"), ("transformers", "#999")):
         sel = [r for r in rows if r["system"] == system]
         if sel:
             ax1.plot([r["num_beams"] for r in sel], [r["output_tok_s"] for r in sel], "o-", color=color, label=system)

@@ -274,9 +274,9 @@ class StepTimer:
         }
 
 
-def run_paged(model, workload, args, progress: bool, compile_modules: bool = False):
+def run_paged(model, workload, args, progress: bool, compile_decode: bool = False):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
-    CUDA graph capture; with `compile_modules`, Inductor compiling the fused submodules)."""
+    CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -284,7 +284,7 @@ def run_paged(model, workload, args, progress: bool, compile_modules: bool = Fal
                              use_cuda_graph=None if not args.no_cuda_graph else False,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
-                             kv_cache_memory=args.kv_cache_memory, compile_modules=compile_modules)
+                             kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode)
     engine.warm_up()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
@@ -422,7 +422,7 @@ def main() -> None:
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
                 elif system in ("paged", "paged_compiled"):
-                    extra = run_paged(model, workload, args, progress, compile_modules=system == "paged_compiled")
+                    extra = run_paged(model, workload, args, progress, compile_decode=system == "paged_compiled")
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

@@ -210,6 +210,7 @@ class PagedCache(Cache):
         self._step: StepMetadata | None = None
         self._engine_step_pending = False
         self._last_layer = -1
+        self._defer_write = False  # set by an engine with compile_decode (see `update`)
         if self._device is not None and self._dtype is not None:
             self._ensure_pool(self._device, self._dtype)
 
@@ -290,6 +291,10 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this step's K/V of `layer_idx` into the pool; return the layer's pool tensors (tagged)."""
+        if self._defer_write and torch.compiler.is_compiling():
+            # hf_paged's compiled decode step: the attention op writes and reads in one call
+            # (`hf_paged.integrations.compile.write_and_decode`), so hand the new tokens through
+            return key_states, value_states
         self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
         if self._engine_step_pending:
             self._engine_step_pending = False  # the engine prepared this forward's step

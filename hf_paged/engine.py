@@ -85,6 +85,11 @@ class Engine:
         compile_modules: `torch.compile` the model's RMSNorm, rotary-embedding and MLP submodules (their own code,
             kernels fused by Inductor; `hf_paged.integrations.compile`). Fewer kernels per decode step; compiling
             takes a while on first use (`warm_up()`). Default off.
+        compile_decode: compile the whole decode step with `torch.compile`: Dynamo traces transformers' own modeling
+            code, Inductor fuses everything around the attention, which stays one opaque hf_paged op (K/V write +
+            paged decode). Compiled once with a symbolic batch size, then captured as a CUDA graph per batch bucket.
+            A decode step of a small model drops from hundreds of kernels to a few per layer; compiling takes tens of
+            seconds, paid in `warm_up()`. Prefill steps stay eager. Default off.
 
     A model sharded by transformers' tensor parallelism (`DistributedConfig(tp_plan="auto")` under `torchrun`) is
     served by one engine per rank: each holds its KV heads, all hold the same blocks and make the same decisions
@@ -110,6 +115,7 @@ class Engine:
         use_cuda_graph: bool | None = None,
         enable_prefix_caching: bool = True,
         compile_modules: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         from .integrations.generate import enable
 
@@ -119,8 +125,9 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if not isinstance(compile_modules, bool):
-            raise TypeError(f"compile_modules must be a bool, got {compile_modules!r}")
+        for name, value in (("compile_modules", compile_modules), ("compile_decode", compile_decode)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         from .integrations.distributed import TensorParallel
 
         self.tp = TensorParallel.of(model)
@@ -184,7 +191,7 @@ class Engine:
         self.sampler = Sampler(self.device, seed)
         self.runner = ModelRunner(
             model, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            use_cuda_graph=use_cuda_graph,
+            use_cuda_graph=use_cuda_graph, compile_decode=compile_decode,
         )
         self._lock = threading.RLock()
         self._waiters = 0  # calls from other threads waiting for the lock; the stepping thread lets them in first
@@ -228,7 +235,7 @@ class Engine:
         """
         with self._control():
             self.runner.warm_up_prefill(self.max_num_batched_tokens)
-            if self.runner.decode_mode == "graph":
+            if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
 
     # ------------------------------------------------------------------ requests

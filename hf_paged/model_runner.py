@@ -46,6 +46,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int | None,
         use_cuda_graph: bool | None = None,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -57,6 +58,15 @@ class ModelRunner:
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
         self.decode_mode = "graph" if use_cuda_graph else "eager"
+        self.compile_decode = compile_decode
+        self._compiled = None
+        if compile_decode:
+            if not use_cuda_graph:
+                self.decode_mode = "static"  # the compiled step runs on the static buffers, with or without graphs
+            cache._defer_write = True
+        # batch sizes a decode step is padded to; a compiled step is traced with a symbolic batch size, and a batch
+        # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
+        self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
         max_len = max_model_len or 8192
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, object] = {}  # bucket -> callable running the decode forward, returning its logits
@@ -198,11 +208,36 @@ class ModelRunner:
             seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
         )
 
+    def _compiled_forward(self):
+        """The decode forward compiled once (Dynamo + Inductor) for every bucket: the batch dimension is symbolic."""
+        if self._compiled is None:
+            model, cache = self.model, self.cache
+
+            def decode_forward(input_ids, position_ids):
+                out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                            logits_to_keep=0)
+                return out.logits[0]
+
+            self._compiled = torch.compile(decode_forward)
+        return self._compiled
+
     def _run_model(self, batch: int) -> torch.Tensor:
         """The decode forward over the static buffers (what a graph records): gather the tables, run the model."""
         b = self._buffers
         torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
         self.cache.set_engine_step(self._step_metadata(batch))
+        if self.compile_decode:
+            from .integrations.compile import active_cache
+
+            ids, pos = b["ids"][:batch][None], b["pos"][:batch][None]
+            if batch >= 2:
+                torch._dynamo.mark_dynamic(ids, 1)
+                torch._dynamo.mark_dynamic(pos, 1)
+            try:
+                with active_cache(self.cache):
+                    return self._compiled_forward()(ids, pos)
+            finally:
+                self.cache._engine_step_pending = False
         out = self.model(
             input_ids=b["ids"][:batch][None], position_ids=b["pos"][:batch][None], past_key_values=self.cache,
             use_cache=True, logits_to_keep=0,
@@ -211,12 +246,15 @@ class ModelRunner:
 
     def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
-        if self.decode_mode != "graph":
-            return lambda: self._run_model(batch)
         b = self._buffers
         b["slots"].fill_(-1)
         b["lens"].zero_()
         b["rows"].zero_()
+        if self.decode_mode != "graph":
+            if self.compile_decode:
+                with torch.inference_mode():
+                    self._run_model(batch)  # compile now (warm_up), not in a serving step
+            return lambda: self._run_model(batch)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -238,7 +276,7 @@ class ModelRunner:
         """Capture every bucket up front (largest first, sharing one memory pool)."""
         self._ensure_buffers()
         with torch.inference_mode():
-            for batch in sorted(_buckets(self.max_num_seqs), reverse=True):
+            for batch in sorted(self._bucket_sizes, reverse=True):
                 if batch not in self._graphs:
                     self._graphs[batch] = self._capture(batch)
         if self.device.type == "cuda":
@@ -272,7 +310,7 @@ class ModelRunner:
         self._ensure_buffers()
         scheduled = sched.scheduled
         real = len(scheduled)
-        bucket = next(s for s in _buckets(self.max_num_seqs) if s >= real)
+        bucket = next(s for s in self._bucket_sizes if s >= real)
         run = self._graphs.get(bucket)
         if run is None:
             run = self._graphs[bucket] = self._capture(bucket)

@@ -102,6 +102,14 @@ def paged_attention_forward(
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
+    if torch.compiler.is_compiling():
+        # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
+        from .compile import _ACTIVE, fused_decode_attention
+
+        active = _ACTIVE[0]
+        if active is not None and active._defer_write:
+            scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+            return fused_decode_attention(module, query, key, value, scale, active.dtype), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
