@@ -106,8 +106,20 @@ def run_paged(model, prompts: torch.Tensor, k: int, args, compile_decode: bool =
     sync(args.device)
     setup = time.perf_counter() - start
     start = time.perf_counter()
-    setup = time.perf_counter() - start
     timer = StepTimer(engine)
+    beam_times = {"beam_step_s": 0.0, "beam_host_s": 0.0}  # whole beam step (waits for the forward) / host part
+    beam = engine.beam_search
+
+    def timed(function, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = function(*a, **kw)
+            beam_times[key] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    beam.step, beam._host_step = timed(beam.step, "beam_step_s"), timed(beam._host_step, "beam_host_s")
     params = hf_paged.SamplingParams(max_new_tokens=args.new_tokens, num_beams=k, ignore_eos=True)
     ids = [engine.add_request(p, params=params) for p in prompts.tolist()]
     series = []  # (used, without sharing) blocks at every step
@@ -138,6 +150,7 @@ def run_paged(model, prompts: torch.Tensor, k: int, args, compile_decode: bool =
         "preemptions": sum(engine.scheduler.num_preemptions.values()),
         "saving_series": steps_saving[:: max(1, len(steps_saving) // 200)],
         "timing": timer.summary(),
+        **beam_times,
     }
     engine.close()
     del engine
@@ -202,6 +215,10 @@ def main() -> None:
         row["output_tok_s"] = output_tokens / row["wall_s"]
         rows.append(row)
         print(f"{row['system']} num_beams={row['num_beams']}: {row['output_tok_s']:,.0f} tok/s", flush=True)
+        if "timing" in row:
+            steps = {key: value for key, value in row["timing"].items() if key != "decode_by_batch"}
+            print(f"  start-up {row['setup_s']:.1f} s, beam step {row['beam_step_s']:.2f} s (host part "
+                  f"{row['beam_host_s']:.2f} s), steps {steps}", flush=True)
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
     for system in ("paged", "paged_compiled"):

@@ -9,6 +9,7 @@ samples on the device with one host sync. Requests join and leave at every step;
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -228,15 +229,24 @@ class Engine:
             )
         return budget // per_block
 
-    def warm_up(self) -> None:
+    def warm_up(self, freeze_gc: bool = True) -> None:
         """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.
 
         Optional: without it the same happens lazily, the first time each kernel shape or batch bucket is needed.
+
+        `freeze_gc`: then move every object alive (the model, transformers' and torch's modules, ...) to the garbage
+        collector's permanent generation (`gc.freeze()`, as vLLM does after graph capture). A busy engine allocates
+        thousands of objects a step (beam forks above all), which makes Python run full collections often, and each
+        one scanned those hundreds of thousands of objects: 8 of the 33 ms of host time of a 100 x 8-beam step on the
+        CPU profile. Frozen objects are still freed by reference counting; only garbage cycles among them stay.
         """
         with self._control():
             self.runner.warm_up_prefill(self.max_num_batched_tokens)
             if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
+            if freeze_gc:
+                gc.collect()
+                gc.freeze()
 
     # ------------------------------------------------------------------ requests
     def _normalize_prompt(self, prompt) -> list[int]:
