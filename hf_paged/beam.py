@@ -27,6 +27,7 @@ last token back (it is recomputed with the others next step) so that every beam 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,9 @@ class BeamSearch:
     """The engine's beam-search step (see the module docstring)."""
 
     def __init__(self, engine) -> None:
-        self.engine = engine
+        # a weak reference: no engine <-> beam-search cycle, so a dropped engine (and its KV pool) is freed by
+        # reference counting alone, even when `Engine.warm_up()` froze it out of the cycle collector's reach
+        self.engine = weakref.proxy(engine)
 
     # ------------------------------------------------------------------ engine hook
     def step(self, entries, logits: torch.Tensor) -> list[SequenceGroup]:

@@ -132,6 +132,9 @@ class Engine:
         from .integrations.distributed import TensorParallel
 
         self.tp = TensorParallel.of(model)
+        if compile_decode and self.tp is not None:
+            raise ValueError("compile_decode is not supported under tensor parallelism (the compiled step would have to "
+                             "trace the collectives); leave it off")
         enable(model)
         if compile_modules:
             from .integrations.compile import compile_submodules

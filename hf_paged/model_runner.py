@@ -254,7 +254,7 @@ class ModelRunner:
             if self.compile_decode:
                 with torch.inference_mode():
                     self._run_model(batch)  # compile now (warm_up), not in a serving step
-            return lambda: self._run_model(batch)
+            return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -311,9 +311,9 @@ class ModelRunner:
         scheduled = sched.scheduled
         real = len(scheduled)
         bucket = next(s for s in self._bucket_sizes if s >= real)
-        run = self._graphs.get(bucket)
-        if run is None:
-            run = self._graphs[bucket] = self._capture(bucket)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
+        run = self._graphs[bucket]
         table_view = self.cache.block_manager.table_view
         row_of = self._row_of
         ids, pos, slots, rows = [], [], [], []
@@ -370,6 +370,6 @@ class ModelRunner:
             self.table_rows_uploaded += k
         if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
             torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
-        logits = run()
+        logits = run() if run is not None else self._run_model(bucket)
         self.graph_steps += 1
         return logits[:real], list(range(real))

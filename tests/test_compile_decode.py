@@ -1,0 +1,123 @@
+"""`compile_decode=True`: the decode step compiled by Dynamo + Inductor (CPU backend here), attention one hf_paged op.
+
+What must hold: transformers' modeling code is traced as one graph (no graph break: a break would put most kernels
+back outside the fusion), greedy and beam outputs stay those of transformers, and preemption, forks, parallel
+samples and prefix hits give the same tokens as the uncompiled static decode path. Compiling a tiny model takes
+several seconds on the CPU, so the checks share engines.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import hf_paged
+from hf_paged.testing import tiny_model
+
+try:
+    from tests.helpers import greedy_reference, random_prompts
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import greedy_reference, random_prompts
+
+LENGTHS = (1, 39, 7, 22, 3, 31, 12, 5, 17, 26)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_decode_is_one_graph_and_matches_transformers(family):
+    model = tiny_model(family, seed=1)
+    prompts = random_prompts(LENGTHS, seed=3)
+    new = [4 + (7 * i) % 11 for i in range(len(prompts))]  # requests finish at different steps: several buckets
+    references = [greedy_reference(model, p, n) for p, n in zip(prompts, new)]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    assert engine.runner.decode_mode == "static"  # CPU: the compiled step runs on the static buffers, no graphs
+    assert 1 not in engine.runner._bucket_sizes  # a batch of 1 would be specialised: one more compilation
+    engine.warm_up(freeze_gc=False)
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in new])
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert engine.runner.graph_steps > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1  # one trace serves every bucket (symbolic batch size)
+    engine.close()
+
+
+def test_compiled_decode_equals_static_path_under_preemption_forks_and_prefix_hits():
+    model = tiny_model("llama", seed=2)
+    prompts = random_prompts((30, 9, 25, 14, 33, 6, 21, 18), seed=5)
+    shared = prompts[0][:24]
+    requests = []
+    for i, p in enumerate(prompts):
+        if i % 4 == 1:
+            requests.append((shared + p[:5], dict(max_new_tokens=10, num_beams=3, num_return_sequences=2)))
+        elif i % 4 == 2:
+            requests.append((shared + p[:3], dict(max_new_tokens=9, do_sample=True, num_return_sequences=2, seed=i)))
+        else:
+            requests.append((p, dict(max_new_tokens=14)))
+    results = []
+    for compiled in (False, True):
+        engine = hf_paged.Engine(model, block_size=8, num_blocks=16, max_num_seqs=8, compile_decode=compiled)
+        engine.runner.decode_mode = "static"
+        outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
+        results.append([[o.token_ids for o in r.outputs] for r in outs])
+        assert sum(engine.scheduler.num_preemptions.values()) > 0
+        assert engine.prefix_cache_stats().hit_tokens > 0
+        assert engine.kv_stats().used_blocks == 0
+        engine.close()
+    assert results[0] == results[1]
+    # beams of the compiled engine are still transformers' beams
+    model_beams = [model.generate(torch.tensor([p]), max_new_tokens=10, num_beams=3, num_return_sequences=2,
+                                  do_sample=False)[:, len(p):].tolist() for p, kw in requests if kw.get("num_beams")]
+    assert [r for r, (_, kw) in zip(results[1], requests) if kw.get("num_beams")] == model_beams
+
+
+def test_a_dropped_engine_is_freed_without_the_cycle_collector():
+    """warm_up() freezes the objects alive into the collector's permanent generation; an engine in a reference cycle
+    would then keep its KV pool forever. Reference counting alone must free it."""
+    model = tiny_model("llama", seed=1)
+    engine = hf_paged.Engine(model, block_size=8, num_blocks=32, max_num_seqs=4, compile_decode=True)
+    engine.warm_up()
+    engine.generate(random_prompts((5, 9), seed=1), max_new_tokens=3)
+    engine.generate(random_prompts((6,), seed=2), max_new_tokens=3, num_beams=2)
+    engine_ref, cache_ref = weakref.ref(engine), weakref.ref(engine.cache)
+    engine.close()
+    gc.disable()
+    try:
+        del engine
+        assert engine_ref() is None and cache_ref() is None
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_compile_decode_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="compile_decode"):
+        hf_paged.Engine(model, num_blocks=8, compile_decode="yes")
+
+
+def test_compile_decode_is_refused_under_tensor_parallelism(monkeypatch):
+    from hf_paged.integrations.distributed import TensorParallel
+
+    model = tiny_model("llama")
+    fake = TensorParallel(size=2, rank=0, group=None, src=0)
+    monkeypatch.setattr(TensorParallel, "of", classmethod(lambda cls, m: fake))
+    with pytest.raises(ValueError, match="compile_decode"):
+        hf_paged.Engine(model, num_blocks=8, compile_decode=True)
+
+
+def test_the_fused_op_outside_a_compiled_step_says_so():
+    q = torch.zeros(2, 4, 16)
+    kv = torch.zeros(2, 2, 16)
+    with pytest.raises(RuntimeError, match="no active cache"):
+        torch.ops.hf_paged.write_and_decode(q, kv, kv, 0, 0.25)
