@@ -211,6 +211,7 @@ class PagedCache(Cache):
         self._engine_step_pending = False
         self._last_layer = -1
         self._defer_write = False  # set by an engine with compile_decode (see `update`)
+        self._released = False
         if self._device is not None and self._dtype is not None:
             self._ensure_pool(self._device, self._dtype)
 
@@ -253,6 +254,8 @@ class PagedCache(Cache):
         `kv_heads`: the heads of the key states being written. A rank of a tensor-parallel model writes its share of
         the config's KV heads; the pool is sized for what it gets, unless `num_kv_heads` was given explicitly.
         """
+        if self._released:
+            raise RuntimeError("this PagedCache's pool was released (its engine is closed): create a new one")
         if self.pool is not None:
             if kv_heads is not None and kv_heads != self.num_kv_heads:
                 raise ValueError(
@@ -281,6 +284,15 @@ class PagedCache(Cache):
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             self._layer_views.append((key_cache, value_cache))
+
+    def release_pool(self) -> None:
+        """Free the pool's memory now (a closing engine). The block manager and its statistics stay; the cache holds
+        nothing any more and must not be used for another forward."""
+        self.pool = None
+        self.cpu_pool = None
+        self._layer_views = []
+        self._step = None
+        self._released = True
 
     def layer_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of one layer, each `[num_blocks, kv_heads, block_size, head_dim]`."""

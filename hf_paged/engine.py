@@ -351,6 +351,10 @@ class Engine:
 
         The aborted requests are still reported (finish reason "abort") by the next `step()` or the end of a running
         `stream()`. Thread-safe and idempotent; `with Engine(...) as engine:` closes on exit.
+
+        The GPU memory goes back at once: the KV pool, the CUDA graphs and the compiled step are dropped here, not
+        when the last reference to the engine goes (a reference cycle, e.g. a wrapper around one of its methods,
+        would otherwise hold the pool until the cycle collector runs, or forever for objects `warm_up()` froze).
         """
         with self._control():
             self._drain()
@@ -358,6 +362,8 @@ class Engine:
             for group in self.scheduler.groups():
                 self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
                 self._unreported.append(group)
+            self.runner.release()
+            self.cache.release_pool()
 
     @property
     def closed(self) -> bool:

@@ -188,6 +188,14 @@ class ModelRunner:
         ]
         self.invalidate_tables()
 
+    def release(self) -> None:
+        """Drop the CUDA graphs, the static buffers and the compiled step (the engine is closing)."""
+        self._graphs.clear()
+        self._buffers = None
+        self._host_sets = []
+        self._compiled = None
+        self._pool = None
+
     def invalidate_tables(self) -> None:
         """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
         self._row_of: dict = {}  # seq_id -> [store row, table length, last block] as uploaded
