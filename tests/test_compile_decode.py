@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hf_paged
-from hf_paged.testing import tiny_model
+from hf_paged.testing import FAMILIES, tiny_model
 
 try:
     from tests.helpers import greedy_reference, random_prompts
@@ -34,7 +34,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     model = tiny_model(family, seed=1)
     prompts = random_prompts(LENGTHS, seed=3)
