@@ -47,7 +47,7 @@ def kernels_of_one_step(runner, batch: int) -> tuple[int, float]:
             torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    total_us = sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in kernels)
+    total_us = sum(e.device_time if hasattr(e, "device_time") else e.cuda_time for e in kernels)
     return len(kernels), total_us / 1000
 
 

@@ -121,3 +121,26 @@ def test_the_fused_op_outside_a_compiled_step_says_so():
     kv = torch.zeros(2, 2, 16)
     with pytest.raises(RuntimeError, match="no active cache"):
         torch.ops.hf_paged.write_and_decode(q, kv, kv, 0, 0.25)
+
+
+def test_two_compiled_engines_stepping_in_two_threads_keep_their_own_caches():
+    """The fused op finds its pool through the active cache; engines in two threads must not read each other's."""
+    import threading
+
+    model = tiny_model("llama", seed=1)
+    prompt_sets = [random_prompts((9, 4, 13), seed=11), random_prompts((6, 15, 2, 8), seed=12)]
+    references = [[greedy_reference(model, p, 10) for p in prompts] for prompts in prompt_sets]
+    engines = [hf_paged.Engine(model, block_size=8, max_num_seqs=4, compile_decode=True) for _ in prompt_sets]
+    results: list = [None, None]
+
+    def serve(i: int) -> None:
+        results[i] = [r.outputs[0].token_ids for r in engines[i].generate(prompt_sets[i], max_new_tokens=10)]
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert results == references
+    for engine in engines:
+        engine.close()

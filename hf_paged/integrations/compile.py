@@ -14,6 +14,8 @@ of the uncompiled modules up to floating-point reassociation in the fused reduct
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .. import kernels
@@ -59,6 +61,9 @@ def uncompile_submodules(model: torch.nn.Module) -> int:
 # the write from being dropped as dead code and from being reordered after the read.
 
 _ACTIVE: list = [None]
+# One compiled forward at a time names the active cache: two engines stepping in two threads (on the static path,
+# where every step calls the compiled code; replaying a CUDA graph never reads `_ACTIVE`) take turns.
+_ACTIVE_LOCK = threading.RLock()
 
 
 class active_cache:  # noqa: N801 (a context manager used like a function)
@@ -68,12 +73,14 @@ class active_cache:  # noqa: N801 (a context manager used like a function)
         self.cache = cache
 
     def __enter__(self):
+        _ACTIVE_LOCK.acquire()
         self._previous = _ACTIVE[0]
         _ACTIVE[0] = self.cache
         return self.cache
 
     def __exit__(self, *exc) -> None:
         _ACTIVE[0] = self._previous
+        _ACTIVE_LOCK.release()
 
 
 @torch.library.custom_op("hf_paged::write_and_decode", mutates_args=())
