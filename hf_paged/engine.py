@@ -8,6 +8,7 @@ samples on the device with one host sync. Requests join and leave at every step;
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import itertools
@@ -66,6 +67,18 @@ class RequestOutput:
     num_preemptions: int = 0
     error: BaseException | None = None
     metrics: dict = field(default_factory=dict)
+
+
+_UNFREEZE_REGISTERED = False
+
+
+def _unfreeze_at_exit() -> None:
+    """Give the frozen objects back to the collector when the interpreter exits, so its last collection finalises
+    them (extension modules such as triton's otherwise report them as leaked at exit)."""
+    global _UNFREEZE_REGISTERED
+    if not _UNFREEZE_REGISTERED:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_REGISTERED = True
 
 
 class Engine:
@@ -250,6 +263,7 @@ class Engine:
             if freeze_gc:
                 gc.collect()
                 gc.freeze()
+                _unfreeze_at_exit()
 
     # ------------------------------------------------------------------ requests
     def _normalize_prompt(self, prompt) -> list[int]:

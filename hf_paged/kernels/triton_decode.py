@@ -42,7 +42,10 @@ _CONFIGS = {
 # programs per SM; otherwise aim for about TARGET_PROGRAMS_PER_SM programs per SM, never
 # fewer than MIN_TOKENS_PER_SPLIT tokens per split, at most MAX_SPLITS splits.
 NO_SPLIT_PROGRAMS_PER_SM = 2
-TARGET_PROGRAMS_PER_SM = 4
+# 3, not 4: graph-timed on the H100 (benchmarks/bench_decode_splits.py, results/decode_splits_h100.json), B=32 with
+# 8 KV heads (256 programs) ran 1.07-1.11x SDPA with 2 splits and 1.18-1.23x with the 3 that a target of 4 gave;
+# B=8 at 8192 tokens is flat from 6 to 9 splits.
+TARGET_PROGRAMS_PER_SM = 3
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
