@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,10 +70,10 @@ def main() -> None:
         lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         k = torch.randn(batch, hkv, length, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        sdpa = graph_time_us(lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v,
-                                                                                      enable_gqa=True))
+        sdpa = graph_time_us(partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], k, v,
+                                     enable_gqa=True))
         chosen = triton_decode.choose_num_splits(batch, hkv, length, triton_decode._CONFIGS[d][0], q.device)
-        call = lambda: kernels.paged_decode(q, kc, vc, tables, lens, d**-0.5)  # noqa: E731
+        call = partial(kernels.paged_decode, q, kc, vc, tables, lens, d**-0.5)
         heuristic = graph_time_us(call)
         forced = {}
         for c in counts:
