@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.kernels import triton_decode  # noqa: E402
 
 SHAPES = [  # (batch, context, q heads, kv heads, head_dim)
     (64, 2048, 32, 8, 128), (256, 512, 32, 8, 64), (8, 8192, 32, 8, 128), (128, 1024, 32, 8, 128),
@@ -55,6 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_splits.py needs a GPU")
+    from hf_paged.kernels import triton_decode  # triton: imported here, so that importing graph_time_us needs none
+
     counts = [int(s) for s in args.splits.split(",")]
     block = 16
     rows = []

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_splits import graph_time_us  # noqa: E402
 from bench_generate import build_model, make_workload  # noqa: E402
 
 import hf_paged  # noqa: E402
@@ -26,32 +27,14 @@ from hf_paged import kernels  # noqa: E402
 
 def kernel_vs_context(block_sizes, lengths, batch=32, heads=(32, 8), head_dim=128):
     """Paged decode latency (µs) per context length and block size, against SDPA on a contiguous cache."""
-    def do_bench(fn, calls: int = 20, replays: int = 20) -> float:
-        """GPU ms per call: `calls` calls captured in one CUDA graph, the median of `replays` timed replays.
+    # Timing Python calls (triton's do_bench) measured the host, not the kernel, wherever the kernel takes less than
+    # its dispatch and launch (~100-150 µs here: B=32 at contexts up to 2048 came out flat at 150-250 µs). In the
+    # engine the kernel runs inside a CUDA graph, so it is timed in one here (`graph_time_us`). The inputs stay in L2
+    # only when they fit (the shortest contexts); the reads of the longer ones are HBM reads.
+    def do_bench(fn) -> float:  # ms, as the callers expect
+        return graph_time_us(fn) / 1e3
 
-        Timing Python calls (triton's do_bench) measured the host, not the kernel, wherever the kernel takes less
-        than its dispatch and launch (~100-150 µs here: B=32 at contexts up to 2048 came out flat at 150-250 µs).
-        In the engine the kernel runs inside a CUDA graph too. The inputs stay resident in L2 only when they fit in
-        it (the shortest contexts); the reads of the longer ones are HBM reads.
-        """
-        fn()  # compile / warm up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        times = []
-        for _ in range(replays):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) / calls)
-        return sorted(times)[len(times) // 2]
-
-    # the GPU idles at a low clock; the first shapes of a run measured the clock ramp (2-5x outliers that moved
-    # between runs), so keep it busy for a second before timing anything
+    # the GPU idles at a low clock (345 MHz seen at the start of a call): keep it busy a second before timing
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     start = time.perf_counter()
