@@ -37,6 +37,21 @@ def _buckets(max_batch: int) -> list[int]:
     return sorted(set(s for s in sizes if s <= max_batch))
 
 
+def _decode_forward(model, cache):
+    """The model's forward of one decode step over `cache` (the step's metadata set already), returning `[B, V]`.
+
+    A closure over the model and the cache, not a method: the compiled form is kept by the runner, and a bound
+    method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
+    """
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                    logits_to_keep=0)
+        return out.logits[0]
+
+    return forward
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -59,6 +74,7 @@ class ModelRunner:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
+        self._forward = _decode_forward(model, cache)
         self._compiled = None
         if compile_decode:
             if not use_cuda_graph:
@@ -216,41 +232,30 @@ class ModelRunner:
             seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
         )
 
-    def _compiled_forward(self):
-        """The decode forward compiled once (Dynamo + Inductor) for every bucket: the batch dimension is symbolic."""
-        if self._compiled is None:
-            model, cache = self.model, self.cache
-
-            def decode_forward(input_ids, position_ids):
-                out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                            logits_to_keep=0)
-                return out.logits[0]
-
-            self._compiled = torch.compile(decode_forward)
-        return self._compiled
-
     def _run_model(self, batch: int) -> torch.Tensor:
-        """The decode forward over the static buffers (what a graph records): gather the tables, run the model."""
+        """The decode forward over the static buffers (what a graph records): gather the tables, run the model.
+
+        With `compile_decode`, the forward runs through its compiled form: compiled once (Dynamo + Inductor) with a
+        symbolic batch dimension, so every bucket reuses it.
+        """
         b = self._buffers
         torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
         self.cache.set_engine_step(self._step_metadata(batch))
-        if self.compile_decode:
-            from .integrations.compile import active_cache
+        ids, pos = b["ids"][:batch][None], b["pos"][:batch][None]
+        if not self.compile_decode:
+            return self._forward(ids, pos)
+        from .integrations.compile import active_cache
 
-            ids, pos = b["ids"][:batch][None], b["pos"][:batch][None]
-            if batch >= 2:
-                torch._dynamo.mark_dynamic(ids, 1)
-                torch._dynamo.mark_dynamic(pos, 1)
-            try:
-                with active_cache(self.cache):
-                    return self._compiled_forward()(ids, pos)
-            finally:
-                self.cache._engine_step_pending = False
-        out = self.model(
-            input_ids=b["ids"][:batch][None], position_ids=b["pos"][:batch][None], past_key_values=self.cache,
-            use_cache=True, logits_to_keep=0,
-        )
-        return out.logits[0]
+        if self._compiled is None:
+            self._compiled = torch.compile(self._forward)
+        if batch >= 2:
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
+        try:
+            with active_cache(self.cache):
+                return self._compiled(ids, pos)
+        finally:
+            self.cache._engine_step_pending = False
 
     def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
