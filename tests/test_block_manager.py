@@ -19,27 +19,28 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-MODULE_PATH = Path(__file__).resolve().parents[1] / "hf_paged" / "block_manager.py"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "hf_paged"
+MODULE_PATH = PACKAGE_DIR / "core" / "block_manager.py"
+PACKAGE = "_hf_paged_block_manager_under_test"
 
 
 def _load_by_path() -> ModuleType:
-    """Load hf_paged/block_manager.py without running hf_paged/__init__.py.
+    """Load hf_paged's pure-Python block manager without running hf_paged/__init__.py.
 
-    The package __init__ imports torch and transformers (seconds); this module is pure Python, so its tests load it by
-    path under a private name and run in about a second. It never collides with a normal ``import hf_paged``.
+    The package __init__ imports torch and transformers (seconds); the block manager (`hf_paged.core`, reached here
+    through its 0.1 path `hf_paged.block_manager`) is pure Python, so its tests load the package directory under a
+    private name and run in about a second. It never collides with a normal ``import hf_paged``.
     """
-    name = "_hf_paged_block_manager_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, MODULE_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    if PACKAGE not in sys.modules:
+        package = ModuleType(PACKAGE)
+        package.__path__ = [str(PACKAGE_DIR)]
+        sys.modules[PACKAGE] = package
+    return importlib.import_module(f"{PACKAGE}.block_manager")
 
 
 block_manager = _load_by_path()
+# where the prefix cache looks the hash function up (patched to force collisions)
+prefix_caching = importlib.import_module(f"{PACKAGE}.core.prefix_caching")
 AppendResult = block_manager.AppendResult
 BlockAllocator = block_manager.BlockAllocator
 BlockManager = block_manager.BlockManager
@@ -69,11 +70,10 @@ def snapshot(bm: BlockManager) -> tuple:
 def test_module_does_not_import_torch() -> None:
     # Loaded by path so that hf_paged/__init__.py (which may import torch) is not executed.
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('block_manager_isolated', {str(MODULE_PATH)!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules[spec.name] = module\n"
-        "spec.loader.exec_module(module)\n"
+        "import importlib, sys, types\n"
+        f"package = types.ModuleType('bm_isolated'); package.__path__ = [{str(PACKAGE_DIR)!r}]\n"
+        "sys.modules['bm_isolated'] = package\n"
+        "module = importlib.import_module('bm_isolated.block_manager')\n"
         "bm = module.BlockManager(4, 2)\n"
         "bm.allocate(0, 3)\n"
         "assert 'torch' not in sys.modules, 'block_manager imported torch'\n"
@@ -1129,9 +1129,9 @@ class PrefixCachingMachine(BlockManagerMachine):
         self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=True)
         self.rnd = rnd
         self.history: list[list[int]] = [[]]
-        self.saved_hash = block_manager.hash_block
+        self.saved_hash = prefix_caching.hash_block
         if _HASHES[hashing] is not None:
-            block_manager.hash_block = _HASHES[hashing]
+            prefix_caching.hash_block = _HASHES[hashing]
             PREFIX_TOTALS["collision_runs"] += 1
 
     def teardown(self) -> None:
@@ -1139,7 +1139,7 @@ class PrefixCachingMachine(BlockManagerMachine):
             super().teardown()
         finally:
             if hasattr(self, "saved_hash"):
-                block_manager.hash_block = self.saved_hash
+                prefix_caching.hash_block = self.saved_hash
 
     def tokens(self, count: int) -> list[int]:
         return [self.rnd.randrange(3) for _ in range(count)]

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.integrations import attention as paged_attention
+from hf_paged.attention import functions as paged_attention
 from hf_paged.testing import FAMILIES, tiny_batch, tiny_model
 
 try:

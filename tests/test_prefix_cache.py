@@ -32,6 +32,8 @@ def _load():
 
 
 block_manager, sequence, scheduler = _load()
+prefix_caching = importlib.import_module(f"{PACKAGE}.core.prefix_caching")  # where hash_block is looked up
+block_pool = importlib.import_module(f"{PACKAGE}.core.block_pool")  # where the digest function is cached
 BlockManager = block_manager.BlockManager
 Scheduler = scheduler.Scheduler
 Sequence = sequence.Sequence
@@ -86,7 +88,7 @@ def test_xxhash_is_used_and_the_fallback_works(monkeypatch) -> None:
     data = (7).to_bytes(8, "little") + b"".join(t.to_bytes(8, "little") for t in (3, 4))
     assert block_manager.hash_block(7, [3, 4]) == xxhash.xxh64_intdigest(data)
     monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash now raises ImportError
-    monkeypatch.setattr(block_manager, "_digest", None)
+    monkeypatch.setattr(block_pool, "_digest", None)
     fallback = block_manager.hash_block(7, [3, 4])
     assert fallback == block_manager.hash_block(7, [3, 4]) != block_manager.hash_block(7, [4, 3])
     assert 0 <= fallback < 2**64
@@ -94,12 +96,12 @@ def test_xxhash_is_used_and_the_fallback_works(monkeypatch) -> None:
 
 def test_module_imports_and_caches_without_xxhash_torch_or_numpy() -> None:
     code = (
-        "import importlib.util, sys\n"
+        "import importlib, sys\n"
         "sys.modules['xxhash'] = None\n"
-        f"spec = importlib.util.spec_from_file_location('bm_isolated', {str(PACKAGE_DIR / 'block_manager.py')!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules[spec.name] = module\n"
-        "spec.loader.exec_module(module)\n"
+        "import types\n"
+        f"package = types.ModuleType('bm_isolated'); package.__path__ = [{str(PACKAGE_DIR)!r}]\n"
+        "sys.modules['bm_isolated'] = package\n"
+        "module = importlib.import_module('bm_isolated.block_manager')\n"
         "bm = module.BlockManager(8, 2, enable_prefix_caching=True)\n"
         "bm.allocate_prefix('a', [1, 2, 3, 4, 5]); bm.append_slots('a', 5); bm.commit('a', [1, 2, 3, 4, 5], 5)\n"
         "assert bm.allocate_prefix('b', [1, 2, 3, 4, 9]) == 4\n"
@@ -157,7 +159,7 @@ def test_only_written_blocks_are_keyed() -> None:
 
 
 def test_hits_are_verified_against_the_stored_tokens(monkeypatch) -> None:
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 42)  # every block collides
+    monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, tokens: 42)  # every block collides
     bm = manager()
     run(bm, "a", [1, 2, 3, 4, 5])
     assert bm.match_prefix([1, 2, 3, 5, 5]).num_cached_tokens == 0  # same key, other tokens: a miss
@@ -172,7 +174,7 @@ def test_hits_are_verified_against_the_stored_tokens(monkeypatch) -> None:
 
 def test_forced_collision_with_equal_tokens_after_another_prefix_is_not_reused(monkeypatch) -> None:
     """The hash ignores the parent: the entry's parent must still be checked (tokens alone are not enough)."""
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: hash(tuple(tokens)))
+    monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, tokens: hash(tuple(tokens)))
     bm = manager()
     run(bm, "a", [1, 1, 1, 1, 9, 9, 9, 9, 0])  # [9,9,9,9] after [1,1,1,1] is cached under key(9,9,9,9)
     run(bm, "c", [2, 2, 2, 2, 9, 9, 9, 9, 0])  # [9,9,9,9] after [2,2,2,2]: same key, in use -> not cached
@@ -189,7 +191,7 @@ def test_random_prompts_under_a_constant_hash_read_back_their_own_prefix(monkeyp
     """A seeded walk with every key equal: each admitted sequence's mapped blocks hold exactly its prefix."""
     import random
 
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 0)
+    monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, tokens: 0)
     rng = random.Random(5)
     bm = manager(num_blocks=12, block_size=2)
     content: dict[int, tuple] = {}  # slot -> the prefix its K/V was computed from

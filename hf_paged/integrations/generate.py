@@ -16,9 +16,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
-from ..sampling import SamplingParams
-from .attention import ATTENTION_NAME, register
-from .support import check_supported
+from ..attention import on_prepare, prepare_model
+from ..engine import Engine, SamplingParams
+from ..runner import uncompile_submodules
 
 __all__ = ["enable", "disable", "PagedGenerationMixin"]
 
@@ -61,8 +61,6 @@ class PagedGenerationMixin:
 
 def get_engine(model, tokenizer=None):
     """The engine cached on the model (its KV pool is allocated once and reused by later calls)."""
-    from ..engine import Engine
-
     engine = getattr(model, "_hf_paged_engine", None)
     if engine is None:
         engine = Engine(model, tokenizer, **getattr(model, "_hf_paged_engine_kwargs", {}))
@@ -320,6 +318,16 @@ def _paged_class(cls: type) -> type:
     return sub
 
 
+@on_prepare
+def install_generate(model) -> None:
+    """Give `model` the generate override (`PagedGenerationMixin` first in its class's MRO); idempotent.
+
+    Registered with `hf_paged.attention.on_prepare`, so every prepared model (by `enable` or by an `Engine`) answers
+    `generate(cache_implementation="paged")`.
+    """
+    model.__class__ = _paged_class(model.__class__)
+
+
 def enable(model, **engine_kwargs):
     """Make `model` paged-aware in place and return it.
 
@@ -328,11 +336,7 @@ def enable(model, **engine_kwargs):
     num_blocks, kv_cache_memory, max_num_seqs, preemption_mode, swap_space, ...) configure the engine behind
     `generate(cache_implementation="paged")`.
     """
-    check_supported(model)
-    register()
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
-    model.__class__ = _paged_class(model.__class__)
+    prepare_model(model)
     if engine_kwargs:
         model._hf_paged_engine_kwargs = dict(engine_kwargs)
         model._hf_paged_engine = None
@@ -341,8 +345,6 @@ def enable(model, **engine_kwargs):
 
 def disable(model, attn_implementation: str = "sdpa"):
     """Undo `enable`: original class, `attn_implementation`, engine released, compiled submodules uncompiled."""
-    from .compile import uncompile_submodules
-
     base = getattr(type(model), "_hf_paged_base", None)
     if base is not None:
         model.__class__ = base

@@ -11,7 +11,7 @@ Two ways to drive it:
   and hands its metadata to `set_engine_step`; `update()` then only writes K/V by slot mapping.
 
 Either way `update()` returns the layer's *pool* tensors `[num_blocks, kv_heads, block_size, head_dim]`, tagged with
-the cache, and the registered attention function (`hf_paged.integrations.attention`) reads them through the block
+the cache, and the registered attention function (`hf_paged.attention`) reads them through the block
 tables of the current step. Nothing is ever gathered into a dense cache on the hot path.
 """
 
@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernels
-from .block_manager import BlockManager
+from .. import kernels
+from ..core import BlockManager
+from .memory import attention_shape, parse_memory
+from .step import StepMetadata
 
-__all__ = ["PagedCache", "StepMetadata", "CacheFullError", "parse_memory", "kv_bytes_per_token"]
+__all__ = ["PagedCache", "CacheFullError"]
 
 _DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
 _CUDA_ACTIVATION_RESERVE = 1024**3
@@ -37,68 +37,6 @@ _CUDA_ACTIVATION_RESERVE = 1024**3
 
 class CacheFullError(RuntimeError):
     """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
-
-
-def parse_memory(value: int | float | str | None, name: str) -> int | None:
-    """Parse `"2GiB"`, `"512MB"`, `"1.5G"` or a byte count into bytes; ValueError naming `name` otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {type(value).__name__}")
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", value, flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"{name} must look like '2GiB', '512MB' or a byte count, got {value!r}")
-    number, unit, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).lower()
-    base = 1024 if (suffix.startswith("i") or suffix == "") else 1000
-    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
-    size = int(number * base**power)
-    if size <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return size
-
-
-def _attention_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    num_layers = getattr(text, "num_hidden_layers", None)
-    num_heads = getattr(text, "num_attention_heads", None)
-    if num_layers is None or num_heads is None:
-        raise ValueError("config must define num_hidden_layers and num_attention_heads")
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return int(num_layers), int(num_kv_heads), int(head_dim)
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over all layers."""
-    num_layers, num_kv_heads, head_dim = _attention_shape(config)
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass
-class StepMetadata:
-    """What the attention function needs for one forward: where the new tokens go and which blocks to read.
-
-    `layout` is "padded" (query `[B, H, q, D]`, one sequence per row, q tokens each) or "ragged" (query `[1, H, T, D]`,
-    sequence s owns rows `cu_seqlens_q[s]:cu_seqlens_q[s+1]`).
-    """
-
-    layout: str
-    slot_mapping: torch.Tensor  # [T] int32
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32, tokens in the cache after this step
-    cu_seqlens_q: torch.Tensor  # [S+1] int32
-    max_seqlen_q: int
-    decode_only: bool
-    kv_start: torch.Tensor | None = None  # [S] int32, first key to attend (left padding), None = 0
-    kv_start_ready: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -152,6 +90,10 @@ class PagedCache(Cache):
         num_layers, num_kv_heads, head_dim: override what `config` says (e.g. the KV heads of one tensor-parallel
             rank). Without an override, a pool allocated on first use takes its KV head count from the key states
             it is given, so the drop-in cache follows a model sharded by transformers' tensor parallelism.
+
+    Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
+    reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`) and the memory
+    arithmetic (`hf_paged.cache.memory`) live apart.
     """
 
     def __init__(
@@ -171,7 +113,7 @@ class PagedCache(Cache):
     ):
         self._fixed_kv_heads = num_kv_heads is not None
         if config is not None:
-            config_layers, config_kv_heads, config_head_dim = _attention_shape(config)
+            config_layers, config_kv_heads, config_head_dim = attention_shape(config)
             num_layers = config_layers if num_layers is None else num_layers
             num_kv_heads = config_kv_heads if num_kv_heads is None else num_kv_heads
             head_dim = config_head_dim if head_dim is None else head_dim
@@ -305,7 +247,7 @@ class PagedCache(Cache):
         """Write this step's K/V of `layer_idx` into the pool; return the layer's pool tensors (tagged)."""
         if self._defer_write and torch.compiler.is_compiling():
             # hf_paged's compiled decode step: the attention op writes and reads in one call
-            # (`hf_paged.integrations.compile.write_and_decode`), so hand the new tokens through
+            # (`hf_paged.attention.compiled_op.write_and_decode`), so hand the new tokens through
             return key_states, value_states
         self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
         if self._engine_step_pending:
@@ -481,7 +423,7 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------ introspection
     def stats(self):
-        """Block statistics of the pool (`hf_paged.block_manager.BlockStats`)."""
+        """Block statistics of the pool (`hf_paged.core.BlockStats`)."""
         if self.block_manager is None:
             raise RuntimeError("the pool is not allocated yet")
         return self.block_manager.stats()

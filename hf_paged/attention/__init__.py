@@ -1,0 +1,26 @@
+"""What transformers' modeling code calls: the `hf_paged` attention and mask functions, the compiled step's fused op,
+and the check of which models can run through them.
+
+Layer 4 of hf_paged (docs/architecture.md): imports `hf_paged.cache` and `hf_paged.kernels`; imported by the runner,
+the engine and the integrations.
+"""
+
+from .compiled_op import active_cache, fused_decode_attention, write_and_decode
+from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
+from .setup import on_prepare, prepare_model
+from .support import SUPPORTED_MODEL_TYPES, check_supported, describe_support
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SUPPORTED_MODEL_TYPES",
+    "active_cache",
+    "check_supported",
+    "describe_support",
+    "fused_decode_attention",
+    "on_prepare",
+    "paged_attention_forward",
+    "paged_mask",
+    "prepare_model",
+    "register",
+    "write_and_decode",
+]

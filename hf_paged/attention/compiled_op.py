@@ -1,0 +1,88 @@
+"""The one opaque op of hf_paged's compiled decode step (`compile_decode`): K/V write + paged decode.
+
+Dynamo traces transformers' modeling code for a decode step and Inductor fuses everything but the attention, which
+calls `hf_paged::write_and_decode`. The op finds the pool and the step metadata through the cache that
+`active_cache(...)` names (set by the runner around compiled calls and graph capture), so neither is a graph input.
+Imported by the attention function (inside a trace) and by the runner (to name the active cache).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import kernels
+
+__all__ = ["active_cache", "write_and_decode", "fused_decode_attention", "active_deferred_cache"]
+
+# --------------------------------------------------------------------------- whole decode forward
+# `compile_decode`: Dynamo traces transformers' own modeling code for a decode step and Inductor fuses everything but
+# the attention, which is one opaque custom op. The op writes the step's K/V and attends over the pool in one call;
+# it finds the pool and the step metadata (block tables, slot mapping, lengths: the runner's persistent buffers)
+# through the cache that `active_cache` names, so neither the pool nor the metadata is a graph input and the compiler
+# never sees the pool being written (as vLLM does with its forward context). Writing and reading in one op also keeps
+# the write from being dropped as dead code and from being reordered after the read.
+
+_ACTIVE: list = [None]
+# One compiled forward at a time names the active cache: two engines stepping in two threads (on the static path,
+# where every step calls the compiled code; replaying a CUDA graph never reads `_ACTIVE`) take turns.
+_ACTIVE_LOCK = threading.RLock()
+
+
+class active_cache:  # noqa: N801 (a context manager used like a function)
+    """`with active_cache(cache):` the fused decode op reads `cache` (set around compiled calls and graph capture)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __enter__(self):
+        _ACTIVE_LOCK.acquire()
+        self._previous = _ACTIVE[0]
+        _ACTIVE[0] = self.cache
+        return self.cache
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE[0] = self._previous
+        _ACTIVE_LOCK.release()
+
+
+@torch.library.custom_op("hf_paged::write_and_decode", mutates_args=())
+def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                     scale: float) -> torch.Tensor:
+    """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then decode `query` `[T, Hq, D]`."""
+    cache = _ACTIVE[0]
+    if cache is None or cache._step is None:
+        raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled decode step (no active cache)")
+    step = cache._step
+    key_cache, value_cache = cache.layer_caches(layer_idx)
+    kernels.write_kv(key, value, key_cache, value_cache, step.slot_mapping)
+    return kernels.paged_decode(query, key_cache, value_cache, step.block_tables, step.seq_lens, scale, step.kv_start)
+
+
+@write_and_decode.register_fake
+def _(query, key, value, layer_idx, scale):
+    return torch.empty_like(query)
+
+
+def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                           cache_dtype: torch.dtype) -> torch.Tensor:
+    """Traced part of the attention of a compiled decode step: layouts in, one op, layout out.
+
+    `query [1, Hq, T, D]`, `key`/`value [1, Hkv, T, D]` (the new tokens: `PagedCache.update` deferred the write);
+    returns `[1, T, Hq, D]`. The transposes are fused by Inductor into the kernels that produce q/k/v.
+    """
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int):
+        raise ValueError(f"compile_decode needs attention modules with an int `layer_idx`, {type(module).__name__} "
+                         f"has {layer_idx!r}")
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).to(cache_dtype).contiguous()
+    v = value[0].transpose(0, 1).to(cache_dtype).contiguous()
+    return torch.ops.hf_paged.write_and_decode(q, k, v, layer_idx, float(scale)).unsqueeze(0)
+
+
+def active_deferred_cache():
+    """The cache of the compiled decode step being traced, if it deferred its K/V write to the fused op; else None."""
+    active = _ACTIVE[0]
+    return active if active is not None and active._defer_write else None

@@ -1,0 +1,12 @@
+"""The KV pool as a transformers `Cache`: `PagedCache` (drop-in for `DynamicCache`, and the engine's pool), the
+per-forward `StepMetadata`, and the memory arithmetic that sizes a pool.
+
+Layer 3 of hf_paged (docs/architecture.md): imports `hf_paged.core` and `hf_paged.kernels`; imported by the
+attention functions, the runner, the engine and the integrations.
+"""
+
+from .memory import attention_shape, kv_bytes_per_token, parse_memory
+from .paged_cache import CacheFullError, PagedCache
+from .step import StepMetadata
+
+__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_shape", "kv_bytes_per_token", "parse_memory"]

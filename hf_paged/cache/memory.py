@@ -1,0 +1,54 @@
+"""KV memory arithmetic: parsing sizes such as "2GiB", and the bytes one token's K/V take for a model config.
+
+Used by `PagedCache` to size its pool and by the engine and benchmarks; no state.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["parse_memory", "kv_bytes_per_token", "attention_shape"]
+
+
+def parse_memory(value: int | float | str | None, name: str) -> int | None:
+    """Parse `"2GiB"`, `"512MB"`, `"1.5G"` or a byte count into bytes; ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a byte count or a string such as '2GiB', got {type(value).__name__}")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", value, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{name} must look like '2GiB', '512MB' or a byte count, got {value!r}")
+    number, unit, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).lower()
+    base = 1024 if (suffix.startswith("i") or suffix == "") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    size = int(number * base**power)
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = getattr(text, "num_hidden_layers", None)
+    num_heads = getattr(text, "num_attention_heads", None)
+    if num_layers is None or num_heads is None:
+        raise ValueError("config must define num_hidden_layers and num_attention_heads")
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return int(num_layers), int(num_kv_heads), int(head_dim)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one token over all layers."""
+    num_layers, num_kv_heads, head_dim = attention_shape(config)
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

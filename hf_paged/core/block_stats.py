@@ -1,0 +1,98 @@
+"""Value objects the block manager returns: prefix matches, append results, pool and prefix-cache statistics.
+
+Frozen dataclasses, pure Python; read by the scheduler, the engine's statistics and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AppendResult", "BlockStats", "PrefixCacheStats", "PrefixMatch"]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What :meth:`BlockManager.match_prefix` found for a token sequence (pure: nothing is reserved).
+
+    ``blocks`` are the cached blocks a sequence admitted now would map (whole blocks, verified); ``num_cached_tokens``
+    of its tokens need no computation (always ``< num_tokens`` so that the last token is computed, and a multiple of
+    the block size). ``pending`` says that the next block after the match is being computed by a resident sequence
+    right now (waiting a step for it would give a longer hit).
+    """
+
+    num_tokens: int
+    num_cached_tokens: int = 0
+    blocks: tuple[int, ...] = ()
+    entries: tuple[int, ...] = ()  # cache entry ids of ``blocks``
+    keys: tuple[int, ...] = ()  # chain keys of every full block of the tokens
+    num_hit_blocks: int = 0  # verified cached blocks, before keeping the last token uncached
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache counters of a :class:`BlockManager` (all zero when caching is off)."""
+
+    enabled: bool
+    queries: int  # sequences admitted through allocate_prefix
+    query_tokens: int  # tokens those sequences had (prompt, or prompt + output on recompute)
+    hit_tokens: int  # tokens served from the cache: prefill tokens saved
+    cached_blocks: int  # blocks holding an entry (in use or evictable)
+    evictable_blocks: int  # cached blocks with ref count 0 (counted as free)
+    evictions: int  # cached blocks reallocated for other content
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / query_tokens`` (0 when nothing was looked up)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """A snapshot of GPU pool usage, for metrics and the fragmentation/sharing numbers of the paper (§6, Fig. 2).
+
+    Only resident (GPU) tables count; the ``cpu_*`` fields describe the swap pool.
+    """
+
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    shared_blocks: int  # ref count > 1
+    logical_blocks: int  # sum of len(table) over GPU tables: blocks that would be used without sharing
+    allocated_slots: int  # used_blocks * block_size
+    used_slots: int  # slots holding a token, counted once per physical block
+    waste_slots: int  # allocated_slots - used_slots (internal fragmentation)
+    cpu_blocks: int = 0
+    cpu_used_blocks: int = 0
+    cpu_free_blocks: int = 0
+    cached_blocks: int = 0  # prefix cache: evictable blocks (ref count 0, entry kept), included in free_blocks
+    prefix_query_tokens: int = 0  # prefix cache: tokens looked up at admission
+    prefix_hit_tokens: int = 0  # prefix cache: tokens served from the cache (prefill tokens saved)
+
+    @property
+    def waste_fraction(self) -> float:
+        """Share of allocated slots holding no token (0 when nothing is allocated)."""
+        return self.waste_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of logical blocks that sharing saved: ``1 - used / logical`` (0 when there are no tables)."""
+        return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix cache: ``prefix_hit_tokens / prefix_query_tokens`` (0 when nothing was looked up)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What :meth:`BlockManager.append_slots` reserved.
+
+    ``copies`` must be performed *before* the new tokens are written: the copied block holds the tokens that precede
+    them in the same block.
+    """
+
+    slots: list[int]  # physical slot = block_id * block_size + offset, one per new token, in order
+    copies: list[tuple[int, int]]  # (src_block, dst_block) copy-on-write pairs
+

@@ -1,0 +1,179 @@
+"""Automatic prefix caching on the block tables (PagedAttention §4.4, "shared prefix"), as a mixin of `BlockManager`.
+
+Matching a new sequence's tokens against cached full blocks, mapping the hits by reference at admission, and keying
+(committing) the full blocks a forward has written. The index itself (entries, keys, LRU) is
+`hf_paged.core.block_pool.CachingBlockAllocator`. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+from .block_pool import ROOT_ENTRY, ROOT_KEY, CachingBlockAllocator, _as_int, hash_block
+from .block_stats import PrefixCacheStats, PrefixMatch
+from .seq_blocks import _Seq
+
+__all__ = ["PrefixCaching"]
+
+
+class PrefixCaching:
+    """Prefix-cache operations; mixed into `BlockManager` (uses its `_seqs`, `gpu`, `_pending`, counters)."""
+
+
+    def _add_pending(self, keys: list[int], start: int) -> None:
+        pending = self._pending
+        for key in keys[start:]:
+            pending[key] = pending.get(key, 0) + 1
+
+    def _drop_pending(self, keys: list[int], start: int) -> None:
+        pending = self._pending
+        for key in keys[start:]:
+            count = pending.get(key, 0) - 1
+            if count > 0:
+                pending[key] = count
+            else:
+                pending.pop(key, None)
+
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[int], list[tuple[int, ...]]]:
+        shift = self._shift
+        keys: list[int] = []
+        chunks: list[tuple[int, ...]] = []
+        key = ROOT_KEY
+        for i in range(num_blocks):
+            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
+            key = hash_block(key, chunk)
+            keys.append(key)
+            chunks.append(chunk)
+        return keys, chunks
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
+
+        Walks the chain of full blocks, stopping at the first block that is not cached with exactly these tokens
+        after exactly the prefix matched so far. At most ``(len(token_ids) - 1) // block_size`` blocks are used, so
+        at least one token (the last) is left to compute. Without prefix caching: an empty match.
+        """
+        n = len(token_ids)
+        if not self.enable_prefix_caching or n <= 0:
+            return PrefixMatch(num_tokens=n)
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        keys, chunks = self._chain_keys(token_ids, n >> self._shift)
+        usable = (n - 1) >> self._shift
+        blocks: list[int] = []
+        entries: list[int] = []
+        parent = ROOT_ENTRY
+        for key, chunk in zip(keys, chunks):
+            entry = gpu.lookup(key, parent, chunk)
+            if entry is None:
+                break
+            blocks.append(entry.block)
+            entries.append(entry.id)
+            parent = entry.id
+        hits = len(blocks)
+        mapped = min(hits, usable)
+        pending = hits < usable and keys[hits] in self._pending
+        return PrefixMatch(
+            num_tokens=n,
+            num_cached_tokens=mapped << self._shift,
+            blocks=tuple(blocks[:mapped]),
+            entries=tuple(entries[:mapped]),
+            keys=tuple(keys),
+            num_hit_blocks=hits,
+            pending=pending,
+        )
+
+    def blocks_needed_to_admit(self, requests: Iterable[tuple[PrefixMatch, int]]) -> int:
+        """GPU blocks that admitting sequences takes: :meth:`allocate_prefix` of each match, then
+        :meth:`append_slots` of its next ``num_new_tokens`` tokens (a cached block mapped by several counts once;
+        cached blocks in use by others cost nothing, evictable ones count since they leave the free pool)."""
+        total = 0
+        evictable: set[int] = set()
+        gpu, shift = self.gpu, self._shift
+        for match, num_new_tokens in requests:
+            k = _as_int("num_new_tokens", num_new_tokens, 0)
+            for block in match.blocks:
+                if gpu.ref_count(block) == 0:
+                    evictable.add(block)
+            cached = match.num_cached_tokens
+            total += self.blocks_for(cached + k) - (cached >> shift)
+        return total + len(evictable)
+
+    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int], match: PrefixMatch | None = None) -> int:
+        """Create the table of a new sequence whose tokens will be ``token_ids``, mapping its cached prefix.
+
+        Returns the number of leading tokens already cached (a multiple of the block size, < ``len(token_ids)``);
+        the table holds exactly those, so the caller computes the rest via :meth:`append_slots`. ``match`` (from
+        :meth:`match_prefix` with no allocation in between) avoids hashing again. Never allocates a new block.
+        Without prefix caching this is ``allocate(seq_id, 0)`` and returns 0.
+        """
+        if self.has_seq(seq_id):
+            raise ValueError(f"seq_id {seq_id!r} already exists")
+        if not self.enable_prefix_caching:
+            self._seqs[seq_id] = _Seq([], 0)
+            return 0
+        if match is None:
+            match = self.match_prefix(token_ids)
+        elif match.num_tokens != len(token_ids):
+            raise ValueError(f"match is for {match.num_tokens} tokens, token_ids has {len(token_ids)}")
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        for block, entry_id in zip(match.blocks, match.entries):
+            if gpu.entry_id(block) != entry_id:
+                raise ValueError("stale match: a matched block was evicted since match_prefix; match again")
+        for block in match.blocks:
+            gpu.acquire(block)
+        seq = self._seqs[seq_id] = _Seq(list(match.blocks), match.num_cached_tokens)
+        self._num_logical += len(match.blocks)
+        seq.keys = list(match.keys)
+        seq.entries = list(match.entries)
+        seq.committed = len(match.blocks)
+        self._add_pending(seq.keys, seq.committed)
+        self.prefix_queries += 1
+        self.prefix_query_tokens += match.num_tokens
+        self.prefix_hit_tokens += match.num_cached_tokens
+        return match.num_cached_tokens
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
+        """Key the full blocks among the first ``num_computed`` tokens (their KV is written); return how many.
+
+        Call after the forward that wrote them (the scheduler does, before each step, at preemption and before a
+        sequence is freed). ``token_ids`` are the sequence's tokens (those given to :meth:`allocate_prefix`,
+        extended). Cheap when no new block became full. No-op without prefix caching or while swapped out.
+        """
+        seq = self._get(seq_id)
+        if not self.enable_prefix_caching or seq.swapped:
+            return 0
+        shift = self._shift
+        n = num_computed
+        if type(n) is not int or n < 0:  # validate off the per-step fast path
+            n = _as_int("num_computed", num_computed, 0)
+        start = seq.committed
+        if min(n, seq.num_tokens) >> shift <= start:  # the per-step common case: no block became full
+            return 0
+        full = min(n, seq.num_tokens, len(token_ids)) >> shift
+        if full <= start:
+            return 0
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        keys, entries, table = seq.keys, seq.entries, seq.table
+        self._drop_pending(keys[:full], start)
+        for i in range(start, full):
+            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
+            if i == len(keys):
+                keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
+            parent = entries[i - 1] if i else ROOT_ENTRY
+            entries.append(None if parent is None else gpu.register(table[i], keys[i], parent, chunk))
+        seq.committed = full
+        return full - start
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hit counters and cache occupancy (see :class:`PrefixCacheStats`)."""
+        gpu = self.gpu
+        return PrefixCacheStats(
+            enabled=self.enable_prefix_caching,
+            queries=self.prefix_queries,
+            query_tokens=self.prefix_query_tokens,
+            hit_tokens=self.prefix_hit_tokens,
+            cached_blocks=getattr(gpu, "num_cached", 0),
+            evictable_blocks=getattr(gpu, "num_evictable", 0),
+            evictions=getattr(gpu, "num_evictions", 0),
+        )
+

@@ -1,0 +1,378 @@
+"""Iteration-level FCFS scheduler (PagedAttention paper §4.5, Orca) — pure Python, no torch.
+
+Every call to `schedule()` decides one engine step:
+
+1. Running groups, oldest first, get their next tokens (one per decoding sequence, or the next prompt chunk). When
+   the pool cannot hold them, the *latest-arrived* running group is preempted, all or nothing, by recompute (its
+   blocks are freed and it goes back to the waiting queue) or by swap (its blocks move to the CPU pool). The oldest
+   requests therefore always make progress.
+2. Swapped groups come back first-come-first-served when nothing was preempted in this step.
+3. Waiting groups are admitted first-come-first-served while the token budget, `max_num_seqs` and free blocks allow;
+   a prompt longer than the remaining budget is prefilled in chunks over several steps.
+
+The scheduler reserves the KV slots of every scheduled token (`BlockManager.append_slots`), so the engine only writes.
+
+Prefix caching (when the block manager has it on): at the start of every `schedule()` the blocks that the previous
+step's forward filled are keyed (`BlockManager.commit`), and so are a sequence's blocks before it is preempted or
+freed. A waiting sequence is admitted with its longest cached whole-block prefix mapped by reference
+(`BlockManager.allocate_prefix`): `num_computed` starts past it and only the rest is scheduled (at least the last
+token). If the block right after a waiting group's cached prefix is being computed this very step by a running
+sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses for a step so that
+the group hits it instead of computing it a second time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_tokens` tokens of `seq` starting at `start` are computed this step; `sample` when it reaches the end."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int
+    num_tokens: int
+    slots: list[int]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), GPU -> GPU
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS iteration-level scheduler over sequence groups: admission, decode reservation, preemption.
+
+    Why one class of this size: admission, the batched decode fast path and preemption all decide against one token
+    budget and one view of the block pool per step; they are kept together so the lockstep test can compare the fast
+    path with the per-group loop on identical state.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a CPU swap pool (swap_space > 0)")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        # keep a little headroom when admitting so a new prompt does not force an immediate preemption
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+
+    # ------------------------------------------------------------------ queues
+    @staticmethod
+    def _insert(queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        keys = [g.arrival for g in queue]
+        queue.insert(bisect.bisect_right(keys, group.arrival), group)
+
+    def add(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def groups(self) -> list[SequenceGroup]:
+        return self.running + self.swapped + self.waiting
+
+    def find(self, request_id) -> SequenceGroup | None:
+        for group in self.groups():
+            if group.request_id == request_id:
+                return group
+        return None
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finished, aborted or failed); its computed full blocks stay cached."""
+        bm = self.block_manager
+        if bm.has_seq(seq.seq_id):
+            if bm.enable_prefix_caching:
+                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            bm.free(seq.seq_id)
+
+    def _commit_running(self) -> None:
+        """Key the blocks that the last forward filled (their KV is written now)."""
+        commit = self.block_manager.commit
+        for group in self.running:
+            for seq in group.seqs:
+                if not seq.status.is_finished:
+                    commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        """Mark every live sequence of `group` finished with `status`, free its blocks, drop it from the queues."""
+        for seq in group.seqs:
+            if not seq.status.is_finished:
+                seq.status = status
+            self.free_seq(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+
+    def abort(self, request_id) -> SequenceGroup | None:
+        group = self.find(request_id)
+        if group is not None:
+            self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def remove_finished(self, candidates: Iterable[SequenceGroup] | None = None) -> list[SequenceGroup]:
+        """Free and drop the finished running groups; only `candidates` are looked at when given (hot path)."""
+        done = [g for g in (self.running if candidates is None else candidates) if g.is_finished]
+        if done:
+            for group in done:
+                for seq in group.seqs:
+                    self.free_seq(seq)
+            gone = {id(g) for g in done}
+            self.running[:] = [g for g in self.running if id(g) not in gone]
+        return done
+
+    def num_running_seqs(self) -> int:
+        """Live sequences of the running groups."""
+        return sum(1 if len(g.seqs) == 1 else len(g.live_seqs()) for g in self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = [self.max_num_batched_tokens, self.max_num_seqs]
+        caching = bm.enable_prefix_caching
+        decoded = self._schedule_decodes(out, budget)
+        if caching and not decoded:
+            self._commit_running()
+
+        index = len(self.running) if decoded else 0
+        while index < len(self.running):
+            group = self.running[index]
+            plan = self._plan(group, budget)
+            if plan is None:
+                break
+            needed = bm.blocks_needed_to_append_many((seq.seq_id, n) for seq, n in plan)
+            preempted_self = False
+            while needed > bm.gpu.num_free:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is group:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break
+            self._reserve(group, plan, out, budget)
+            index += 1
+
+        if not out.preempted:
+            while self.swapped and budget[1] > 0:
+                group = self.swapped[0]
+                seqs = group.live_seqs()
+                plan = self._plan(group, budget)
+                if plan is None:
+                    break
+                # exact: swapping in and running this step must fit (plus headroom only while others run), so a
+                # group always comes back once the pool is empty (admission bounded it by the whole pool)
+                needed = bm.blocks_needed_to_swap_in_and_append((s.seq_id, n) for s, n in plan)
+                if needed + (self.watermark_blocks if self.running else 0) > bm.gpu.num_free:
+                    break
+                out.swap_in.extend(bm.swap_in([s.seq_id for s in seqs]))
+                self.swapped.pop(0)
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                self._insert(self.running, group)
+                self._reserve(group, plan, out, budget)
+
+        if not out.preempted and not self.swapped:
+            while self.waiting and budget[0] > 0 and budget[1] > 0:
+                group = self.waiting[0]
+                if caching:
+                    plan, matches = self._plan_admission(group, budget)
+                    if plan is None:
+                        break
+                else:
+                    plan = self._plan(group, budget)
+                    if plan is None:
+                        break
+                    needed = sum(bm.blocks_for(n) for _, n in plan)
+                    headroom = self.watermark_blocks if self.running else 0
+                    if needed + headroom > bm.gpu.num_free:
+                        break
+                self.waiting.pop(0)
+                for seq, _ in plan:
+                    if caching:
+                        cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, matches[seq.seq_id])
+                        assert cached == seq.num_computed, "prefix match changed during admission"
+                    else:
+                        bm.allocate(seq.seq_id, 0)
+                    seq.status = SequenceStatus.RUNNING
+                self._insert(self.running, group)
+                self._reserve(group, plan, out, budget)
+        return out
+
+    def schedule_decode_step(self, skip: set[int] = frozenset()) -> SchedulerOutput | None:
+        """The next step if it is a batched decode step of every running group but those whose `id()` is in `skip`
+        (groups known to finish before it), else None with nothing reserved. For a pipelined engine, which plans a
+        step before the previous one's tokens are known; no admission, swap or preemption happens here."""
+        out = SchedulerOutput()
+        budget = [self.max_num_batched_tokens, self.max_num_seqs]
+        groups = [g for g in self.running if id(g) not in skip] if skip else self.running
+        return out if self._schedule_decodes(out, budget, groups) else None
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int],
+                          running: list[SequenceGroup] | None = None) -> bool:
+        """The common step of a busy engine in one pass: every live sequence of every running group decodes one token.
+
+        If so, and the budgets and the pool hold all of them, their slots (and the copy-on-writes of shared partial
+        last blocks, e.g. after beam forks) are reserved by one `BlockManager.append_decode_slots` call and True is
+        returned. The result equals what the per-group loop of `schedule()` would do (nothing is preempted when
+        everything fits), at a fraction of its cost. Otherwise nothing is reserved and False is returned; the
+        per-group loop handles the step.
+        """
+        if running is None:
+            running = self.running
+        if not running:
+            return False
+        seqs: list[Sequence] = []
+        owners: list[SequenceGroup] = []
+        seq_budget = 0
+        for group in running:
+            group_seqs = group.seqs
+            live = group_seqs if len(group_seqs) == 1 else group.live_seqs()
+            for seq in live:
+                if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed != 1:
+                    return False
+                seqs.append(seq)
+                owners.append(group)
+            # what _reserve charges: max(len(plan), group.max_running_seqs()) (a group about to fork needs its width)
+            seq_budget += max(group.width, len(live)) if len(group_seqs) == 1 else len(live)
+        if len(seqs) > budget[0] or seq_budget > budget[1]:
+            return False
+        bm = self.block_manager
+        ids = [seq.seq_id for seq in seqs]
+        if bm.enable_prefix_caching:
+            result = bm.append_decode_slots(ids, [s.token_ids for s in seqs], [s.num_computed for s in seqs])
+        else:
+            result = bm.append_decode_slots(ids)
+        if result is None:
+            return False
+        scheduled = out.scheduled
+        for group, seq, slot in zip(owners, seqs, result.slots):
+            scheduled.append(ScheduledSeq(seq, group, seq.num_computed, 1, [slot]))
+        out.copies.extend(result.copies)
+        budget[0] -= len(seqs)
+        budget[1] -= seq_budget
+        return True
+
+    def _plan_admission(self, group: SequenceGroup, budget: list[int]):
+        """With prefix caching: `(plan, matches)` to admit a waiting group now, or `(None, None)`.
+
+        Each sequence's `num_computed` is moved past its cached prefix (reset to 0 when the group is not admitted).
+        Cached blocks taken from the evictable pool count against the free blocks. The group waits (one step) when
+        the block after a sequence's cached prefix is being computed by a running sequence right now.
+        """
+        bm = self.block_manager
+        seqs = group.live_seqs()
+        matches = {}
+        for seq in seqs:
+            match = bm.match_prefix(seq.token_ids)
+            if match.pending and self.running:
+                return None, None
+            matches[seq.seq_id] = match
+        for seq in seqs:
+            seq.num_computed = matches[seq.seq_id].num_cached_tokens
+        plan = self._plan(group, budget)
+        if plan is not None:
+            needed = bm.blocks_needed_to_admit((matches[seq.seq_id], n) for seq, n in plan)
+            headroom = self.watermark_blocks if self.running else 0
+            if needed + headroom <= bm.gpu.num_free:
+                return plan, matches
+        for seq in seqs:
+            seq.num_computed = 0
+        return None, None
+
+    def _plan(self, group: SequenceGroup, budget: list[int]) -> list[tuple[Sequence, int]] | None:
+        """Tokens per live sequence this step (gang: all sequences of the group or none)."""
+        seqs = [s for s in group.live_seqs() if s.num_uncomputed > 0]
+        if not seqs or group.max_running_seqs() > budget[1]:  # a group about to fork needs its width
+            return None
+        tokens_left = budget[0]
+        if tokens_left < len(seqs):
+            return None
+        plan = []
+        for index, seq in enumerate(seqs):
+            # share the budget so every sequence of the group gets at least one token (gang scheduling)
+            n = min(seq.num_uncomputed, tokens_left - (len(seqs) - index - 1))
+            plan.append((seq, n))
+            tokens_left -= n
+        return plan
+
+    def _reserve(self, group, plan, out: SchedulerOutput, budget: list[int]) -> None:
+        for seq, n in plan:
+            start = seq.num_computed
+            result = self.block_manager.append_slots(seq.seq_id, n)
+            out.copies.extend(result.copies)
+            out.scheduled.append(ScheduledSeq(seq, group, start, n, result.slots))
+            budget[0] -= n
+        budget[1] -= max(len(plan), group.max_running_seqs())
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        seqs = group.live_seqs()
+        ids = [s.seq_id for s in seqs]
+        self.running.remove(group)
+        group.num_preemptions += 1
+        out.preempted.append(group)
+        if bm.enable_prefix_caching:  # its written blocks stay cached: a recompute may hit them on re-admission
+            for seq in seqs:
+                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        if self.preemption_mode == "swap" and bm.can_swap_out(ids):
+            out.swap_out.extend(bm.swap_out(ids))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, group)
+            self.num_preemptions["swap"] += 1
+            return
+        for seq in seqs:
+            bm.free(seq.seq_id)
+            seq.num_computed = 0
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)
+        self.num_preemptions["recompute"] += 1

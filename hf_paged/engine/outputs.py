@@ -1,0 +1,77 @@
+"""What the engine reports: `RequestOutput` / `CompletionOutput`, built from sequence groups after each step.
+The dataclasses are public (`hf_paged.RequestOutput`); the mixin is part of `Engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import SequenceGroup, SequenceStatus
+
+__all__ = ["CompletionOutput", "Outputs", "RequestOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    scores: list[torch.Tensor] | None = None
+    score: float | None = None  # beam search: the hypothesis' score (transformers' `sequences_scores`)
+
+
+@dataclass
+class RequestOutput:
+    """State of one request after a step: cumulative tokens of each of its sequences."""
+
+    request_id: object
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_preemptions: int = 0
+    error: BaseException | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class Outputs:
+    """Builds `RequestOutput`s; a mixin of `Engine`."""
+
+    def _outputs(self, advanced: list[SequenceGroup], finished_only: bool) -> list[RequestOutput]:
+        if finished_only:
+            advanced = [g for g in advanced if g.is_finished]
+        return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
+
+    def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
+        """Outputs of the requests finished outside a step (aborted, closed) that were not reported yet."""
+        if not self._unreported:
+            return []
+        skip = {id(g) for g in exclude}
+        done, self._unreported = self._unreported, []
+        # `is g`: an id may already belong to a new request (ids are reusable once reported)
+        return [self._output(g) for g in done if id(g) not in skip and self._groups.get(g.request_id) is g]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            self.sampler.forget(group.request_id)
+        outputs = []
+        for index, seq in enumerate(group.seqs):
+            reason = seq.stop_reason if seq.status.is_finished else None
+            if seq.status == SequenceStatus.FINISHED_ABORTED:
+                reason = "abort"
+            elif seq.status == SequenceStatus.FINISHED_ERROR:
+                reason = "error"
+            text = None
+            if finished and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            beam_done = finished and getattr(group.params, "num_beams", 1) > 1 and reason in ("eos", "length")
+            score = seq.cumulative_logprob if beam_done else None
+            scores = group.data.get(seq.seq_id)
+            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score))
+        prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
+        return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error)

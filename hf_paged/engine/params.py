@@ -1,0 +1,127 @@
+"""`SamplingParams`: what one request asks for (lengths, sampling, stops, beams), validated when built.
+
+Pure data plus validation; read by the engine, the sampler, beam search and the integrations that translate
+transformers' `GenerationConfig` into it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field, fields
+
+import torch
+
+__all__ = ["SamplingParams", "validate_beam_params"]
+
+
+def _as_token_list(value, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a list of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, SequenceABC) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise TypeError(f"{name} must be an int or a list of ints, got {value!r}")
+
+
+def validate_beam_params(p) -> None:
+    """Check the beam fields of a `SamplingParams` (called from `SamplingParams.validate`)."""
+    k = p.num_beams
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_beams must be a positive int, got {k!r}")
+    lp = p.length_penalty
+    if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+        raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+    es = p.early_stopping
+    if not (isinstance(es, bool) or es == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {es!r}")
+    if k == 1:
+        return
+    if p.do_sample:
+        raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not supported; use do_sample=False")
+    if p.num_return_sequences > k:
+        raise ValueError(
+            f"num_return_sequences ({p.num_return_sequences}) must be <= num_beams ({k}) with beam search"
+        )
+    if p.stop_strings:
+        raise ValueError("stop_strings is not supported with num_beams > 1")
+
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for. Validation errors name the offending argument."""
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    num_return_sequences: int = 1
+    logits_processor: object = None
+    output_scores: bool = False
+    num_beams: int = 1  # > 1: beam search (hf_paged.engine.beam), transformers' arithmetic
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.eos_token_id = _as_token_list(self.eos_token_id, "eos_token_id")
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = (self.stop_strings,)
+        self.stop_strings = tuple(self.stop_strings or ())
+        self.validate()
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)} - {"extra"}
+
+    def validate(self) -> None:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be a non-negative int, got {self.min_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative int (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not is_int(self.num_return_sequences) or self.num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be a positive int, got {self.num_return_sequences!r}")
+        validate_beam_params(self)
+        if self.num_return_sequences > 1 and not self.do_sample and self.num_beams == 1:
+            raise ValueError(
+                "num_return_sequences > 1 needs do_sample=True (greedy would return identical copies) or num_beams"
+            )
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise TypeError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.logits_processor is not None or self.min_new_tokens > 0

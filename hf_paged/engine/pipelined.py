@@ -1,0 +1,171 @@
+"""Pipelined decode: launch the next decode step before the host has the current step's tokens (plain greedy
+requests on the static path). A mixin of `Engine`; see docs/architecture.md, "Pipelined decode".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import SchedulerOutput, SequenceGroup
+from .beam import track_sharing
+
+__all__ = ["PipelinedDecode"]
+
+
+_IN_FLIGHT = -1  # token id standing for a token a launched step has not delivered to the host yet
+
+
+@dataclass
+class _InFlight:
+    """A launched plain decode step: its argmax is on the device, on its way to `host` (done when `event` is)."""
+
+    sched: SchedulerOutput
+    tokens: torch.Tensor  # [n] int64 on the device: input of the next pipelined step
+    host: torch.Tensor  # [n] int64 on the host (pinned on CUDA)
+    event: torch.cuda.Event | None
+
+
+class PipelinedDecode:
+    """Launch / apply / drain of pipelined decode steps; a mixin of `Engine`."""
+
+    def _can_pipeline(self, sched: SchedulerOutput, logits: torch.Tensor) -> bool:
+        """A static-path decode step of plain greedy requests covering every running request, none waiting."""
+        scheduler = self.scheduler
+        scheduled = sched.scheduled
+        return (
+            self.runner.last_static
+            and not (scheduler.waiting or scheduler.swapped or sched.copies)
+            and logits.shape[0] == len(scheduled) == len(scheduler.running)
+            and all(item.group.plain for item in scheduled)
+        )
+
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
+        """Pick the step's tokens on the device and start their copy to the host; do not wait for it.
+
+        Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
+        can plan the next step (one more token for each) before the token is known.
+        """
+        tokens = self._share(logits.argmax(dim=-1))
+        n = tokens.shape[0]
+        event = None
+        if tokens.is_cuda:
+            if not self._token_hosts or self._token_hosts[0].shape[0] < n:
+                size = max(n, self.scheduler.max_num_seqs)
+                self._token_hosts = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._token_hosts.reverse()  # never the buffer of the step still in flight
+            host = self._token_hosts[0][:n]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_tokens
+            item.seq.token_ids.append(_IN_FLIGHT)
+        return _InFlight(sched, tokens, host, event)
+
+    def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
+        """The next decode step of every running request that `current` does not finish by length, if it fits."""
+        scheduler = self.scheduler
+        if scheduler.waiting or scheduler.swapped:
+            return None  # admissions need the normal scheduler: let the pipeline drain
+        done = {id(item.group) for item in current.sched.scheduled
+                if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
+        sched = scheduler.schedule_decode_step(done)
+        if sched is None:
+            return None  # nothing was reserved
+        assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
+        return sched
+
+    def _advance_pipeline(self, current: _InFlight, finished_only: bool) -> list[SequenceGroup]:
+        """Launch the step after `current` (when it can), then wait for `current`'s tokens and apply them."""
+        sched = self._schedule_next(current) if finished_only else None
+        launched, failure, interrupt = None, None, None
+        if sched is not None:
+            try:
+                self.runner.apply_block_ops(sched)
+                track_sharing(self.stats, *self.block_manager.usage())
+                rows = {id(item.seq): k for k, item in enumerate(current.sched.scheduled)}
+                source = (current.tokens, [rows[id(item.seq)] for item in sched.scheduled])
+                with torch.inference_mode():
+                    logits, _ = self.runner.execute(sched, input_tokens=source)
+                    launched = self._launch(sched, logits)
+            except Exception as error:
+                failure = error
+            except BaseException as error:
+                interrupt = error
+        try:
+            advanced = self._apply(current)
+        except BaseException as error:  # tokens half applied: fail both steps' requests (as in _interrupted)
+            failed = []
+            for step in (sched, current.sched):
+                if step is not None:
+                    self._drop_in_flight(step)
+                    failed += [g for g in self._fail(step, error, "sample") if g not in failed]
+            if isinstance(error, Exception):
+                return failed
+            self._unreported.extend(failed)
+            raise
+        self._track(current.sched)
+        if failure is not None:  # the next step's forward failed: its requests fail, as in a normal step
+            self._drop_in_flight(sched)
+            failed = self._fail(sched, failure, "forward")
+            advanced += [g for g in failed if g not in advanced]
+        elif interrupt is not None:  # nothing of it was applied: requeue its requests, lose nothing
+            self._drop_in_flight(sched)
+            self._interrupted(sched, interrupt, "forward")
+            self._unreported.extend(g for g in advanced if g.is_finished)  # the applied step's results
+            raise interrupt
+        elif launched is not None:
+            self._in_flight = launched
+            self.pipelined_steps += 1
+        return advanced
+
+    def _apply(self, current: _InFlight) -> list[SequenceGroup]:
+        """Wait for a launched step's tokens; put each where `_IN_FLIGHT` stands, then apply the stop conditions.
+
+        A request that stops here may already be in the next launched step: its token from that step is dropped
+        (its blocks are freed now; the stream runs that step before any later use of them). A request aborted while
+        its step was in flight keeps the tokens it had before that step.
+        """
+        if current.event is not None:
+            current.event.synchronize()
+        tokens = current.host.tolist()
+        check_stop = self._check_stop
+        advanced, finished = [], []
+        for item, token in zip(current.sched.scheduled, tokens):
+            seq = item.seq
+            ids = seq.token_ids
+            at = item.start + item.num_tokens  # where this step's token goes
+            if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
+                del ids[at:]
+                continue
+            later = ids[at + 1 :]  # the next launched step's placeholder, if any
+            del ids[at:]
+            ids.append(token)
+            check_stop(seq, item.group.params)
+            advanced.append(item.group)
+            if seq.status.is_finished:
+                finished.append(item.group)
+            else:
+                ids.extend(later)
+        if finished:
+            self.scheduler.remove_finished(finished)
+        return advanced
+
+    def _drop_in_flight(self, sched: SchedulerOutput) -> None:
+        """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""
+        for item in sched.scheduled:
+            seq = item.seq
+            del seq.token_ids[item.start + item.num_tokens :]
+            seq.num_computed = min(seq.num_computed, item.start)
+
+    def _drain(self) -> None:
+        """Apply the launched step, if any, before the engine's state is read or changed outside a step."""
+        current, self._in_flight = self._in_flight, None
+        if current is not None:
+            advanced = self._apply(current)
+            self._track(current.sched)
+            self._unreported.extend(g for g in advanced if g.is_finished)

@@ -1,0 +1,165 @@
+"""Taking requests in and out of the engine: prompt checks, `add_request`, `abort`, `close`, and the fair
+engine lock that lets other threads in between steps. A mixin of `Engine` (state set up by `Engine.__init__`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..core import Sequence, SequenceGroup, SequenceStatus
+from .params import SamplingParams
+
+__all__ = ["EngineClosedError", "Requests"]
+
+
+class EngineClosedError(RuntimeError):
+    """A request was added to an engine after `Engine.close()`."""
+
+
+class Requests:
+    """Request registry and thread-safe control calls of `Engine`."""
+
+    def _normalize_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt is a string but the engine has no tokenizer; pass token ids or a tokenizer")
+            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                raise TypeError(f"prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt must be a list of token ids, a 1-D tensor or a string, got {type(prompt).__name__}")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise TypeError("prompt must contain only int token ids")
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return list(prompt)
+
+    def add_request(self, prompt, request_id=None, params: SamplingParams | None = None, **kwargs) -> object:
+        """Queue a request; returns its id. `kwargs` are `SamplingParams` fields (unknown names raise TypeError)."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
+        unknown = set(kwargs) - SamplingParams.names()
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
+        if params is None:
+            params = SamplingParams(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either params or keyword arguments, not both")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings needs a tokenizer: create the engine with tokenizer=...")
+        if not params.eos_token_id and not params.ignore_eos:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
+            params.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        token_ids = self._normalize_prompt(prompt)
+        total = len(token_ids) + params.max_new_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(
+                f"prompt length {len(token_ids)} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings ({self.max_model_len})"
+            )
+        width, name = max((params.num_return_sequences, "num_return_sequences"), (params.num_beams, "num_beams"))
+        if width > self.scheduler.max_num_seqs:
+            raise ValueError(f"{name}={width} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        if width > self.scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"{name}={width} exceeds max_num_batched_tokens="
+                f"{self.scheduler.max_num_batched_tokens}: its samples are scheduled together, one token each"
+            )
+        blocks = self.block_manager.blocks_for(total) * width
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks (prompt {len(token_ids)} + max_new_tokens {params.max_new_tokens})"
+                f" but the whole pool has {self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory"
+            )
+        with self._control():
+            if self._closed:
+                raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
+            if request_id is None:
+                request_id = f"req-{next(self._auto_ids)}"
+            if request_id in self._groups:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
+            plain = width == 1 and not (params.do_sample or params.needs_processing or params.output_scores)
+            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width, plain=plain)
+            self._groups[request_id] = group
+            self.scheduler.add(group)
+        return request_id
+
+    def abort(self, request_id) -> bool:
+        """Stop a request now and free its blocks; True if it was still running."""
+        with self._control():
+            self._drain()
+            group = self.scheduler.abort(request_id)
+            if group is None:
+                return False
+            self.sampler.forget(request_id)
+            self._unreported.append(group)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop serving: abort every unfinished request (its blocks are freed now) and refuse new ones.
+
+        The aborted requests are still reported (finish reason "abort") by the next `step()` or the end of a running
+        `stream()`. Thread-safe and idempotent; `with Engine(...) as engine:` closes on exit.
+
+        The GPU memory goes back at once: the KV pool, the CUDA graphs and the compiled step are dropped here, not
+        when the last reference to the engine goes (a reference cycle, e.g. a wrapper around one of its methods,
+        would otherwise hold the pool until the cycle collector runs, or forever for objects `warm_up()` froze).
+        """
+        with self._control():
+            self._drain()
+            self._closed = True
+            for group in self.scheduler.groups():
+                self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+                self._unreported.append(group)
+            self.runner.release()
+            self.cache.release_pool()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Requests:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _control(self):
+        """The engine lock, for calls that may come from any thread (add_request, abort, close, ...).
+
+        Python's locks are not fair: a thread that steps in a loop would take the lock back before a waiting
+        `abort()` woke up, and a streaming server's aborts and new requests could wait for many steps. So these calls
+        announce themselves, and `step()` waits for every announced call to get through before it locks.
+        """
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()

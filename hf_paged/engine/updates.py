@@ -1,0 +1,117 @@
+"""Applying a step's picks: sample (or argmax) the next tokens, append them, fork parallel samples, run beam
+search, and check stop conditions. A mixin of `Engine`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
+from .params import SamplingParams
+
+__all__ = ["TokenUpdates"]
+
+
+class TokenUpdates:
+    """Token selection and per-sequence updates after a forward; a mixin of `Engine`."""
+
+    def _share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: every rank takes the first rank's picks (no-op in a single process)."""
+        return tokens if self.tp is None else self.tp.share(tokens)
+
+    def _sample_and_update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[SequenceGroup]:
+        """Pick the next tokens, append them, apply stop conditions and forks; return the groups that advanced."""
+        scheduled = sched.scheduled
+        if logits.shape[0] == len(scheduled) and all(item.group.plain for item in scheduled):
+            return self._update_plain(scheduled, logits)
+        rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
+        beam_entries = []
+        logit_row = 0
+        for item in scheduled:
+            item.seq.num_computed += item.num_tokens
+            if not item.sample:
+                continue
+            p = item.group.params
+            if p.num_beams > 1:  # beam groups are scored together by hf_paged.engine.beam
+                beam_entries.append((item, logit_row))
+                logit_row += 1
+                continue
+            copies = p.num_return_sequences if (len(item.group.seqs) == 1 and not item.seq.output_ids) else 1
+            for _ in range(copies):
+                rows.append(logit_row)
+                params.append(p)
+                histories.append(item.seq.token_ids)
+                num_out.append(item.seq.num_tokens - item.seq.prompt_len)
+                keys.append(item.group.request_id)
+                owners.append(item)
+            logit_row += 1
+        advanced: dict[int, SequenceGroup] = {}
+        if rows:
+            if rows == list(range(logits.shape[0])):
+                picked = logits  # one row per sampling sequence, in order: no gather, no index upload
+            else:
+                picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            tokens, scores = self.sampler(picked, params, histories, num_out, keys)
+            token_list = self._share(tokens).tolist()
+            forks: dict[int, int] = {}
+            for j, (item, token) in enumerate(zip(owners, token_list)):
+                seq = item.seq
+                if forks.get(id(item), 0) > 0:
+                    seq = self._fork(item)
+                forks[id(item)] = forks.get(id(item), 0) + 1
+                seq.token_ids.append(int(token))
+                if item.group.params.output_scores:
+                    item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
+                self._check_stop(seq, item.group.params)
+                advanced.setdefault(id(item.group), item.group)
+        if beam_entries:
+            for group in self.beam_search.step(beam_entries, logits):
+                advanced.setdefault(id(group), group)
+        groups = list(advanced.values())
+        for group in groups:
+            for seq in group.seqs:
+                if seq.status.is_finished:
+                    self.scheduler.free_seq(seq)
+        self.scheduler.remove_finished(groups)
+        return groups
+
+    def _update_plain(self, scheduled, logits: torch.Tensor) -> list[SequenceGroup]:
+        """The hot path: every scheduled sequence is a plain greedy one that samples; its token is the argmax."""
+        tokens = self._share(logits.argmax(dim=-1)).tolist()  # the step's one host sync
+        check_stop = self._check_stop
+        finished = []
+        for item, token in zip(scheduled, tokens):
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            seq.token_ids.append(token)
+            check_stop(seq, item.group.params)
+            if seq.status.is_finished:
+                finished.append(item.group)
+        if finished:
+            self.scheduler.remove_finished(finished)
+        return [item.group for item in scheduled]
+
+    def _fork(self, item) -> Sequence:
+        """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""
+        parent = item.seq
+        child = Sequence(token_ids=parent.token_ids[: parent.num_computed], prompt_len=parent.prompt_len)
+        child.num_computed = parent.num_computed
+        child.status = SequenceStatus.RUNNING
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        item.group.seqs.append(child)
+        return child
+
+    def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
+        token_ids = seq.token_ids
+        produced = len(token_ids) - seq.prompt_len
+        if not p.ignore_eos and token_ids[-1] in p.eos_token_id and produced >= p.min_new_tokens:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "eos"
+        elif produced >= p.max_new_tokens:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
+        elif p.stop_strings and self._hits_stop_string(seq, p):
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "stop_string"
+
+    def _hits_stop_string(self, seq: Sequence, p: SamplingParams) -> bool:
+        window = max(len(s) for s in p.stop_strings) + 8
+        text = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
+        return any(s in text for s in p.stop_strings)

@@ -1,0 +1,394 @@
+"""Turn a scheduler decision into one model forward: inputs, block operations, CUDA graphs.
+
+Prefill-carrying steps run eagerly over the flattened `[1, T]` batch. Decode-only steps on CUDA replay a CUDA graph
+captured for the next larger batch-size bucket. The graph reads persistent device buffers:
+
+* `meta`: one int64 row each for token ids, positions, slot mapping, sequence lengths and table-store rows, refilled
+  by a single host-to-device copy per step;
+* `store`: a device-side table store where every sequence keeps its block table in a row of its own across steps.
+  Only the rows whose table changed (a new block, a copy-on-write, a new sequence) are uploaded; the graph gathers
+  the step's `block_tables` from the store by the `meta` row indices. A sequence that finishes therefore costs
+  nothing to the others (no row shifts, no re-upload).
+
+So a decode step costs a few small copies and one graph launch instead of hundreds of kernel launches from Python.
+Rows of a bucket beyond the real batch write nowhere (slot -1) and attend to nothing (length 0).
+
+`decode_mode` is "graph" (CUDA graphs), "static" (the same buffers and host path, the forward run eagerly: lets the
+CPU tests cover the decode path of the GPU token for token) or "eager".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import active_cache
+from ..cache import PagedCache, StepMetadata
+from ..core import SchedulerOutput
+
+__all__ = ["ModelRunner"]
+
+
+def _buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8]
+    size = 16
+    while size < max_batch:
+        sizes.append(size)
+        size += 16 if size < 128 else 32
+    sizes.append(max_batch)
+    return sorted(set(s for s in sizes if s <= max_batch))
+
+
+def _decode_forward(model, cache):
+    """The model's forward of one decode step over `cache` (the step's metadata set already), returning `[B, V]`.
+
+    A closure over the model and the cache, not a method: the compiled form is kept by the runner, and a bound
+    method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
+    """
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                    logits_to_keep=0)
+        return out.logits[0]
+
+    return forward
+
+
+class ModelRunner:
+    """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
+
+    Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
+    the compiled step) share one set of persistent buffers and one invalidation rule for the tables; splitting them
+    would pass that state between objects on the hot path.
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: PagedCache,
+        *,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        use_cuda_graph: bool | None = None,
+        compile_decode: bool = False,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
+        self.decode_mode = "graph" if use_cuda_graph else "eager"
+        self.compile_decode = compile_decode
+        self._forward = _decode_forward(model, cache)
+        self._compiled = None
+        if compile_decode:
+            if not use_cuda_graph:
+                self.decode_mode = "static"  # the compiled step runs on the static buffers, with or without graphs
+            cache._defer_write = True
+        # batch sizes a decode step is padded to; a compiled step is traced with a symbolic batch size, and a batch
+        # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
+        self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
+        max_len = max_model_len or 8192
+        self.max_blocks_per_seq = -(-max_len // self.block_size)
+        self._graphs: dict[int, object] = {}  # bucket -> callable running the decode forward, returning its logits
+        self._buffers: dict[str, torch.Tensor] | None = None
+        self._pool = None
+        self.graph_steps = 0
+        self.eager_steps = 0
+        self.table_rows_uploaded = 0
+        self.last_static = False
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.decode_mode == "graph"
+
+    # ------------------------------------------------------------------ block operations
+    def apply_block_ops(self, sched: SchedulerOutput) -> None:
+        """Swap out, then swap in, then copy-on-write: before this step's forward writes anything."""
+        cache = self.cache
+        if sched.swap_out:
+            gpu = torch.tensor([g for g, _ in sched.swap_out], device=self.device)
+            cpu = torch.tensor([c for _, c in sched.swap_out])
+            cache.cpu_pool[:, :, cpu] = cache.pool[:, :, gpu].to("cpu")
+        if sched.swap_in:
+            cpu = torch.tensor([c for c, _ in sched.swap_in])
+            gpu = torch.tensor([g for _, g in sched.swap_in], device=self.device)
+            cache.pool[:, :, gpu] = cache.cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
+        cache._copy_blocks(sched.copies)
+
+    # ------------------------------------------------------------------ forward
+    def execute(self, sched: SchedulerOutput, input_tokens=None) -> tuple[torch.Tensor, list[int]]:
+        """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`).
+
+        `input_tokens = (tokens, rows)`: the step's input token ids are `tokens[rows]`, gathered on the device (the
+        previous step's argmax, not yet on the host: a pipelined decode step). Static decode path only.
+        """
+        if sched.preempted or sched.swap_in or sched.swap_out:
+            self.invalidate_tables()  # tables were rebuilt or moved: a row's (length, last block) proves nothing
+        if self.static_eligible(sched):
+            self.last_static = True
+            return self._execute_static(sched, input_tokens)
+        if input_tokens is not None:
+            raise ValueError("input_tokens needs a decode step on the static path")
+        self.last_static = False
+        return self._execute_eager(sched)
+
+    def static_eligible(self, sched: SchedulerOutput) -> bool:
+        """Whether `execute` runs this step on the static decode buffers (CUDA graph, or "static" on the CPU)."""
+        scheduled = sched.scheduled
+        return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
+                and all(item.num_tokens == 1 for item in scheduled))
+
+    def _execute_eager(self, sched: SchedulerOutput):
+        bm = self.cache.block_manager
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables, lens, q_lens, sample_index, samplers = [], [], [], [], []
+        offset = 0
+        for k, item in enumerate(sched.scheduled):
+            end = item.start + item.num_tokens
+            ids.extend(item.seq.token_ids[item.start : end])
+            positions.extend(range(item.start, end))
+            slots.extend(item.slots)
+            tables.append(bm.table_view(item.seq.seq_id))
+            lens.append(end)
+            q_lens.append(item.num_tokens)
+            offset += item.num_tokens
+            if item.sample:
+                sample_index.append(offset - 1)
+                samplers.append(k)
+        step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
+        self.cache.set_engine_step(step)
+        input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
+        keep = torch.tensor(sample_index if sample_index else [offset - 1], dtype=torch.long).to(self.device)
+        output = self.model(
+            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+            logits_to_keep=keep,
+        )
+        self.eager_steps += 1
+        logits = output.logits[0]
+        return (logits if sample_index else logits[:0]), samplers
+
+    # ------------------------------------------------------------------ static decode buffers, CUDA graphs
+    def _ensure_buffers(self) -> None:
+        if self._buffers is not None:
+            return
+        n, mb, dev = self.max_num_seqs, self.max_blocks_per_seq, self.device
+        pin = dev.type == "cuda"
+        # one int64 buffer for the per-row vectors, so a step uploads them with a single copy: row 0 token ids,
+        # 1 positions, 2 slot mapping, 3 sequence lengths, 4 table-store rows, 5 rows of the previous step's tokens
+        # to take as input ids (pipelined steps; the kernels accept int64 indices)
+        meta = torch.zeros((6, n), dtype=torch.long, device=dev)
+        self._store_capacity = 2 * n + 1  # every live sequence plus as many finished ones before a sweep
+        self._buffers = {
+            "meta": meta,
+            "ids": meta[0],
+            "pos": meta[1],
+            "slots": meta[2],
+            "lens": meta[3],
+            "rows": meta[4],
+            "src": meta[5],
+            "tables": torch.zeros((n, mb), dtype=torch.int32, device=dev),
+            "store": torch.zeros((self._store_capacity, mb), dtype=torch.int32, device=dev),
+            "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
+            "staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
+            "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+        }
+        # Host sides of the uploads, twice: a copy from pinned memory is read by the GPU after copy_() returns, and a
+        # pipelined step writes its inputs before the step launched just before it has run. Alternating two sets,
+        # a set is written again only two launches later, when the engine has waited for the step that used it.
+        self._host_sets = [
+            {
+                "meta": torch.zeros((6, n), dtype=torch.long, pin_memory=pin),
+                "staging": torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin),
+                "staging_rows": torch.zeros(n, dtype=torch.long, pin_memory=pin),
+            }
+            for _ in range(2)
+        ]
+        self.invalidate_tables()
+
+    def release(self) -> None:
+        """Drop the CUDA graphs, the static buffers and the compiled step (the engine is closing)."""
+        self._graphs.clear()
+        self._buffers = None
+        self._host_sets = []
+        self._compiled = None
+        self._pool = None
+
+    def invalidate_tables(self) -> None:
+        """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
+        self._row_of: dict = {}  # seq_id -> [store row, table length, last block] as uploaded
+        if self._buffers is not None:
+            self._free_rows = list(range(self._store_capacity - 1, 0, -1))  # row 0: the padding rows' row
+
+    def _take_row(self, live: set) -> int:
+        """A free store row; when none is left, rows of sequences not in this step are swept first."""
+        if not self._free_rows:
+            for seq_id in [s for s in self._row_of if s not in live]:
+                self._free_rows.append(self._row_of.pop(seq_id)[0])
+        return self._free_rows.pop()
+
+    def _step_metadata(self, batch: int) -> StepMetadata:
+        b = self._buffers
+        return StepMetadata(
+            layout="ragged", slot_mapping=b["slots"][:batch], block_tables=b["tables"][:batch],
+            seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
+        )
+
+    def _run_model(self, batch: int) -> torch.Tensor:
+        """The decode forward over the static buffers (what a graph records): gather the tables, run the model.
+
+        With `compile_decode`, the forward runs through its compiled form: compiled once (Dynamo + Inductor) with a
+        symbolic batch dimension, so every bucket reuses it.
+        """
+        b = self._buffers
+        torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
+        self.cache.set_engine_step(self._step_metadata(batch))
+        ids, pos = b["ids"][:batch][None], b["pos"][:batch][None]
+        if not self.compile_decode:
+            return self._forward(ids, pos)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._forward)
+        if batch >= 2:
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
+        try:
+            with active_cache(self.cache):
+                return self._compiled(ids, pos)
+        finally:
+            self.cache._engine_step_pending = False
+
+    def _capture(self, batch: int):
+        """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
+        b = self._buffers
+        b["slots"].fill_(-1)
+        b["lens"].zero_()
+        b["rows"].zero_()
+        if self.decode_mode != "graph":
+            if self.compile_decode:
+                with torch.inference_mode():
+                    self._run_model(batch)  # compile now (warm_up), not in a serving step
+            return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._run_model(batch)
+
+        def replay(graph=graph, logits=logits):
+            graph.replay()
+            return logits
+
+        return replay
+
+    def capture_all(self) -> None:
+        """Capture every bucket up front (largest first, sharing one memory pool)."""
+        self._ensure_buffers()
+        with torch.inference_mode():
+            for batch in sorted(self._bucket_sizes, reverse=True):
+                if batch not in self._graphs:
+                    self._graphs[batch] = self._capture(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warm_up_prefill(self, max_tokens: int) -> None:
+        """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
+
+        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step, so a
+        few query lengths are run. Nothing is written (slot -1) and every table points at block 0.
+        """
+        cache = self.cache
+        with torch.inference_mode():
+            for q_len in (2, 8, 64, 256):
+                num_seqs = max(1, min(4, max_tokens // q_len))
+                tokens = num_seqs * q_len
+                table = [0] * -(-q_len // self.block_size)  # every position reads block 0
+                step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
+                                        [q_len] * num_seqs, self.device)
+                cache.set_engine_step(step)
+                positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
+                self.model(
+                    input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
+                    past_key_values=cache, use_cache=True,
+                    logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _execute_static(self, sched: SchedulerOutput, input_tokens=None):
+        self._ensure_buffers()
+        scheduled = sched.scheduled
+        real = len(scheduled)
+        bucket = next(s for s in self._bucket_sizes if s >= real)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
+        run = self._graphs[bucket]
+        table_view = self.cache.block_manager.table_view
+        row_of = self._row_of
+        ids, pos, slots, rows = [], [], [], []
+        changed: list[tuple[int, list[int]]] = []
+        live = None
+        for item in scheduled:
+            seq = item.seq
+            start = item.start
+            if input_tokens is None:
+                ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(item.slots[0])
+            seq_id = seq.seq_id
+            table = table_view(seq_id)
+            entry = row_of.get(seq_id)
+            if entry is None:
+                if live is None:
+                    live = {i.seq.seq_id for i in scheduled}
+                entry = row_of[seq_id] = [self._take_row(live), -1, -1]
+            if entry[1] != len(table) or entry[2] != table[-1]:
+                # a table only grows or has its last block replaced between two steps of a running sequence;
+                # anything else (preemption, swaps, failed steps) invalidated every row before we got here
+                entry[1], entry[2] = len(table), table[-1]
+                changed.append((entry[0], table))
+            rows.append(entry[0])
+        if any(len(t) > self.max_blocks_per_seq for _, t in changed):
+            return self._execute_eager(sched)
+        self._host_sets.reverse()
+        host_set = self._host_sets[0]
+        host = host_set["meta"].numpy()
+        if input_tokens is None:
+            host[0, :real] = ids
+        else:
+            host[5, :real] = input_tokens[1]
+        host[1, :real] = pos
+        host[2, :real] = slots
+        host[3, :real] = [p + 1 for p in pos]
+        host[4, :real] = rows
+        host[2, real:bucket] = -1
+        host[3, real:bucket] = 0
+        host[4, real:bucket] = 0
+        b = self._buffers
+        # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
+        b["meta"].copy_(host_set["meta"], non_blocking=True)
+        if changed:
+            staged = host_set["staging"].numpy()
+            for j, (_, table) in enumerate(changed):
+                staged[j, : len(table)] = table  # past the table: stale ids nobody reads (lengths bound the reads)
+            k = len(changed)
+            host_set["staging_rows"].numpy()[:k] = [row for row, _ in changed]
+            b["staging"][:k].copy_(host_set["staging"][:k], non_blocking=True)
+            b["staging_rows"][:k].copy_(host_set["staging_rows"][:k], non_blocking=True)
+            b["store"].index_copy_(0, b["staging_rows"][:k], b["staging"][:k])
+            self.table_rows_uploaded += k
+        if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
+            torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
+        logits = run() if run is not None else self._run_model(bucket)
+        self.graph_steps += 1
+        return logits[:real], list(range(real))
