@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from roofline import copy_bandwidth, decode_bound_s, latency_stats, matmul_flops, model_bytes, prefill_flops
 from transformers import AutoConfig, AutoModelForCausalLM
 
 SHAPES = {
@@ -40,10 +41,15 @@ SHAPES = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
                          tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
 }
+# lognormal (sigma 1) with these means, clipped to [4, 1024]; or uniform in [lo, hi] for prompts and outputs
 WORKLOADS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
+UNIFORM_WORKLOADS = {"uniform": ((100, 1024), (100, 1024)), "long": ((2048, 8192), (32, 256))}
 
 
 def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str | None = None):
@@ -52,6 +58,10 @@ def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str 
     if jsonl:
         rows = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()][:n]
         return [(list(r["prompt_ids"]), int(r.get("output_len", 128))) for r in rows]
+    if kind in UNIFORM_WORKLOADS:
+        (in_lo, in_hi), (out_lo, out_hi) = UNIFORM_WORKLOADS[kind]
+        ins, outs = rng.integers(in_lo, in_hi + 1, n), rng.integers(out_lo, out_hi + 1, n)
+        return [(rng.integers(100, 30000, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
     mean_in, mean_out = WORKLOADS[kind]
     sigma = 1.0
 
@@ -103,11 +113,11 @@ def build_tp_model(name: str, dtype: torch.dtype, rank: int):
     return model.eval()
 
 
-def build_model(name: str, device: str, dtype: torch.dtype):
+def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096):
     if name in SHAPES:
         shape = dict(SHAPES[name])
         model_type = shape.pop("model_type", "llama")
-        config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **shape)
+        config = AutoConfig.for_model(model_type, max_position_embeddings=max_len, **shape)
         config.eos_token_id = None
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -146,6 +156,13 @@ def time_limit(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+def sampling_kwargs(args) -> dict:
+    """The workload's sampling settings as `SamplingParams` / `GenerationConfig` fields (greedy when temperature 0)."""
+    if not args.temperature:
+        return {}
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
 def run_dynamic(model, workload, batch_size: int, device: str, progress: bool, max_batches: int = 0):
     """transformers generate() + DynamicCache: fixed batches in arrival order, left padding, run to the longest."""
     from tqdm.auto import tqdm
@@ -170,14 +187,15 @@ def run_dynamic(model, workload, batch_size: int, device: str, progress: bool, m
             "output_tokens": sum(o for batch in batches for _, o in batch)}
 
 
-def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool):
+def run_generate_batch(model, workload, use_cuda_graph: bool, progress: bool, sampling: dict | None = None):
     """transformers' own continuous batching (paged sdpa), each request with its own max_new_tokens."""
+    sampling = dict(sampling or {})
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                              max_new_tokens=max(o for _, o in workload))
+                              max_new_tokens=max(o for _, o in workload), **sampling)
     cb_config = ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph)
     hints = {}
     try:  # what generate_batch itself passes: lets it size its cache for the workload
@@ -267,6 +285,8 @@ class StepTimer:
                                       "step_ms": mean_ms(sel, 2) + mean_ms(sel, 3) + mean_ms(sel, 4)}
         return {
             "decode_steps": len(decode), "prefill_steps": len(prefill),
+            "prefill_total_s": float(sum(r[2] + r[3] + r[4] for r in prefill)),
+            "decode_total_s": float(sum(r[2] + r[3] + r[4] for r in decode)),
             "decode_step_ms": mean_ms(decode, 2) + mean_ms(decode, 3) + mean_ms(decode, 4),
             "decode_host_ms": mean_ms(decode, 2) + mean_ms(decode, 3),
             "prefill_step_ms": mean_ms(prefill, 2) + mean_ms(prefill, 3) + mean_ms(prefill, 4),
@@ -289,7 +309,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
     timer = StepTimer(engine)
-    params = [hf_paged.SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in workload]
+    params = [hf_paged.SamplingParams(max_new_tokens=o, ignore_eos=True, **sampling_kwargs(args)) for _, o in workload]
     waste = []
     run_start = time.perf_counter()
     ids = [engine.add_request(p, params=sp) for (p, _), sp in zip(workload, params)]
@@ -320,7 +340,12 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     if wrong:
         raise RuntimeError(f"{len(wrong)} requests did not return exactly their output length (first: #{wrong[0]})")
     steps = max(1, engine.stats["steps"])
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs.values()]
+    tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+            for o in outputs.values() if len(o.outputs[0].token_ids) > 1]
     result = {
+        "ttft": latency_stats(ttft),
+        "tpot": latency_stats(tpot),
         "setup_s": setup_s,
         "run_s": run_s,
         "steady_tok_s": sum(o for _, o in workload) / run_s,
@@ -343,7 +368,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
-    parser.add_argument("--workload", default="sharegpt", choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", default="sharegpt", choices=sorted(WORKLOADS) + sorted(UNIFORM_WORKLOADS))
     parser.add_argument("--jsonl", default=None, help="prompts as JSON lines {prompt_ids: [...], output_len: N}")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -364,6 +389,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (with --top-p/--top-k)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -378,12 +406,14 @@ def main() -> None:
         if rank != 0:
             args.no_progress = True
     else:
-        model = build_model(args.model, args.device, dtype)
+        longest = max(len(p) + o for p, o in workload)
+        model = build_model(args.model, args.device, dtype, max_len=max(4096, 1 << (longest - 1).bit_length()))
     progress = not args.no_progress
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_{Path(args.model).name}_{args.workload}_{len(workload)}" + (f"_tp{world}" if world > 1 else "")
+    stem = (f"generate_{Path(args.model).name}_{args.workload}_{len(workload)}" + (f"_tp{world}" if world > 1 else "")
+            + (f"_t{args.temperature:g}" if args.temperature else ""))
     meta = {
         "model": args.model, "workload": args.workload, "num_requests": len(workload),
         "mean_input": float(np.mean([len(p) for p, _ in workload])), "mean_output": output_tokens / len(workload),
@@ -393,7 +423,17 @@ def main() -> None:
     }
     import transformers
 
+    import hf_paged
+
     meta["transformers"] = transformers.__version__
+    meta["sampling"] = sampling_kwargs(args) or "greedy"
+    if args.device.startswith("cuda"):  # the ceilings of this GPU, measured now (METHOD.md), and the workload's bound
+        meta["copy_tb_s"] = copy_bandwidth(args.device) / 1e12
+        meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
+        kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
+        meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_token, meta["copy_tb_s"] * 1e12)
+        meta["prefill_tflop"] = prefill_flops(workload, model.config, sum(p.numel() for p in model.parameters())
+                                              * world) / 1e12 / world
     for system in args.systems.split(","):
         gc.collect()
         if args.device.startswith("cuda"):
@@ -410,7 +450,7 @@ def main() -> None:
                                         args.dynamic_max_batches)
                     tokens = extra["output_tokens"]
                 elif system in ("generate_batch", "generate_batch_graphs"):
-                    extra = run_generate_batch(model, workload, system.endswith("graphs"), progress)
+                    extra = run_generate_batch(model, workload, system.endswith("graphs"), progress, sampling_kwargs(args))
                 elif system == "paged" and args.profile:
                     import cProfile
                     import io
@@ -467,6 +507,23 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['system']} | failed: {r['error']} |")
+    if "decode_bound_s" in meta:
+        print(f"\nbound: decode {meta['decode_bound_s']:.2f} s at {meta['copy_tb_s']:.2f} TB/s (weights + every running "
+              f"sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s")
+        print("| system | run s (steady) | bound / run | decode step ms (host ms) | steps | prefill s | prefill MFU | "
+              "TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows_ok:
+            if not r["system"].startswith("paged"):
+                continue
+            t = r["timing"]
+            mfu = meta["prefill_tflop"] / max(t["prefill_total_s"], 1e-9) / meta["matmul_tflop_s"]
+            r["bound_fraction"], r["prefill_mfu"] = meta["decode_bound_s"] / r["run_s"], mfu
+            ttft, tpot = r["ttft"], r["tpot"]
+            print(f"| {r['system']} | {r['run_s']:.2f} | {r['bound_fraction']:.0%} | {t['decode_step_ms']:.2f} "
+                  f"({t['decode_host_ms']:.2f}) | {r['steps']} | {t['prefill_total_s']:.2f} | {mfu:.0%} | "
+                  f"{ttft['mean_ms']:.0f} / {ttft['p50_ms']:.0f} / {ttft['p99_ms']:.0f} | "
+                  f"{tpot['mean_ms']:.1f} / {tpot['p50_ms']:.1f} / {tpot['p99_ms']:.1f} |")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib

@@ -8,6 +8,11 @@
 #   beam      bench_beam.py: llama-8b, 100 prompts x 256 + 256 tokens, beams 4, 6, 8; hf_paged (compiled, plain) and
 #             transformers, one process (~6 min)
 #   kernel    bench_decode_kernel.py: paged decode vs SDPA on the anchor shapes (~1 min)
+#   paged     bench_generate.py: the same llama-1b workload, hf_paged only (plain and compile_decode) (~2 min)
+#   sampled   bench_generate.py: Qwen3-0.6B shape, 256 requests, lengths U[100, 1024], temperature 0.6, top-p 0.95
+#             (SAMPLED_SYSTEMS=,paged_compiled,generate_batch_graphs adds systems)
+#   long      bench_generate.py: llama-1b, 64 requests, prompts U[2048, 8192], outputs U[32, 256] (LONG_SYSTEMS=,dynamic)
+#   profile   profile_decode.py: torch profiler over 30 steady decode steps of the sampled workload
 #   tests     the GPU tests (CUDA graphs and compiled steps == eager, kernels, prefix caching and beams on CUDA)
 # Usage there: bash benchmarks/run_h100.sh "$OUT" generate tests
 set -u
@@ -34,9 +39,19 @@ for part in "$@"; do
     beam) timeout 540 $PY benchmarks/bench_beam.py --model llama-8b --beams 4,6,8 \
         --systems paged_compiled,paged,transformers --out "$RES" > "$OUT/beam.log" 2>&1 ;;
     kernel) timeout 120 $PY benchmarks/bench_decode_kernel.py --out "$RES" > "$OUT/kernel.log" 2>&1 ;;
+    paged) timeout 240 $PY benchmarks/bench_generate.py --model llama-1b --workload sharegpt --num-requests 256 \
+        --systems paged,paged_compiled --system-timeout 200 --no-progress --out "$RES" > "$OUT/paged.log" 2>&1 ;;
+    sampled) timeout 300 $PY benchmarks/bench_generate.py --model qwen3-0.6b --workload uniform --num-requests 256 \
+        --temperature 0.6 --top-p 0.95 --systems paged${SAMPLED_SYSTEMS:-} --system-timeout 240 --no-progress \
+        --out "$RES" > "$OUT/sampled.log" 2>&1 ;;
+    long) timeout 300 $PY benchmarks/bench_generate.py --model llama-1b --workload long --num-requests 64 \
+        --systems paged${LONG_SYSTEMS:-} --dynamic-batch-size 16 --system-timeout 240 --no-progress \
+        --out "$RES" > "$OUT/long.log" 2>&1 ;;
+    profile) timeout 200 $PY benchmarks/profile_decode.py --model qwen3-0.6b --workload uniform --temperature 0.6 \
+        --top-p 0.95 --finished-only --out "$RES" > "$OUT/profile.log" 2>&1 ;;
     tests) timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_kernels.py \
         tests/test_beam.py tests/test_engine_prefix_cache.py > "$OUT/tests.log" 2>&1 ;;
-    *) echo "unknown part $part (step, generate, beam, kernel, tests)"; continue ;;
+    *) echo "unknown part $part (step, generate, paged, sampled, long, profile, beam, kernel, tests)"; continue ;;
   esac
   echo "exit $?"
   tail -n 12 "$OUT/$part.log" 2>/dev/null

@@ -85,6 +85,7 @@ class SequenceGroup:
     data: dict = field(default_factory=dict)
     width: int = 1  # sequences it forks into after the prompt (parallel samples, beams)
     plain: bool = False  # engine hint: one greedy sequence, no logits processing, no scores (its token is the argmax)
+    metrics: dict = field(default_factory=dict)  # engine timestamps (perf_counter): arrival, first token, finished
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]

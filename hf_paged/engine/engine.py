@@ -263,8 +263,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
                     raise
                 if current is None:
                     self._track(sched)
-                    return self._outputs(advanced, finished_only)
-            return self._outputs(self._advance_pipeline(current, finished_only), finished_only)
+                    return self._outputs(_stamp_first_token(advanced), finished_only)
+            return self._outputs(_stamp_first_token(self._advance_pipeline(current, finished_only)), finished_only)
 
     def _track(self, sched: SchedulerOutput) -> None:
         self.stats["steps"] += 1
@@ -352,6 +352,17 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
     def sharing_stats(self) -> SharingStats:
         """Blocks saved by sharing (parallel sampling, beam search) now and averaged over the engine's steps."""
         return sharing_stats(self.stats, self.block_manager.stats())
+
+
+def _stamp_first_token(groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    """Record when each group's first output token reached the host (time to first token); returns `groups`."""
+    now = None
+    for group in groups:
+        if "first_token_time" not in group.metrics:
+            if now is None:
+                now = time.perf_counter()
+            group.metrics["first_token_time"] = now
+    return groups
 
 
 def _copy_params(p: SamplingParams) -> SamplingParams:

@@ -4,6 +4,7 @@ The dataclasses are public (`hf_paged.RequestOutput`); the mixin is part of `Eng
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class RequestOutput:
     finished: bool
     num_preemptions: int = 0
     error: BaseException | None = None
+    # perf_counter() timestamps: arrival_time, first_token_time (first output token on the host), finished_time
     metrics: dict = field(default_factory=dict)
 
 
@@ -74,4 +76,7 @@ class Outputs:
             scores = group.data.get(seq.seq_id)
             outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score))
         prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
-        return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error)
+        if finished and "finished_time" not in group.metrics:
+            group.metrics["finished_time"] = time.perf_counter()
+        return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error,
+                             dict(group.metrics))

@@ -5,6 +5,7 @@ engine lock that lets other threads in between steps. A mixin of `Engine` (state
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -97,6 +98,7 @@ class Requests:
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
             plain = width == 1 and not (params.do_sample or params.needs_processing or params.output_scores)
             group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width, plain=plain)
+            group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)
         return request_id

@@ -1,0 +1,95 @@
+"""What the GPU allows on a workload: the memory-bandwidth bound of decoding, prefill FLOPs, and measured ceilings.
+
+Used by `bench_generate.py` (and other benchmarks) to print, next to every measured time, the least time any engine
+could take and the fraction of it reached.
+
+* Decode bound: every decode step must read the weights once plus the KV of every running sequence. With every request
+  running from the start (the most batching any schedule can have), step `s` (1-based) has the requests whose output
+  is at least `s` tokens long, each with `prompt + s - 1` tokens of context; the bound is the sum over steps of
+  (weight bytes + KV bytes of those contexts) / copy bandwidth. Prefill is left out, so the bound only gets lower.
+* Prefill FLOPs: 2 x parameters per token for the matrices, plus the attention's `QK^T` and `PV` products over the
+  causal context (2 x 2 x heads x head_dim per (query, key) pair, half the square for a causal prompt).
+* Ceilings, measured once per run: a device-to-device copy (bytes read + written per second) and a bf16 matrix
+  product of 8192^3, as METHOD.md asks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def copy_bandwidth(device: str = "cuda", size_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy; median of `repeats`."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    return 2 * size_bytes / float(np.median(times[3:]))
+
+
+def matmul_flops(device: str = "cuda", n: int = 8192, repeats: int = 10) -> float:
+    """bf16 FLOP/s of an n^3 matrix product on random data; median of `repeats`."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del a, b
+    return 2 * n**3 / float(np.median(times[3:]))
+
+
+def model_bytes(model) -> int:
+    """Bytes of the weights read by one forward (every parameter once; tied embeddings count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int, kv_bytes_per_token: int,
+                   bandwidth: float) -> float:
+    """Least time to decode `workload` [(prompt ids, output length)] at `bandwidth` bytes/s (see the docstring)."""
+    prompts = np.array([len(p) for p, _ in workload], dtype=np.float64)
+    outs = np.array([o for _, o in workload], dtype=np.int64)
+    total = 0.0
+    for s in range(1, int(outs.max()) + 1):
+        alive = outs >= s
+        total += weight_bytes + kv_bytes_per_token * float((prompts[alive] + s - 1).sum())
+    return total / bandwidth
+
+
+def prefill_flops(workload: list[tuple[list[int], int]], config, num_params: int) -> float:
+    """FLOPs to prefill every prompt once (matrices + causal attention), no prefix reuse."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    layers = text.num_hidden_layers
+    total = 0.0
+    for prompt, _ in workload:
+        n = len(prompt)
+        total += 2.0 * num_params * n + 4.0 * layers * heads * head_dim * n * (n + 1) / 2
+    return total
+
+
+def latency_stats(values: list[float]) -> dict:
+    """mean / p50 / p99 in milliseconds of values in seconds (NaN when empty)."""
+    if not values:
+        return {"mean_ms": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+    arr = np.asarray(values) * 1000
+    return {"mean_ms": float(arr.mean()), "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99))}
