@@ -49,7 +49,8 @@ SHAPES = {
 }
 # lognormal (sigma 1) with these means, clipped to [4, 1024]; or uniform in [lo, hi] for prompts and outputs
 WORKLOADS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
-UNIFORM_WORKLOADS = {"uniform": ((100, 1024), (100, 1024)), "long": ((2048, 8192), (32, 256))}
+UNIFORM_WORKLOADS = {"uniform": ((100, 1024), (100, 1024)), "long": ((2048, 8192), (32, 256)),
+                     "kvbound": ((1024, 3072), (256, 768))}
 
 
 def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str | None = None):
@@ -301,7 +302,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
 
     setup_start = time.perf_counter()
     engine = hf_paged.Engine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             use_cuda_graph=None if not args.no_cuda_graph else False,
+                             use_cuda_graph=False if args.no_cuda_graph else (True if args.cuda_graph else None),
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode)
@@ -385,6 +386,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph", action="store_true", help="force CUDA graphs on (default off under TP)")
     parser.add_argument("--profile", action="store_true", help="cProfile the hf_paged run into OUT/profile_paged.txt")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")

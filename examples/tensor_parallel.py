@@ -75,6 +75,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     parser.add_argument("--json", default=None, help="folder: every rank writes rank<N>.json with its outputs")
+    parser.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU only)")
+    parser.add_argument("--compile-decode", action="store_true", help="compile the decode step (torch.compile)")
+    parser.add_argument("--static", action="store_true", help="run decode steps on the static buffers (CPU check of "
+                        "the graph path's host logic)")
     args = parser.parse_args()
 
     rank, world, device = setup()
@@ -91,7 +95,10 @@ def main() -> None:
         model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, preemption_mode=args.preemption_mode,
         swap_space=0.05 if args.preemption_mode == "swap" else 0.0,
+        use_cuda_graph=True if args.cuda_graph else None, compile_decode=args.compile_decode,
     )
+    if args.static and engine.runner.decode_mode == "eager":
+        engine.runner.decode_mode = "static"
     if tokenizer is not None:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]

@@ -106,16 +106,6 @@ def test_compile_decode_arguments():
         hf_paged.Engine(model, num_blocks=8, compile_decode="yes")
 
 
-def test_compile_decode_is_refused_under_tensor_parallelism(monkeypatch):
-    from hf_paged.integrations.distributed import TensorParallel
-
-    model = tiny_model("llama")
-    fake = TensorParallel(size=2, rank=0, group=None, src=0)
-    monkeypatch.setattr(TensorParallel, "of", classmethod(lambda cls, m: fake))
-    with pytest.raises(ValueError, match="compile_decode"):
-        hf_paged.Engine(model, num_blocks=8, compile_decode=True)
-
-
 def test_the_fused_op_outside_a_compiled_step_says_so():
     q = torch.zeros(2, 4, 16)
     kv = torch.zeros(2, 2, 16)

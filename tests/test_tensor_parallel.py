@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU: `examples/tensor_parallel.py` under `torchrun` with 2 processes over gloo.
+"""Tensor parallelism: `examples/tensor_parallel.py` under `torchrun` with 2 processes (gloo on the CPU; NCCL on
+2 GPUs, where the CUDA-graph variants run too).
 
 transformers shards a tiny llama (4 query / 2 KV heads) over the two ranks; each rank's engine holds one KV head and
 the same block tables. Every rank must generate exactly what one process generates (greedy, a seeded parallel-sampling
@@ -44,8 +45,13 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
 @pytest.mark.parametrize(
     "extra",
     [(), ("--num-blocks", "20", "--block-size", "8"),
-     ("--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap")],
-    ids=["roomy", "recompute", "swap"],
+     ("--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap"),
+     ("--num-blocks", "20", "--block-size", "8", "--static"), ("--compile-decode",),
+     pytest.param(("--num-blocks", "20", "--block-size", "8", "--cuda-graph"),
+                  marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")),
+     pytest.param(("--cuda-graph", "--compile-decode"),
+                  marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"))],
+    ids=["roomy", "recompute", "swap", "static-decode", "compiled-decode", "cuda-graph", "cuda-graph-compiled"],
 )
 def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
     single = run_example(tmp_path / "single", 1, *extra)[0]
@@ -55,9 +61,9 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
         assert rank["kv_heads"] * 2 == single["kv_heads"] == 2  # each rank holds half of the KV heads
         assert rank["outputs"] == single["outputs"]
         assert rank["preemptions"] == single["preemptions"]
-    if extra:
+    if "--num-blocks" in extra:
         assert sum(single["preemptions"].values()) > 0
-    else:  # the same KV memory per rank holds twice the blocks: twice the tokens of a single process's pool
+    elif not extra:  # the same KV memory per rank holds twice the blocks: twice the tokens of a single process's pool
         assert ranks[0]["num_blocks"] == 2 * single["num_blocks"]
         model = tiny_model("llama", seed=0)
         greedy = single["greedy"]

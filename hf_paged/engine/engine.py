@@ -108,9 +108,6 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.tp = TensorParallel.of(model)
-        if compile_decode and self.tp is not None:
-            raise ValueError("compile_decode is not supported under tensor parallelism (the compiled step would have to "
-                             "trace the collectives); leave it off")
         prepare_model(model)
         if compile_modules:
             compile_submodules(model)
