@@ -36,7 +36,8 @@ def static_engines(monkeypatch):
 
 def _args(**overrides):
     base = dict(block_size=16, max_num_seqs=64, no_cuda_graph=True, max_num_batched_tokens=512,
-                gpu_memory_utilization=0.9, kv_cache_memory="256MiB", device="cpu")
+                gpu_memory_utilization=0.9, kv_cache_memory="256MiB", device="cpu",
+                cuda_graph=False, temperature=0.0, top_p=1.0, top_k=0)
     base.update(overrides)
     return types.SimpleNamespace(**base)
 

@@ -44,6 +44,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     stop_reason: str | None = None
+    sample_index: int = 0  # which sample of a parallel-sampling request (0 for the first / only one)
 
     @property
     def num_tokens(self) -> int:

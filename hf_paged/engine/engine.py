@@ -22,6 +22,7 @@ from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..runner import ModelRunner, TensorParallel, compile_submodules
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
+from .device_sampling import DevicePicker
 from .faults import FaultHandling
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
@@ -164,6 +165,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
             preemption_mode=preemption_mode,
         )
         self.sampler = Sampler(self.device, seed)
+        self.picker = DevicePicker(self.device, max_num_seqs, seed)
         self.runner = ModelRunner(
             model, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             use_cuda_graph=use_cuda_graph, compile_decode=compile_decode,

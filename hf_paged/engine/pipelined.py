@@ -1,5 +1,5 @@
-"""Pipelined decode: launch the next decode step before the host has the current step's tokens (plain greedy
-requests on the static path). A mixin of `Engine`; see docs/architecture.md, "Pipelined decode".
+"""Pipelined decode: launch the next decode step before the host has the current step's tokens (plain requests,
+greedy or sampled on the device, on the static path). A mixin of `Engine`; see docs/architecture.md, "Pipelined decode".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _IN_FLIGHT = -1  # token id standing for a token a launched step has not deliver
 
 @dataclass
 class _InFlight:
-    """A launched plain decode step: its argmax is on the device, on its way to `host` (done when `event` is)."""
+    """A launched plain decode step: its picks are on the device, on their way to `host` (done when `event` is)."""
 
     sched: SchedulerOutput
     tokens: torch.Tensor  # [n] int64 on the device: input of the next pipelined step
@@ -31,14 +31,16 @@ class PipelinedDecode:
     """Launch / apply / drain of pipelined decode steps; a mixin of `Engine`."""
 
     def _can_pipeline(self, sched: SchedulerOutput, logits: torch.Tensor) -> bool:
-        """A static-path decode step of plain greedy requests covering every running request, none waiting."""
+        """A static-path decode step of plain requests (greedy or sampled on the device) covering every running
+        request, none waiting."""
         scheduler = self.scheduler
         scheduled = sched.scheduled
         return (
             self.runner.last_static
             and not (scheduler.waiting or scheduler.swapped or sched.copies)
-            and logits.shape[0] == len(scheduled) == len(scheduler.running)
+            and logits.shape[0] == len(scheduled)
             and all(item.group.plain for item in scheduled)
+            and len({id(item.group) for item in scheduled}) == len(scheduler.running)
         )
 
     def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
@@ -47,7 +49,7 @@ class PipelinedDecode:
         Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
         can plan the next step (one more token for each) before the token is known.
         """
-        tokens = self._share(logits.argmax(dim=-1))
+        tokens = self._share(self._pick(sched.scheduled, logits))
         n = tokens.shape[0]
         event = None
         if tokens.is_cuda:

@@ -10,6 +10,7 @@ import time
 import torch
 
 from ..core import Sequence, SequenceGroup, SequenceStatus
+from .device_sampling import device_params
 from .params import SamplingParams
 
 __all__ = ["EngineClosedError", "Requests"]
@@ -96,8 +97,10 @@ class Requests:
             if request_id in self._groups:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
-            plain = width == 1 and not (params.do_sample or params.needs_processing or params.output_scores)
-            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width, plain=plain)
+            spec = device_params(params, self.picker.request_seed(params.seed))
+            group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width,
+                                  plain=spec is not None and params.num_return_sequences == 1)
+            group.data["device_params"] = spec
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)

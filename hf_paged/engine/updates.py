@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..core import SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
+from .device_sampling import offset
 from .params import SamplingParams
 
 __all__ = ["TokenUpdates"]
@@ -25,6 +26,7 @@ class TokenUpdates:
         if logits.shape[0] == len(scheduled) and all(item.group.plain for item in scheduled):
             return self._update_plain(scheduled, logits)
         rows, params, histories, num_out, keys, owners = [], [], [], [], [], []
+        device_rows, device_specs, device_offsets, device_owners = [], [], [], []
         beam_entries = []
         logit_row = 0
         for item in scheduled:
@@ -37,6 +39,15 @@ class TokenUpdates:
                 logit_row += 1
                 continue
             copies = p.num_return_sequences if (len(item.group.seqs) == 1 and not item.seq.output_ids) else 1
+            spec = item.group.data.get("device_params")
+            if spec is not None:  # drawn on the device as in a plain step (the same tokens whatever the neighbours)
+                for j in range(copies):
+                    device_rows.append(logit_row)
+                    device_specs.append(spec)
+                    device_offsets.append(offset(item.seq, j if copies > 1 else None))
+                    device_owners.append(item)
+                logit_row += 1
+                continue
             for _ in range(copies):
                 rows.append(logit_row)
                 params.append(p)
@@ -46,24 +57,17 @@ class TokenUpdates:
                 owners.append(item)
             logit_row += 1
         advanced: dict[int, SequenceGroup] = {}
+        if device_rows:
+            picked = logits.index_select(0, torch.tensor(device_rows, device=logits.device))
+            tokens = self._share(self.picker.pick(picked, device_specs, device_offsets)).tolist()
+            self._append_picks(device_owners, tokens, None, advanced)
         if rows:
             if rows == list(range(logits.shape[0])):
                 picked = logits  # one row per sampling sequence, in order: no gather, no index upload
             else:
                 picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
             tokens, scores = self.sampler(picked, params, histories, num_out, keys)
-            token_list = self._share(tokens).tolist()
-            forks: dict[int, int] = {}
-            for j, (item, token) in enumerate(zip(owners, token_list)):
-                seq = item.seq
-                if forks.get(id(item), 0) > 0:
-                    seq = self._fork(item)
-                forks[id(item)] = forks.get(id(item), 0) + 1
-                seq.token_ids.append(int(token))
-                if item.group.params.output_scores:
-                    item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
-                self._check_stop(seq, item.group.params)
-                advanced.setdefault(id(item.group), item.group)
+            self._append_picks(owners, self._share(tokens).tolist(), scores, advanced)
         if beam_entries:
             for group in self.beam_search.step(beam_entries, logits):
                 advanced.setdefault(id(group), group)
@@ -75,9 +79,33 @@ class TokenUpdates:
         self.scheduler.remove_finished(groups)
         return groups
 
+    def _pick(self, scheduled, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every scheduled plain sequence (one logits row each), picked on the device."""
+        specs = [item.group.data["device_params"] for item in scheduled]
+        offsets = [offset(item.seq) for item in scheduled] if any(spec[0] for spec in specs) else []
+        return self.picker.pick(logits, specs, offsets)
+
+    def _append_picks(self, owners, tokens: list[int], scores, advanced: dict) -> None:
+        """Append each picked token to its sequence; the 2nd.. picks of one item are new parallel samples (forks)."""
+        forks: dict[int, int] = {}
+        for j, (item, token) in enumerate(zip(owners, tokens)):
+            seq = item.seq
+            if forks.get(id(item), 0) > 0:
+                seq = self._fork(item)
+            forks[id(item)] = forks.get(id(item), 0) + 1
+            seq.token_ids.append(int(token))
+            if scores is not None and item.group.params.output_scores:
+                item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
+            self._check_stop(seq, item.group.params)
+            advanced.setdefault(id(item.group), item.group)
+        for item in owners:
+            group = item.group
+            if len(group.seqs) > 1 and group.data.get("device_params") is not None:
+                group.plain = True  # forked: each sample now draws alone, on the device
+
     def _update_plain(self, scheduled, logits: torch.Tensor) -> list[SequenceGroup]:
-        """The hot path: every scheduled sequence is a plain greedy one that samples; its token is the argmax."""
-        tokens = self._share(logits.argmax(dim=-1)).tolist()  # the step's one host sync
+        """The hot path: every scheduled sequence is a plain one (greedy or sampled on the device) that samples."""
+        tokens = self._share(self._pick(scheduled, logits)).tolist()  # the step's one host sync
         check_stop = self._check_stop
         finished = []
         for item, token in zip(scheduled, tokens):
@@ -94,7 +122,8 @@ class TokenUpdates:
     def _fork(self, item) -> Sequence:
         """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""
         parent = item.seq
-        child = Sequence(token_ids=parent.token_ids[: parent.num_computed], prompt_len=parent.prompt_len)
+        child = Sequence(token_ids=parent.token_ids[: parent.num_computed], prompt_len=parent.prompt_len,
+                         sample_index=len(item.group.seqs))
         child.num_computed = parent.num_computed
         child.status = SequenceStatus.RUNNING
         self.block_manager.fork(parent.seq_id, child.seq_id)
