@@ -13,6 +13,8 @@
 #             (SAMPLED_SYSTEMS=,paged_compiled,generate_batch_graphs adds systems)
 #   long      bench_generate.py: llama-1b, 64 requests, prompts U[2048, 8192], outputs U[32, 256] (LONG_SYSTEMS=,dynamic)
 #   profile   profile_decode.py: torch profiler over 30 steady decode steps of the sampled workload
+#   startup   bench_startup.py: engine construction + warm_up, eager and compile_decode, cold and warm compile caches,
+#             llama-1b and the 28-layer Qwen3-0.6B shape, each in a fresh process (~4 min)
 #   tests     the GPU tests (CUDA graphs and compiled steps == eager, kernels, prefix caching and beams on CUDA)
 # Usage there: bash benchmarks/run_h100.sh "$OUT" generate tests
 set -u
@@ -49,9 +51,11 @@ for part in "$@"; do
         --out "$RES" > "$OUT/long.log" 2>&1 ;;
     profile) timeout 200 $PY benchmarks/profile_decode.py --model qwen3-0.6b --workload uniform --temperature 0.6 \
         --top-p 0.95 --finished-only --out "$RES" > "$OUT/profile.log" 2>&1 ;;
+    startup) timeout 420 $PY benchmarks/bench_startup.py --models llama-1b,qwen3-0.6b --modes compiled,eager \
+        --out "$RES" > "$OUT/startup.log" 2>&1 ;;
     tests) timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_kernels.py \
         tests/test_beam.py tests/test_engine_prefix_cache.py > "$OUT/tests.log" 2>&1 ;;
-    *) echo "unknown part $part (step, generate, paged, sampled, long, profile, beam, kernel, tests)"; continue ;;
+    *) echo "unknown part $part (step, generate, paged, sampled, long, profile, beam, kernel, startup, tests)"; continue ;;
   esac
   echo "exit $?"
   tail -n 12 "$OUT/$part.log" 2>/dev/null

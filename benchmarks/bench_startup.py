@@ -1,0 +1,143 @@
+"""Start-up cost of the engine: construction + `warm_up()`, cold and warm, eager and `compile_decode`.
+
+"Cold" is a fresh process with empty Inductor / Triton / AOTAutograd caches (their directories point at a new
+temporary folder); "warm" is a second fresh process reusing those folders, which is what a user restarting a
+script or a server pays. Each measurement runs in its own subprocess, so nothing is shared in memory between them.
+
+What is timed (one figure per phase, seconds): building the `Engine` (memory profiling, pool allocation), then
+`warm_up()` (prefill kernel JIT, Dynamo tracing + Inductor compilation of the decode step when `compile_decode`, CUDA
+graph capture of every batch bucket). The model's own construction and weight initialisation are not included.
+
+    python benchmarks/bench_startup.py --models llama-1b,qwen3-0.6b --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure_once(model_name: str, compile_decode: bool, max_num_seqs: int, kv_cache_memory: str) -> dict:
+    """Run in the child process: build the model, then time the engine's construction and warm-up."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_generate
+
+    import hf_paged
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = bench_generate.build_model(model_name, device, dtype)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine = hf_paged.Engine(model, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                             compile_decode=compile_decode)
+    t1 = time.perf_counter()
+    engine.warm_up()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    # one real request, so a start-up that deferred work to the first step would show here
+    engine.generate([[1, 2, 3, 4]], hf_paged.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    engine.close()
+    return {"construct_s": t1 - t0, "warm_up_s": t2 - t1, "first_request_s": t3 - t2, "total_s": t3 - t0}
+
+
+def run_child(model_name: str, compile_decode: bool, cache_dir: str, args) -> dict:
+    """One measurement in a fresh interpreter whose compile caches live under `cache_dir`."""
+    env = dict(os.environ)
+    env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    cmd = [sys.executable, __file__, "--child", model_name, "--max-num-seqs", str(args.max_num_seqs),
+           "--kv-cache-memory", args.kv_cache_memory] + (["--compile-decode"] if compile_decode else [])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({model_name}, compile={compile_decode}):\n{proc.stderr[-3000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["process_wall_s"] = wall
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama-1b,qwen3-0.6b")
+    parser.add_argument("--modes", default="eager,compiled", help="eager and/or compiled (compile_decode=True)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", default="8GiB")
+    parser.add_argument("--timeout", type=int, default=300)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compile-decode", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        row = measure_once(args.child, args.compile_decode, args.max_num_seqs, args.kv_cache_memory)
+        print(json.dumps(row))
+        return
+
+    rows = []
+    for model_name in args.models.split(","):
+        for mode in args.modes.split(","):
+            with tempfile.TemporaryDirectory(prefix="hf_paged_startup_") as cache_dir:
+                for state in ("cold", "warm"):
+                    row = run_child(model_name, mode == "compiled", cache_dir, args)
+                    row.update(model=model_name, mode=mode, state=state)
+                    rows.append(row)
+                    print(f"{model_name:12s} {mode:9s} {state:5s} construct {row['construct_s']:6.2f} s  "
+                          f"warm_up {row['warm_up_s']:6.2f} s  first request {row['first_request_s']:5.2f} s  "
+                          f"engine total {row['total_s']:6.2f} s  (process {row['process_wall_s']:6.1f} s)",
+                          flush=True)
+    goals = {"cold": 20.0, "warm": 5.0}
+    print("\n| model | mode | cold total s | warm total s | goal (1B, compiled) |")
+    print("|---|---|---|---|---|")
+    for model_name in args.models.split(","):
+        for mode in args.modes.split(","):
+            cold = next(r for r in rows if r["model"] == model_name and r["mode"] == mode and r["state"] == "cold")
+            warm = next(r for r in rows if r["model"] == model_name and r["mode"] == mode and r["state"] == "warm")
+            goal = f"<= {goals['cold']:.0f} cold / <= {goals['warm']:.0f} warm" if mode == "compiled" else "-"
+            print(f"| {model_name} | {mode} | {cold['total_s']:.1f} | {warm['total_s']:.1f} | {goal} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "startup.json").write_text(json.dumps(rows, indent=1))
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        labels = [f"{r['model']}\n{r['mode']} {r['state']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.1), 4))
+        bottom = [0.0] * len(rows)
+        for key in ("construct_s", "warm_up_s", "first_request_s"):
+            vals = [r[key] for r in rows]
+            ax.bar(labels, vals, bottom=bottom, label=key[:-2])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.axhline(goals["cold"], ls="--", c="gray", lw=0.8)
+        ax.axhline(goals["warm"], ls=":", c="gray", lw=0.8)
+        ax.set_ylabel("seconds")
+        ax.set_title("hf_paged engine start-up (cold / warm compile caches)")
+        ax.legend()
+        ax.tick_params(axis="x", labelsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "startup.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
