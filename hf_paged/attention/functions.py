@@ -119,6 +119,8 @@ def paged_attention_forward(
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
     step = cache._step
+    if query.requires_grad:  # gradients stop at the paged cache (see hf_paged.cache.paged_cache._cut_gradients)
+        query = query.detach()
     batch, num_heads, q_len, head_dim = query.shape
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     if step.layout == "ragged":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 
 import torch
@@ -33,6 +34,8 @@ __all__ = ["PagedCache", "CacheFullError"]
 
 _DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
 _CUDA_ACTIVATION_RESERVE = 1024**3
+_GROW_MIN_BLOCKS = 16  # first size of a pool that grows on demand (then doubled as needed)
+_GRAD_WARNED = [False]
 
 
 class CacheFullError(RuntimeError):
@@ -80,11 +83,16 @@ class PagedCache(Cache):
 
     Args:
         config: the model config (or its decoder text config); gives layers, KV heads and head size.
-        num_blocks: blocks in the pool. Default: from `kv_cache_memory`, else on CUDA `gpu_memory_utilization` of the
-            memory free when the pool is first allocated (after the weights), else 512 MiB on CPU.
+        num_blocks: blocks in the pool. Default (neither `num_blocks` nor `kv_cache_memory`): the pool grows on
+            demand, like a `DynamicCache`: it starts with what the first forward needs and doubles (copying the
+            blocks) whenever a forward needs more, up to `gpu_memory_utilization` of the free CUDA memory (on the CPU,
+            up to $HF_PAGED_CPU_KV_MEMORY, 512 MiB by default). A drop-in cache for one `generate()` call thus costs
+            about what that call needs, not most of the GPU. The `Engine` sizes its pool up front instead (vLLM-style).
         block_size: tokens per block, a power of two (default 16).
         device, dtype: where the pool lives; default: those of the first key states written.
-        gpu_memory_utilization: fraction of the free CUDA memory given to the pool when sizing it automatically.
+        gpu_memory_utilization: fraction of the free CUDA memory a growing pool may take (or an automatically sized
+            fixed one, with `grow=False`).
+        grow: whether the pool grows on demand (default: when neither `num_blocks` nor `kv_cache_memory` is given).
         kv_cache_memory: bytes (or "2GiB") for the pool; overrides the automatic size.
         num_cpu_blocks: size of the CPU swap pool (engine preemption by swapping), 0 = no swap.
         num_layers, num_kv_heads, head_dim: override what `config` says (e.g. the KV heads of one tensor-parallel
@@ -110,6 +118,7 @@ class PagedCache(Cache):
         num_layers: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        grow: bool | None = None,
     ):
         self._fixed_kv_heads = num_kv_heads is not None
         if config is not None:
@@ -138,6 +147,9 @@ class PagedCache(Cache):
         self.kv_cache_memory = parse_memory(kv_cache_memory, "kv_cache_memory")
         self.num_cpu_blocks = int(num_cpu_blocks)
         self._requested_blocks = num_blocks
+        if grow is not None and not isinstance(grow, bool):
+            raise TypeError(f"grow must be a bool or None, got {grow!r}")
+        self.grow = (num_blocks is None and self.kv_cache_memory is None) if grow is None else grow
         self._device = torch.device(device) if device is not None else None
         self._dtype = dtype
         self.pool: torch.Tensor | None = None
@@ -190,8 +202,12 @@ class PagedCache(Cache):
             )
         return int(num_blocks)
 
-    def _ensure_pool(self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None) -> None:
+    def _ensure_pool(
+        self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None, min_blocks: int = 0
+    ) -> None:
         """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights).
+
+        `min_blocks`: what the first forward needs (a growing pool starts there).
 
         `kv_heads`: the heads of the key states being written. A rank of a tensor-parallel model writes its share of
         the config's KV heads; the pool is sized for what it gets, unless `num_kv_heads` was given explicitly.
@@ -212,13 +228,21 @@ class PagedCache(Cache):
             self.num_kv_heads = kv_heads  # one tensor-parallel rank's share
         device = self._device or torch.device(device)
         dtype = self._dtype or dtype
-        num_blocks = self._requested_blocks or self._auto_num_blocks(device, dtype)
+        if self._requested_blocks:
+            num_blocks = self._requested_blocks
+        elif self.grow:
+            num_blocks = max(_GROW_MIN_BLOCKS, min_blocks)
+        else:
+            num_blocks = self._auto_num_blocks(device, dtype)
         shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)
         if self.num_cpu_blocks > 0:
             cpu_shape = (self.num_layers, 2, self.num_cpu_blocks, self.num_kv_heads, self.block_size, self.head_dim)
             self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
+        self._tag_layers()
+
+    def _tag_layers(self) -> None:
         self._layer_views = []
         for layer in range(self.num_layers):
             key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
@@ -226,6 +250,26 @@ class PagedCache(Cache):
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             self._layer_views.append((key_cache, value_cache))
+
+    def _grow_pool(self, required: int) -> None:
+        """A growing pool takes at least `required` blocks in all (twice its size if that is more), within its cap;
+        the blocks are copied, ids and tables stay. Leaves it as it is when even `required` does not fit."""
+        old = self.block_manager.num_blocks
+        per_block = self.bytes_per_block(self.pool.dtype)
+        if self.pool.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.pool.device)
+            cap = old + max(0, int(free * self.gpu_memory_utilization) - _CUDA_ACTIVATION_RESERVE) // per_block
+        else:
+            cap = max(old, int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", _DEFAULT_CPU_KV_MEMORY)) // per_block)
+        new = min(max(2 * old, required), cap)
+        if new < required:
+            return
+        pool = torch.zeros((*self.pool.shape[:2], new, *self.pool.shape[3:]), device=self.pool.device,
+                           dtype=self.pool.dtype)
+        pool[:, :, :old].copy_(self.pool)
+        self.pool = pool
+        self.block_manager.grow(new)
+        self._tag_layers()
 
     def release_pool(self) -> None:
         """Free the pool's memory now (a closing engine). The block manager and its statistics stay; the cache holds
@@ -249,7 +293,11 @@ class PagedCache(Cache):
             # hf_paged's compiled decode step: the attention op writes and reads in one call
             # (`hf_paged.attention.compiled_op.write_and_decode`), so hand the new tokens through
             return key_states, value_states
-        self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
+        batch, _, q_len, _ = key_states.shape
+        self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1],
+                          min_blocks=batch * (-(-q_len // self.block_size) + 1))
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            key_states, value_states = _cut_gradients(key_states, value_states)
         if self._engine_step_pending:
             self._engine_step_pending = False  # the engine prepared this forward's step
         elif self._step is None or layer_idx <= self._last_layer:
@@ -285,6 +333,9 @@ class PagedCache(Cache):
                 "use reorder_cache / batch_select_indices / batch_repeat_interleave to change the batch"
             )
         needed = bm.blocks_needed_to_append_many((seq, q_len) for seq in self._rows)
+        if needed > bm.gpu.num_free and self.grow:
+            self._grow_pool(bm.num_blocks - bm.gpu.num_free + needed)
+            bm = self.block_manager
         if needed > bm.gpu.num_free:
             raise CacheFullError(
                 f"PagedCache is full: {q_len} more tokens for {batch} sequences need {needed} blocks but "
@@ -438,3 +489,23 @@ class PagedCache(Cache):
     @staticmethod
     def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
         return math.ceil(num_tokens / block_size)
+
+
+def _cut_gradients(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients stop at the paged cache: the K/V it stores are constants for autograd.
+
+    Why: the pool is one persistent tensor written in place by every forward, and the paged attention kernels (Triton)
+    have no backward; letting autograd record the writes would keep every step's graph alive through the pool and
+    could not differentiate the reads anyway. The attention function treats its output as a constant too (see
+    `hf_paged.attention.functions`), so a forward in grad mode gives the same logits as `DynamicCache` and backward
+    runs, but no gradient reaches the query/key/value projections through attention. Train with `DynamicCache` (or
+    `use_cache=False`) when those gradients are needed; the paged cache is for generation.
+    """
+    if not _GRAD_WARNED[0]:
+        _GRAD_WARNED[0] = True
+        warnings.warn(
+            "hf_paged.PagedCache in grad mode: gradients do not flow through the attention over the paged cache "
+            "(its K/V and attention output are constants for autograd); use DynamicCache or use_cache=False to "
+            "train through attention", stacklevel=3,
+        )
+    return key_states.detach(), value_states.detach()

@@ -118,6 +118,11 @@ class BlockManager(PrefixCaching, Swapping):
         self.gpu = (CachingBlockAllocator if enabled else BlockAllocator)(self.num_blocks)
         self._pending.clear()
 
+    def grow(self, num_blocks: int) -> None:
+        """More GPU blocks (`PagedCache` growing on demand): new ids after the existing ones; tables are untouched."""
+        self.gpu.grow(num_blocks)
+        self.num_blocks = self.gpu.num_blocks
+
     # ------------------------------------------------------------------ helpers
 
     def _get(self, seq_id: Hashable, name: str = "seq_id") -> _Seq:
@@ -196,7 +201,9 @@ class BlockManager(PrefixCaching, Swapping):
         self._num_logical += len(parent.table)
         if self.enable_prefix_caching:
             child.keys, child.entries, child.committed = list(parent.keys), list(parent.entries), parent.committed
-            self._add_pending(child.keys, child.committed)
+            child.stale = parent.stale
+            if not child.stale:
+                self._add_pending(child.keys, child.committed)
 
     def blocks_needed_to_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> int:
         """GPU blocks :meth:`append_slots` would take: new blocks plus one if copy-on-write is needed."""

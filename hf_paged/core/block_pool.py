@@ -97,6 +97,19 @@ class BlockAllocator:
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, num_free={self.num_free}, num_shared={self.num_shared})"
 
+    def grow(self, num_blocks: int) -> None:
+        """Add free blocks `[self.num_blocks, num_blocks)` (a pool that grows on demand); existing ones keep their
+        ids, references and order. The new blocks are allocated after the free blocks there already are."""
+        n = _as_int("num_blocks", num_blocks, self.num_blocks)
+        added = n - self.num_blocks
+        self._ref.extend([0] * added)
+        self._free[:0] = range(n - 1, self.num_blocks - 1, -1)
+        self._grow_index(added)
+        self.num_blocks = n
+
+    def _grow_index(self, added: int) -> None:
+        """Per-block state of subclasses grows with the pool."""
+
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated right now."""
@@ -275,6 +288,19 @@ class CachingBlockAllocator(BlockAllocator):
             self._entry_of[block] = None
             if self._by_key.get(entry.key) is entry:
                 del self._by_key[entry.key]
+
+    def _grow_index(self, added: int) -> None:
+        self._entry_of.extend([None] * added)
+
+    def forget_all(self) -> int:
+        """Drop every entry (see `PrefixCaching.reset_prefix_cache`): evictable blocks become free; return how many
+        entries there were."""
+        count = sum(entry is not None for entry in self._entry_of)
+        self._entry_of = [None] * self.num_blocks
+        self._by_key.clear()
+        self._free.extend(self._lru)
+        self._lru.clear()
+        return count
 
     # ------------------------------------------------------------------ cache operations
 

@@ -160,9 +160,24 @@ class PrefixCaching:
             if i == len(keys):
                 keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
             parent = entries[i - 1] if i else ROOT_ENTRY
-            entries.append(None if parent is None else gpu.register(table[i], keys[i], parent, chunk))
+            entries.append(None if parent is None or seq.stale else gpu.register(table[i], keys[i], parent, chunk))
         seq.committed = full
         return full - start
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's content (the weights that computed it changed); return the entries dropped.
+
+        Evictable cached blocks become plain free blocks. Live sequences keep their blocks (their own K/V stays
+        theirs), but are marked stale: what they commit from now on is never offered to other sequences, and the
+        keys they were still to compute stop holding back new requests that wait to share them.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        for seq in self._seqs.values():
+            seq.stale = True
+            del seq.keys[seq.committed:]
+        self._pending.clear()
+        return self.gpu.forget_all()
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Hit counters and cache occupancy (see :class:`PrefixCacheStats`)."""

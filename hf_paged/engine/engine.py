@@ -20,10 +20,11 @@ import torch
 from ..attention import prepare_model
 from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
-from ..runner import ModelRunner, TensorParallel, compile_submodules
+from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .device_sampling import DevicePicker
 from .faults import FaultHandling
+from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
@@ -46,7 +47,7 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
+class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime, Outputs):
     """A continuous-batching server loop around a transformers causal LM.
 
     Args:
@@ -69,6 +70,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
             paged decode). Compiled once with a symbolic batch size, then captured as a CUDA graph per batch bucket.
             A decode step of a 1B llama drops from ~42 to ~16 kernels per layer (1.4-1.5x faster on an H100);
             compiling takes tens of seconds, paid in `warm_up()`. Prefill steps stay eager. Default off.
+        weak_model_ref: hold the model by weak reference (what `generate(cache_implementation="paged")` and
+            `hf_paged.pipeline` use, where the model owns its engine: no model <-> engine cycle, so dropping the model
+            frees both and the KV pool by reference counting). Default False: the engine keeps its model alive.
+
+    Cached K/V never outlives the weights that computed it: before admitting requests the engine checks whether the
+    model's weights changed (in-place updates, replaced tensors, PEFT adapter switches) and drops the prefix cache if
+    so (`hf_paged.engine.kv_lifetime`; `reset_prefix_cache()` does it explicitly).
 
     A model sharded by transformers' tensor parallelism (`DistributedConfig(tp_plan="auto")` under `torchrun`) is
     served by one engine per rank: each holds its KV heads, all hold the same blocks and make the same decisions
@@ -98,6 +106,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         enable_prefix_caching: bool = True,
         compile_modules: bool = False,
         compile_decode: bool = False,
+        weak_model_ref: bool = False,
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -112,7 +121,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         prepare_model(model)
         if compile_modules:
             compile_submodules(model)
-        self.model = model
+        self._model_ref = ModelRef(model, weak=weak_model_ref)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -155,6 +164,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
             kv_cache_memory=kv_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             num_cpu_blocks=num_cpu_blocks,
+            grow=False,  # the engine sizes its pool up front (vLLM-style) and preempts when it is full
         )
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
@@ -167,7 +177,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         self.sampler = Sampler(self.device, seed)
         self.picker = DevicePicker(self.device, max_num_seqs, seed)
         self.runner = ModelRunner(
-            model, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            self._model_ref, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             use_cuda_graph=use_cuda_graph, compile_decode=compile_decode,
         )
         self._lock = threading.RLock()
@@ -178,12 +188,19 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
         self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
+        self._handed_back: list[RequestOutput] = []  # other callers' outputs a generate() call stepped past
         self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
         self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
         self.pipelined_steps = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
                       "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
         self.beam_search = BeamSearch(self)
+        self._weights = WeightWatch(self._model_ref)
+
+    @property
+    def model(self):
+        """The model served (raises `hf_paged.runner.ModelFreedError` if it was freed while weakly held)."""
+        return self._model_ref()
 
     # ------------------------------------------------------------------ memory
     def _profile_num_blocks(self, per_block: int, utilization: float) -> int:
@@ -236,6 +253,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         while self._waiters:  # add_request / abort / close from other threads go first (see _control)
             time.sleep(0.0002)
         with self._lock:
+            if self._in_flight is None and self.scheduler.waiting:
+                self._check_weights()  # before admission: no request may be handed K/V of older weights
             current, self._in_flight = self._in_flight, None
             if current is None:
                 sched = self.scheduler.schedule()
@@ -293,6 +312,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
         """Run `prompts` (token lists, 1-D tensors or strings) to completion; outputs in input order.
 
         `params` is one `SamplingParams` for all or a list with one per prompt; `kwargs` build a shared one.
+
+        On an engine shared with other callers (a server, another thread's `stream()`), the steps run here also
+        advance their requests; the outputs of those that finish are handed back: the next `step()` / `stream()`
+        returns them, and `has_unfinished()` stays true until it has.
         """
         prompts = list(prompts)
         if isinstance(params, (list, tuple)):
@@ -320,10 +343,12 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, Outputs):
             bar = tqdm(total=len(ids), desc="hf_paged", unit="req")
         try:
             while len(results) < len(ids):
-                if not self.has_unfinished():
+                if not self.scheduler.has_unfinished():  # (handed-back outputs are not ours to wait for)
                     break
                 for out in self.step(finished_only=True):
-                    if out.finished and out.request_id in wanted and out.request_id not in results:
+                    if out.request_id not in wanted:  # another caller's request (a shared engine): hand it back
+                        self._handed_back.append(out)
+                    elif out.finished and out.request_id not in results:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

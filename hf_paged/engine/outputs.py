@@ -48,13 +48,15 @@ class Outputs:
         return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
 
     def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
-        """Outputs of the requests finished outside a step (aborted, closed) that were not reported yet."""
+        """Outputs of the requests finished outside a step (aborted, closed) that were not reported yet, after those
+        a `generate()` call stepped to completion for other callers (handed back, see `Engine.generate`)."""
+        handed, self._handed_back = self._handed_back, []
         if not self._unreported:
-            return []
+            return handed
         skip = {id(g) for g in exclude}
         done, self._unreported = self._unreported, []
         # `is g`: an id may already belong to a new request (ids are reusable once reported)
-        return [self._output(g) for g in done if id(g) not in skip and self._groups.get(g.request_id) is g]
+        return handed + [self._output(g) for g in done if id(g) not in skip and self._groups.get(g.request_id) is g]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.is_finished

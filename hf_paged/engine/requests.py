@@ -118,7 +118,9 @@ class Requests:
             return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or finished outputs not yet returned by `step()` (those a `generate()`
+        call on a shared engine finished for other callers)."""
+        return self.scheduler.has_unfinished() or bool(self._handed_back)
 
     def close(self) -> None:
         """Stop serving: abort every unfinished request (its blocks are freed now) and refuse new ones.

@@ -60,10 +60,19 @@ class PagedGenerationMixin:
 
 
 def get_engine(model, tokenizer=None):
-    """The engine cached on the model (its KV pool is allocated once and reused by later calls)."""
+    """The engine cached on the model (its KV pool is allocated once and reused by later calls).
+
+    The engine holds the model weakly (the model holds the engine): `del model` frees both and the pool by reference
+    counting. A model moved to another dtype or device since gets a new engine (the old pool is freed first).
+    """
     engine = getattr(model, "_hf_paged_engine", None)
+    if engine is not None:
+        first = next(model.parameters())
+        if (first.dtype, first.device) != (engine.dtype, engine.device):
+            engine.close()
+            model._hf_paged_engine = engine = None
     if engine is None:
-        engine = Engine(model, tokenizer, **getattr(model, "_hf_paged_engine_kwargs", {}))
+        engine = Engine(model, tokenizer, weak_model_ref=True, **getattr(model, "_hf_paged_engine_kwargs", {}))
         model._hf_paged_engine = engine
     if tokenizer is not None:
         engine.tokenizer = tokenizer

@@ -7,6 +7,8 @@ imported by the engine.
 
 from .compile import compile_submodules, uncompile_submodules
 from .distributed import TensorParallel
+from .model_ref import ModelFreedError, ModelRef
 from .model_runner import ModelRunner
+from .weights import WeightChange, WeightWatch
 
-__all__ = ["ModelRunner", "TensorParallel", "compile_submodules", "uncompile_submodules"]
+__all__ = ["ModelFreedError", "ModelRef", "ModelRunner", "WeightChange", "WeightWatch", "TensorParallel", "compile_submodules", "uncompile_submodules"]

@@ -24,6 +24,7 @@ import torch
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
 from ..core import SchedulerOutput
+from .model_ref import ModelRef
 
 __all__ = ["ModelRunner"]
 
@@ -38,15 +39,15 @@ def _buckets(max_batch: int) -> list[int]:
     return sorted(set(s for s in sizes if s <= max_batch))
 
 
-def _decode_forward(model, cache):
+def _decode_forward(model_ref: ModelRef, cache):
     """The model's forward of one decode step over `cache` (the step's metadata set already), returning `[B, V]`.
 
-    A closure over the model and the cache, not a method: the compiled form is kept by the runner, and a bound
-    method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
+    A closure over the model reference and the cache, not a method: the compiled form is kept by the runner, and a
+    bound method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
     """
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+        out = model_ref()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
                     logits_to_keep=0)
         return out.logits[0]
 
@@ -63,7 +64,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,
+        model_ref: ModelRef,
         cache: PagedCache,
         *,
         max_num_seqs: int,
@@ -71,7 +72,7 @@ class ModelRunner:
         use_cuda_graph: bool | None = None,
         compile_decode: bool = False,
     ) -> None:
-        self.model = model
+        self.model_ref = model_ref  # weak when the model owns the engine (hf_paged.runner.model_ref)
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
@@ -82,7 +83,7 @@ class ModelRunner:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
-        self._forward = _decode_forward(model, cache)
+        self._forward = _decode_forward(model_ref, cache)
         self._compiled = None
         if compile_decode:
             if not use_cuda_graph:
@@ -174,6 +175,10 @@ class ModelRunner:
         logits = output.logits[0]
         return (logits if sample_index else logits[:0]), samplers
 
+    @property
+    def model(self):
+        return self.model_ref()
+
     # ------------------------------------------------------------------ static decode buffers, CUDA graphs
     def _ensure_buffers(self) -> None:
         if self._buffers is not None:
@@ -219,6 +224,11 @@ class ModelRunner:
         self._host_sets = []
         self._compiled = None
         self._pool = None
+
+    def invalidate_graphs(self) -> None:
+        """Drop the captured CUDA graphs (the weights moved: the graphs read their old addresses); they are captured
+        again when next needed."""
+        self._graphs.clear()
 
     def invalidate_tables(self) -> None:
         """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
