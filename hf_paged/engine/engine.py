@@ -188,7 +188,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime,
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
         self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
-        self._handed_back: list[RequestOutput] = []  # other callers' outputs a generate() call stepped past
+        self._handed_back: list[RequestOutput] = []
+        self._new_requests = False  # requests added since the last weight check  # other callers' outputs a generate() call stepped past
         self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
         self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
         self.pipelined_steps = 0
@@ -253,8 +254,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime,
         while self._waiters:  # add_request / abort / close from other threads go first (see _control)
             time.sleep(0.0002)
         with self._lock:
-            if self._in_flight is None and self.scheduler.waiting:
-                self._check_weights()  # before admission: no request may be handed K/V of older weights
+            if self._new_requests and self._in_flight is None:
+                self._check_weights()  # before admitting new requests: none may be handed K/V of older weights
             current, self._in_flight = self._in_flight, None
             if current is None:
                 sched = self.scheduler.schedule()

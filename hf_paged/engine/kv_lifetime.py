@@ -1,7 +1,7 @@
 """Cached K/V never outlives the weights that computed it (the `KVLifetime` mixin of `Engine`).
 
-Before the scheduler admits new requests (the only moment a prefix-cache hit can hand a request K/V that it did not
-compute), the engine asks its `WeightWatch` whether what the model computes has changed since the last admission:
+Before the scheduler admits requests added since the last check (admission is the only moment a prefix-cache hit can
+hand a request K/V that it did not compute), the engine asks its `WeightWatch` whether what the model computes has changed since the last admission:
 an optimizer step, `load_state_dict`, replaced parameters, a PEFT adapter enabled / disabled / switched / merged. If
 so, the prefix cache is dropped (`reset_prefix_cache`), so every new request computes its K/V with the weights in use.
 
@@ -27,7 +27,9 @@ class KVLifetime:
     """Weight-change checks and prefix-cache resets; mixed into `Engine` (uses its scheduler, runner, stats)."""
 
     def _check_weights(self) -> None:
-        """Called by `step()` when requests wait for admission and no step is in flight."""
+        """Called by `step()` when requests were added since the last check and no step is in flight: once per
+        `generate()` call, at most once per step of a server (a step that admits requests also prefills them)."""
+        self._new_requests = False
         change = self._weights.check()
         if change is not None:
             self._weights_changed(change)

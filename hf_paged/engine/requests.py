@@ -104,6 +104,7 @@ class Requests:
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)
+            self._new_requests = True  # the next step checks the weights before admitting it (KVLifetime)
         return request_id
 
     def abort(self, request_id) -> bool:
