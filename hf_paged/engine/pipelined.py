@@ -10,6 +10,7 @@ import torch
 
 from ..core import SchedulerOutput, SequenceGroup
 from .beam import track_sharing
+from .updates import unique_groups
 
 __all__ = ["PipelinedDecode"]
 
@@ -155,7 +156,7 @@ class PipelinedDecode:
                 ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)
-        return advanced
+        return unique_groups(advanced)
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""

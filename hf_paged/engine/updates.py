@@ -10,7 +10,14 @@ from ..core import SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
 from .device_sampling import offset
 from .params import SamplingParams
 
-__all__ = ["TokenUpdates"]
+__all__ = ["TokenUpdates", "unique_groups"]
+
+
+def unique_groups(groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    """Each group once, in order: the samples of a forked parallel-sampling group are scheduled as several plain
+    rows, and a group must be reported once per step."""
+    unique = {id(group): group for group in groups}
+    return groups if len(unique) == len(groups) else list(unique.values())
 
 
 class TokenUpdates:
@@ -117,7 +124,7 @@ class TokenUpdates:
                 finished.append(item.group)
         if finished:
             self.scheduler.remove_finished(finished)
-        return [item.group for item in scheduled]
+        return unique_groups([item.group for item in scheduled])
 
     def _fork(self, item) -> Sequence:
         """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""
