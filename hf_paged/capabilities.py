@@ -32,7 +32,7 @@ PROBE_NAME = "hf_paged_probe"
 _BENIGN_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings",
                   "is_causal", "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type",
                   "return_dict", "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k",
-                  "max_length_q", "max_length_k", "output_router_logits"}
+                  "max_length_q", "max_length_k", "output_router_logits", "logits_to_keep"}
 
 
 @dataclass

@@ -14,7 +14,10 @@ the newly accepted architectures and compares their tokens with transformers.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 
 __all__ = [
     "FEATURES",
@@ -43,6 +46,9 @@ FEATURES: dict[str, str] = {
     "recurrent_state": "Mamba / linear-attention / convolution layers whose recurrent state is not paged",
     "sparse_attention": "learned sparse attention (an indexer picks the keys each query reads)",
     "latent_kv": "multi-head latent attention that caches a compressed latent and expands K/V after the cache",
+    "kv_after_update": "K/V changed between Cache.update() and the attention function (the paged pool cannot be read)",
+    "cache_layer_index": "attention writing a cache layer other than its own layer_idx (layers run several times)",
+    "attention_mask_modified": "a mask or bias the model builds itself and hands to the attention function",
     "kv_sharing": "layers that read K/V another layer wrote",
     "alibi": "ALiBi position biases added to the attention logits",
     "encoder_decoder": "an encoder-decoder model",
@@ -165,13 +171,62 @@ def _config_features(config) -> dict[str, str]:
     return found
 
 
-def _routes_through_interface(cls) -> bool | None:
-    """Does the `forward` of this attention class call transformers' AttentionInterface? None if unreadable."""
+@functools.cache
+def _forward_source(cls) -> str | None:
     try:
-        source = inspect.getsource(cls.forward)
+        return textwrap.dedent(inspect.getsource(cls.forward))
     except (OSError, TypeError):
         return None
+
+
+def _routes_through_interface(cls) -> bool | None:
+    """Does the `forward` of this attention class call transformers' AttentionInterface? None if unreadable."""
+    source = _forward_source(cls)
+    if source is None:
+        return None
     return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+@functools.cache
+def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
+    """Read the attention `forward` (ast): are the K/V handed to the attention function the ones `Cache.update()`
+    returned, untouched; is the cache layer `self.layer_idx`; is the mask the model's own `attention_mask`?"""
+    source = _forward_source(cls)
+    if source is None:
+        return ()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ()
+    updates, calls, assigned = [], [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            assigned.append((node.lineno, names))
+            value = node.value
+            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "update"
+                    and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) and len(value.args) >= 3):
+                updates.append((node.lineno, names, ast.unparse(value.args[2])))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and "attention" in node.func.id
+                and len(node.args) >= 4 and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"):
+            calls.append(node)
+    if not updates or not calls:
+        return ()
+    found: dict[str, str] = {}
+    line, names, index = updates[0]
+    if index != "self.layer_idx":
+        found["cache_layer_index"] = f"{cls.__name__} writes cache layer `{index}`, not its own layer_idx"
+    for call in calls:
+        k, v = (ast.unparse(a) for a in call.args[2:4])
+        reassigned = {n for ln, ns in assigned if line < ln < call.lineno for n in ns}
+        if [k, v] != names[:2] or {k, v} & reassigned:
+            found["kv_after_update"] = f"{cls.__name__} passes `{k}`, `{v}`, not the K/V Cache.update() returned"
+        mask = call.args[4] if len(call.args) > 4 else next(
+            (kw.value for kw in call.keywords if kw.arg == "attention_mask"), None)
+        mask_name = ast.unparse(mask) if mask is not None else None
+        if mask_name not in (None, "None", "attention_mask"):
+            found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
+    return tuple(found.items())
 
 
 def _model_features(model) -> dict[str, str]:
@@ -191,6 +246,8 @@ def _model_features(model) -> dict[str, str]:
             attention_classes.add(cls_name)
             if _routes_through_interface(cls) is False:
                 not_routed.add(cls_name)
+            for name, detail in _dataflow_features(cls):
+                found.setdefault(name, detail)
     if recurrent_classes:
         found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)} (recurrent state is not paged)")
     if not_routed:

@@ -44,6 +44,8 @@ def attention_shape(config) -> tuple[int, int, int]:
     if num_layers is None or num_heads is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    if getattr(text, "multi_query", False) is True:  # GPT-BigCode: one KV head whatever num_key_value_heads says
+        num_kv_heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), int(num_kv_heads), int(head_dim)
 
