@@ -86,6 +86,7 @@ OVERRIDES: dict[str, dict] = {
     "zaya": dict(num_experts_per_tok=1),
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                                        indexer_compress_ratio=2)),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # the default config has no conv layer; checkpoints do
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=32,
                              mamba_d_state=16, mamba_chunk_size=16, shared_intermediate_size=64),

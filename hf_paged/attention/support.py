@@ -49,6 +49,7 @@ FEATURES: dict[str, str] = {
     "kv_after_update": "K/V changed between Cache.update() and the attention function (the paged pool cannot be read)",
     "cache_layer_index": "attention writing a cache layer other than its own layer_idx (layers run several times)",
     "attention_mask_modified": "a mask or bias the model builds itself and hands to the attention function",
+    "no_position_ids": "a model whose forward takes no position_ids (positions from the cache length)",
     "kv_sharing": "layers that read K/V another layer wrote",
     "alibi": "ALiBi position biases added to the attention logits",
     "encoder_decoder": "an encoder-decoder model",
@@ -159,6 +160,8 @@ def _config_features(config) -> dict[str, str]:
         found["encoder_decoder"] = "is_encoder_decoder=True"
     if _attr(config, "add_cross_attention"):
         found["cross_attention"] = "add_cross_attention=True"
+    if _attr(config, "cross_attention_layers"):
+        found["cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
     if _attr(config, "is_causal") is False or _attr(config, "use_bidirectional_attention"):
         found["non_causal"] = "bidirectional attention (is_causal=False / use_bidirectional_attention=True)"
     num_experts = next((_attr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts",
@@ -233,9 +236,16 @@ def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
     attention_classes, recurrent_classes, not_routed = set(), set(), set()
-    for name, module in model.named_modules():
+    try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    except Exception:  # noqa: BLE001 - models without a separable decoder
+        decoder = model
+    decoder = decoder if hasattr(decoder, "named_modules") else model
+    for name, module in decoder.named_modules():
         cls = type(module)
         cls_name = cls.__name__
+        if "encoder_attn" in name or "cross_attn" in name or cls_name.endswith("Layer"):
+            continue  # cross-attention runs only with encoder states, which hf-paged does not take
         if any(word in cls_name for word in _RECURRENT_CLASS_WORDS) and "Cache" not in cls_name:
             recurrent_classes.add(cls_name)
         if hasattr(module, "sinks") and "sinks" in dict(module.named_parameters(recurse=False)):
@@ -254,6 +264,13 @@ def _model_features(model) -> dict[str, str]:
         found["not_interface_routed"] = f"{sorted(not_routed)} compute attention themselves"
     elif not attention_classes:
         found["not_interface_routed"] = "no attention module with a layer_idx calls ALL_ATTENTION_FUNCTIONS"
+    try:
+        takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        takes_positions = True
+    if not takes_positions:
+        found["no_position_ids"] = (f"{type(model).__name__}.forward takes no position_ids: positions come from the "
+                                    "cache length, which a ragged continuous batch cannot give per sequence")
     remote = [c for c in type(model).__mro__ if (c.__module__ or "").startswith("transformers_modules")]
     if remote:
         found["remote_code"] = (f"the model class {type(model).__name__} is remote code ({remote[0].__module__}); "
