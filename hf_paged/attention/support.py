@@ -126,6 +126,10 @@ def _config_features(config) -> dict[str, str]:
         found["sliding_window"] = f"{len(sliding)} of {len(layer_types)} layers (sliding_window={window})"
     elif window is not None and not layer_types and not isinstance(window, bool):
         found["sliding_window"] = f"all layers (sliding_window={window})"
+    max_pos = _attr(config, "max_position_embeddings")
+    if "sliding_window" in found and isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos:
+        found["sliding_window"] += (f"; it is >= max_position_embeddings={max_pos}, so it never masks anything within "
+                                    "the model's context: set config.sliding_window = None before loading")
     chunk = _attr(config, "attention_chunk_size")
     if chunk is not None or any("chunked" in t for t in layer_types):
         found["chunked_attention"] = f"attention_chunk_size={chunk}"
