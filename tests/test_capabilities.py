@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -106,48 +107,66 @@ def test_zero_valued_generation_option_is_not_ignored():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# item 5: beam search and parallel sampling on the tiny Mixtral (mixture of experts; plain attention)
+# item 5: beam search and parallel sampling on Mixtral, Gemma 3, gpt-oss and DeepSeek-V3 tiny models. Each runs once
+# every feature its gate reports is in HANDLED_FEATURES (Gemma 3: sliding_window; gpt-oss: sinks, sliding_window;
+# DeepSeek-V3: latent_kv and more): until then it is skipped, naming what is missing.
+
+ITEM5 = ("mixtral", "gemma3_text", "gpt_oss", "deepseek_v3")
 
 
-@pytest.fixture(scope="module")
-def mixtral():
-    model = tiny_model("mixtral")
+@functools.cache
+def _model(arch):
+    model = tiny_model(arch)
     model.generation_config = transformers.GenerationConfig(pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2)
     return model
 
 
-def test_mixtral_beam_search_equals_transformers(mixtral):
+def _accepted(arch):
+    model = _model(arch)
+    missing = sorted(set(support.model_features(model)) - support.HANDLED_FEATURES)
+    if missing:
+        pytest.skip(f"{arch} is refused until these are handled: {missing}")
+    return model
+
+
+@pytest.mark.parametrize("arch", ITEM5)
+def test_beam_search_equals_transformers(arch):
+    model = _accepted(arch)
     ids, mask = tiny_inputs()
     kwargs = dict(attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False, pad_token_id=PAD_ID,
                   eos_token_id=None, num_return_sequences=2)
-    reference = mixtral.generate(ids, **kwargs)
-    hf_paged.enable(mixtral, num_blocks=32, block_size=4)
+    reference = model.generate(ids, **kwargs)
+    before = model.config._attn_implementation
+    hf_paged.enable(model, num_blocks=32, block_size=4)
     try:
-        paged = mixtral.generate(ids, cache_implementation="paged", **kwargs)
-        dropin = mixtral.generate(ids, past_key_values=hf_paged.PagedCache(config=mixtral.config, num_blocks=32,
-                                                                           block_size=4), **kwargs)
+        paged = model.generate(ids, cache_implementation="paged", **kwargs)
+        dropin = model.generate(ids, past_key_values=hf_paged.PagedCache(config=model.config, num_blocks=32,
+                                                                         block_size=4), **kwargs)
     finally:
-        hf_paged.disable(mixtral)
+        hf_paged.disable(model, before)
     assert torch.equal(paged, reference) and torch.equal(dropin, reference)
 
 
-def test_mixtral_parallel_sampling(mixtral):
+@pytest.mark.parametrize("arch", ITEM5)
+def test_parallel_sampling(arch):
+    model = _accepted(arch)
     ids, mask = tiny_inputs()
     kwargs = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=True, top_k=0,
                   num_return_sequences=2, pad_token_id=PAD_ID, eos_token_id=None)
     torch.manual_seed(0)
-    reference = mixtral.generate(ids, past_key_values=DynamicCache(config=mixtral.config), **kwargs)
-    hf_paged.enable(mixtral, num_blocks=32, block_size=4)
+    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    before = model.config._attn_implementation
+    hf_paged.enable(model, num_blocks=32, block_size=4)
     try:
         # transformers' sampling loop over the drop-in cache: same logits, same generator state -> same tokens
         torch.manual_seed(0)
-        dropin = mixtral.generate(ids, past_key_values=hf_paged.PagedCache(config=mixtral.config, num_blocks=32,
-                                                                           block_size=4), **kwargs)
+        dropin = model.generate(ids, past_key_values=hf_paged.PagedCache(config=model.config, num_blocks=32,
+                                                                         block_size=4), **kwargs)
         # the engine samples with its own per-request generators: shapes and prompts, 2 samples per row
-        paged = mixtral.generate(ids, cache_implementation="paged", **kwargs)
+        paged = model.generate(ids, cache_implementation="paged", **kwargs)
     finally:
-        hf_paged.disable(mixtral)
+        hf_paged.disable(model, before)
     assert torch.equal(dropin, reference)
     assert paged.shape == reference.shape == (4, ids.shape[1] + 5)
     assert torch.equal(paged[:, : ids.shape[1]], ids.repeat_interleave(2, dim=0))
-    assert int(paged[:, ids.shape[1]:].max()) < mixtral.config.vocab_size
+    assert int(paged[:, ids.shape[1]:].max()) < model.config.get_text_config().vocab_size
