@@ -450,9 +450,7 @@ def test_enable_refuses_unsupported_config():
     with pytest.raises(ValueError) as info:
         hf_paged.enable(model)
     message = str(info.value)
-    assert "soft-capping" in message
-    for family in FAMILIES:
-        assert family in message
+    assert "soft-capping" in message and "'softcap'" in message
     assert not hasattr(type(model), "_hf_paged_base")  # nothing was changed
     assert model.config._attn_implementation != hf_paged.ATTENTION_NAME
 

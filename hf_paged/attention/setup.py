@@ -29,8 +29,14 @@ def prepare_model(model):
     functions, switch the model to them, and run the `on_prepare` hooks. Returns the model."""
     check_supported(model)
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+    text_config = model.config.get_text_config(decoder=True)
+    if ATTENTION_NAME not in (model.config._attn_implementation, text_config._attn_implementation):
         model.set_attn_implementation(ATTENTION_NAME)
+    if text_config._attn_implementation != ATTENTION_NAME:
+        # composite models: the switch must reach the decoder (a vision tower may keep its own implementation)
+        raise ValueError(
+            f"{type(model).__name__}: switching the attention implementation to {ATTENTION_NAME!r} did not reach its "
+            f"text model (it runs {text_config._attn_implementation!r}); hf-paged cannot route its attention")
     for hook in _HOOKS:
         hook(model)
     return model

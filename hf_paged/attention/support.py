@@ -1,55 +1,88 @@
-"""Which transformers causal LMs hf-paged supports, and a gate that refuses the rest with a reason.
+"""Which models hf-paged can run: accepted by what their attention does, refused naming the feature it cannot handle.
 
-Verified against transformers 5.17 modeling code (see docs/model-families.md). Every supported family:
+A model is supported when its attention goes through transformers' ``AttentionInterface`` with a ``Cache`` (it calls
+``past_key_values.update(...)`` and hands the returned K/V unchanged to ``ALL_ATTENTION_FUNCTIONS``) and every
+feature it uses is in :data:`HANDLED_FEATURES`. :func:`model_features` reads the features from the config and the
+model's classes, without running anything, so :func:`check_supported` is cheap enough for every ``enable``. Its
+run-time counterpart, ``hf_paged.capabilities.inspect_model``, records what one forward really passes to the
+attention function; the architecture sweep (``tests/test_architectures.py``) checks over every causal LM of
+transformers that this static gate refuses whatever the run-time probe sees outside :data:`HANDLED_FEATURES`.
 
-* calls ``past_key_values.update(key, value, self.layer_idx)`` and passes the returned k/v unchanged to
-  ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(self, query, key, value, attention_mask,
-  dropout=..., scaling=..., **kwargs)``;
-* builds its mask with ``masking_utils.create_causal_mask`` (Mistral/Phi3/Qwen2/Qwen3 switch to
-  ``create_sliding_window_causal_mask`` only when a sliding window is in use, which is refused here);
-* is causal, single-stack (no cross-attention), without attention-logit soft-capping.
-
-So for every accepted model the attention function receives ``sliding_window`` either not at all or ``None``,
-and never ``softcap`` / ``s_aux``.
-
-This module does not import torch or transformers.
+Adding a feature to the kernels is one edit here: put its name into :data:`HANDLED_FEATURES`; the sweep then runs
+the newly accepted architectures and compares their tokens with transformers.
 """
 
 from __future__ import annotations
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "check_supported", "describe_support"]
+import ast
+import functools
+import inspect
+import textwrap
 
-# model_type -> (transformers class, notes for the README)
-_FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "GQA; also SmolLM2/SmolLM (model_type llama)"),
-    "mistral": ("MistralForCausalLM", "GQA; only with `sliding_window: null` (e.g. Mistral-7B v0.2+)"),
-    "qwen2": ("Qwen2ForCausalLM", "GQA, q/k/v bias; only with `use_sliding_window: false` (the usual case)"),
-    "qwen3": ("Qwen3ForCausalLM", "GQA, per-head q/k RMSNorm; only without sliding-window layers"),
-    "phi3": ("Phi3ForCausalLM", "fused qkv, partial rotary; only with `sliding_window: null`"),
-    "gemma": ("GemmaForCausalLM", "Gemma 1 (MQA/GQA, head_dim 256); Gemma 2/3 are refused (soft-capping, sliding)"),
-    "opt": ("OPTForCausalLM", "MHA, learned positions; q pre-scaled, attention called with scaling=1.0"),
-    "gpt2": ("GPT2LMHeadModel", "MHA, Conv1D, learned positions; optional per-layer scaling; no cross-attention"),
-    "granite": ("GraniteForCausalLM", "GQA; scaling = attention_multiplier (not head_dim**-0.5)"),
+__all__ = [
+    "FEATURES",
+    "HANDLED_FEATURES",
+    "KERNEL_FEATURES",
+    "SUPPORTED_MODEL_TYPES",
+    "check_supported",
+    "describe_support",
+    "model_features",
+    "refusal",
+]
+
+# Every feature name the gate and the run-time probe report, with what it means (docs/model-families.md lists them).
+FEATURES: dict[str, str] = {
+    "full_attention": "causal softmax attention over the whole prefix",
+    "gqa": "grouped-query / multi-query attention (fewer KV heads than query heads)",
+    "scaling": "a softmax scale other than head_dim**-0.5 (taken from the `scaling` argument)",
+    "head_dim": "a head size that is not hidden_size / num_heads",
+    "mixture_of_experts": "mixture-of-experts MLPs (attention unchanged)",
+    "final_logit_softcapping": "soft-capping of the final logits (outside attention)",
+    "sliding_window": "sliding-window attention on some or all layers",
+    "softcap": "attention-logit soft-capping",
+    "sinks": "attention sinks (`s_aux`: per-head logits added to the softmax denominator)",
+    "chunked_attention": "chunked (block-local) attention",
+    "value_head_dim": "K and V of different head sizes (multi-head latent attention)",
+    "recurrent_state": "Mamba / linear-attention / convolution layers whose recurrent state is not paged",
+    "sparse_attention": "learned sparse attention (an indexer picks the keys each query reads)",
+    "latent_kv": "multi-head latent attention that caches a compressed latent and expands K/V after the cache",
+    "kv_after_update": "K/V changed between Cache.update() and the attention function (the paged pool cannot be read)",
+    "cache_layer_index": "attention writing a cache layer other than its own layer_idx (layers run several times)",
+    "attention_mask_modified": "a mask or bias the model builds itself and hands to the attention function",
+    "no_position_ids": "a model whose forward takes no position_ids (positions from the cache length)",
+    "kv_sharing": "layers that read K/V another layer wrote",
+    "alibi": "ALiBi position biases added to the attention logits",
+    "encoder_decoder": "an encoder-decoder model",
+    "cross_attention": "cross-attention to encoder states",
+    "non_causal": "bidirectional (non-causal) attention",
+    "not_interface_routed": "attention that does not go through transformers' AttentionInterface with a Cache",
+    "unknown_attention_kwargs": "arguments to the attention function whose meaning hf-paged does not know",
+    "cache_shape": "K/V shapes that differ from what the config says (layers, KV heads, head size)",
+    "remote_code": "a trust_remote_code model class",
 }
 
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(_FAMILIES)
+# What today's paged kernels and attention function handle. When a kernel feature lands, add its name here: that is
+# the only change needed for the gate, the sweep and the generated docs.
+HANDLED_FEATURES: frozenset[str] = frozenset({
+    "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
+})
 
-# How each family decides that a sliding window is applied (transformers 5.17):
-# - mistral, phi3: the model picks create_sliding_window_causal_mask and passes sliding_window=config.sliding_window
-#   to the attention function whenever config.sliding_window is not None (all layers; layer_types is ignored).
-# - qwen2, qwen3: per layer, from config.layer_types[i] == "sliding_attention" (built in __post_init__ from
-#   use_sliding_window + max_window_layers); config.sliding_window may stay set while no layer uses it.
-_WINDOW_BY_CONFIG = {"mistral", "phi3"}
-_WINDOW_BY_LAYER_TYPES = {"qwen2", "qwen3"}
+# Attention features the kernels can be taught (issue 15): the report estimates what would pass with them handled.
+KERNEL_FEATURES: frozenset[str] = frozenset({
+    "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim",
+})
 
+# The families tested in depth by hf_paged.testing (kept for code written against 0.1; no longer a gate).
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite"})
 
-def _supported_list() -> str:
-    return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+_RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")
+_RECURRENT_CLASS_WORDS = ("Mamba", "Rwkv", "LinearAttention", "ShortConv", "GatedDeltaNet", "Recurrent", "LSTM",
+                          "mLSTM", "sLSTM", "Lfm2ShortConv", "KimiDeltaAttention", "DeltaNet", "MiniMaxLightning")
 
 
 def _get_config(model_or_config):
     config = model_or_config
-    # A model (or anything carrying a config), not a config itself.
     if not hasattr(model_or_config, "model_type") and hasattr(model_or_config, "config"):
         config = model_or_config.config
     if not hasattr(config, "model_type"):
@@ -59,96 +92,238 @@ def _get_config(model_or_config):
     return config
 
 
-def _sliding_window_reasons(model_type: str, config) -> list[str]:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    reasons: list[str] = []
-    if getattr(config, "attention_chunk_size", None) is not None:
-        reasons.append(f"chunked attention is used (attention_chunk_size={config.attention_chunk_size})")
+def _attr(config, name):
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - some configs raise their own error for per-layer attributes
+        return None
 
-    if model_type in _WINDOW_BY_LAYER_TYPES:
-        bad = sorted({t for t in (layer_types or []) if t != "full_attention"})
-        if bad:
-            n = sum(t != "full_attention" for t in layer_types)
-            reasons.append(
-                f"{n} of {len(layer_types)} layers use {'/'.join(bad)} (sliding_window={window}; "
-                f"use_sliding_window={getattr(config, 'use_sliding_window', None)}, "
-                f"max_window_layers={getattr(config, 'max_window_layers', None)})"
-            )
-        return reasons
 
-    if model_type in _WINDOW_BY_CONFIG:
-        in_use = window is not None
-    else:
-        # Families whose modeling code ignores these fields: refuse anyway when they are set, because transformers'
-        # DynamicCache(config=...) (the reference hf-paged is compared with) would build sliding-window layers.
-        in_use = window is not None or any(t != "full_attention" for t in (layer_types or []))
-    if in_use:
-        reason = f"sliding-window attention is used (sliding_window={window})"
-        max_pos = getattr(config, "max_position_embeddings", None)
-        if window is not None and max_pos is not None and window >= max_pos:
-            reason += (
-                f"; it is >= max_position_embeddings={max_pos}, so it never masks anything within the model's "
-                "context: set config.sliding_window = None before loading to use hf-paged"
-            )
-        reasons.append(reason)
-    return reasons
+def _text_config(config):
+    if hasattr(config, "get_text_config"):
+        try:
+            return config.get_text_config(decoder=True)
+        except Exception:  # noqa: BLE001 - a composite config without a decoder text config
+            return config
+    return config
+
+
+def _layer_types(config) -> list[str]:
+    for name in ("layer_types", "layers_block_type", "block_types", "attention_layers"):
+        value = _attr(config, name)
+        if isinstance(value, (list, tuple)) and value:
+            return [str(v) for v in value]
+    return []
+
+
+def _config_features(config) -> dict[str, str]:
+    """Features visible in one (text) config."""
+    found: dict[str, str] = {}
+    layer_types = _layer_types(config)
+    window = _attr(config, "sliding_window")
+    sliding = [i for i, t in enumerate(layer_types) if "sliding" in t or t in ("local", "window_attention")]
+    if sliding:
+        found["sliding_window"] = f"{len(sliding)} of {len(layer_types)} layers (sliding_window={window})"
+    elif window is not None and not layer_types and not isinstance(window, bool):
+        found["sliding_window"] = f"all layers (sliding_window={window})"
+    max_pos = _attr(config, "max_position_embeddings")
+    if "sliding_window" in found and isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos:
+        found["sliding_window"] += (f"; it is >= max_position_embeddings={max_pos}, so it never masks anything within "
+                                    "the model's context: set config.sliding_window = None before loading")
+    chunk = _attr(config, "attention_chunk_size")
+    if chunk is not None or any("chunked" in t for t in layer_types):
+        found["chunked_attention"] = f"attention_chunk_size={chunk}"
+    softcap = _attr(config, "attn_logit_softcapping")
+    if softcap is not None:
+        found["softcap"] = f"attention logit soft-capping (attn_logit_softcapping={softcap})"
+    if _attr(config, "final_logit_softcapping") is not None:
+        found["final_logit_softcapping"] = f"final_logit_softcapping={config.final_logit_softcapping}"
+    recurrent = sorted({t for t in layer_types if any(w in t for w in _RECURRENT_LAYER_WORDS)})
+    if recurrent:
+        found["recurrent_state"] = f"layer types {recurrent} (recurrent state is not paged)"
+    sparse = sorted({t for t in layer_types if "sparse" in t or "compressed" in t})
+    if sparse or _attr(config, "index_topk") is not None or _attr(config, "indexer_n_heads") is not None:
+        found["sparse_attention"] = f"layer types {sparse}" if sparse else "an indexer picks the keys"
+    v_dim = _attr(config, "v_head_dim")
+    qk_dim = _attr(config, "qk_head_dim") or (
+        (_attr(config, "qk_nope_head_dim") or 0) + (_attr(config, "qk_rope_head_dim") or 0)) or _attr(config, "head_dim")
+    if v_dim is not None and qk_dim and v_dim != qk_dim:
+        found["value_head_dim"] = f"qk head dim {qk_dim} != v_head_dim {v_dim}"
+    if _attr(config, "kv_lora_rank") is not None:
+        found["latent_kv"] = (f"kv_lora_rank={config.kv_lora_rank}: the cache holds the compressed latent and the "
+                              "model expands K/V from it after Cache.update()")
+    if (_attr(config, "num_kv_shared_layers") or 0) > 0:
+        found["kv_sharing"] = f"num_kv_shared_layers={config.num_kv_shared_layers}"
+    if _attr(config, "alibi") or _attr(config, "use_alibi") or _attr(config, "position_embedding_type") == "alibi":
+        found["alibi"] = "ALiBi position biases"
+    attn_config = _attr(config, "attn_config")
+    if attn_config is not None and (_attr(attn_config, "alibi") or (isinstance(attn_config, dict)
+                                                                   and attn_config.get("alibi"))):
+        found["alibi"] = "ALiBi position biases (attn_config.alibi)"
+    if _attr(config, "is_encoder_decoder"):
+        found["encoder_decoder"] = "is_encoder_decoder=True"
+    if _attr(config, "add_cross_attention"):
+        found["cross_attention"] = "add_cross_attention=True"
+    if _attr(config, "cross_attention_layers"):
+        found["cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
+    if _attr(config, "is_causal") is False or _attr(config, "use_bidirectional_attention"):
+        found["non_causal"] = "bidirectional attention (is_causal=False / use_bidirectional_attention=True)"
+    num_experts = next((_attr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts",
+                                                   "moe_num_experts") if _attr(config, n)), None)
+    if num_experts:
+        found["mixture_of_experts"] = f"{num_experts} experts"
+    scaling = _attr(config, "attention_multiplier") or _attr(config, "query_pre_attn_scalar")
+    if scaling:
+        found["scaling"] = f"{scaling}"
+    return found
+
+
+@functools.cache
+def _forward_source(cls) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return None
+
+
+def _routes_through_interface(cls) -> bool | None:
+    """Does the `forward` of this attention class call transformers' AttentionInterface? None if unreadable."""
+    source = _forward_source(cls)
+    if source is None:
+        return None
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+@functools.cache
+def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
+    """Read the attention `forward` (ast): are the K/V handed to the attention function the ones `Cache.update()`
+    returned, untouched; is the cache layer `self.layer_idx`; is the mask the model's own `attention_mask`?"""
+    source = _forward_source(cls)
+    if source is None:
+        return ()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ()
+    updates, calls, assigned = [], [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            assigned.append((node.lineno, names))
+            value = node.value
+            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "update"
+                    and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) and len(value.args) >= 3):
+                updates.append((node.lineno, names, ast.unparse(value.args[2])))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and "attention" in node.func.id
+                and len(node.args) >= 4 and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"):
+            calls.append(node)
+    if not updates or not calls:
+        return ()
+    found: dict[str, str] = {}
+    line, names, index = updates[0]
+    if index != "self.layer_idx":
+        found["cache_layer_index"] = f"{cls.__name__} writes cache layer `{index}`, not its own layer_idx"
+    for call in calls:
+        k, v = (ast.unparse(a) for a in call.args[2:4])
+        reassigned = {n for ln, ns in assigned if line < ln < call.lineno for n in ns}
+        if [k, v] != names[:2] or {k, v} & reassigned:
+            found["kv_after_update"] = f"{cls.__name__} passes `{k}`, `{v}`, not the K/V Cache.update() returned"
+        mask = call.args[4] if len(call.args) > 4 else next(
+            (kw.value for kw in call.keywords if kw.arg == "attention_mask"), None)
+        mask_name = ast.unparse(mask) if mask is not None else None
+        if mask_name not in (None, "None", "attention_mask"):
+            found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
+    return tuple(found.items())
+
+
+def _model_features(model) -> dict[str, str]:
+    """Features visible in the model's modules (without running it)."""
+    found: dict[str, str] = {}
+    attention_classes, recurrent_classes, not_routed = set(), set(), set()
+    try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    except Exception:  # noqa: BLE001 - models without a separable decoder
+        decoder = model
+    decoder = decoder if hasattr(decoder, "named_modules") else model
+    for name, module in decoder.named_modules():
+        cls = type(module)
+        cls_name = cls.__name__
+        if "encoder_attn" in name or "cross_attn" in name or cls_name.endswith("Layer"):
+            continue  # cross-attention runs only with encoder states, which hf-paged does not take
+        if any(word in cls_name for word in _RECURRENT_CLASS_WORDS) and "Cache" not in cls_name:
+            recurrent_classes.add(cls_name)
+        if hasattr(module, "sinks") and "sinks" in dict(module.named_parameters(recurse=False)):
+            found["sinks"] = f"{cls_name}.sinks (attention sink logits, passed as s_aux)"
+        if "Attention" in cls_name and getattr(module, "is_causal", True) is False:
+            found["non_causal"] = f"{cls_name}.is_causal=False (bidirectional attention)"
+        if "Attention" in cls_name and hasattr(module, "layer_idx") and cls_name not in recurrent_classes:
+            attention_classes.add(cls_name)
+            if _routes_through_interface(cls) is False:
+                not_routed.add(cls_name)
+            for name, detail in _dataflow_features(cls):
+                found.setdefault(name, detail)
+    if recurrent_classes:
+        found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)} (recurrent state is not paged)")
+    if not_routed:
+        found["not_interface_routed"] = f"{sorted(not_routed)} compute attention themselves"
+    elif not attention_classes:
+        found["not_interface_routed"] = "no attention module with a layer_idx calls ALL_ATTENTION_FUNCTIONS"
+    try:
+        takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        takes_positions = True
+    if not takes_positions:
+        found["no_position_ids"] = (f"{type(model).__name__}.forward takes no position_ids: positions come from the "
+                                    "cache length, which a ragged continuous batch cannot give per sequence")
+    remote = [c for c in type(model).__mro__ if (c.__module__ or "").startswith("transformers_modules")]
+    if remote:
+        found["remote_code"] = (f"the model class {type(model).__name__} is remote code ({remote[0].__module__}); "
+                                "load it without trust_remote_code")
+    return found
+
+
+def model_features(model_or_config) -> dict[str, str]:
+    """`{feature: detail}` for a ``PreTrainedModel`` or ``PretrainedConfig``, from its config(s) and, for a model,
+    its modules. Feature names are the keys of :data:`FEATURES`."""
+    config = _get_config(model_or_config)
+    found: dict[str, str] = {}
+    text = _text_config(config)
+    for cfg in (config, text) if text is not config else (config,):
+        for name, detail in _config_features(cfg).items():
+            found.setdefault(name, detail)
+    if model_or_config is not config:
+        found.update(_model_features(model_or_config))
+    return found
+
+
+def refusal(model_or_config, features: dict[str, str]) -> str | None:
+    """The refusal message for these features (None when all are handled)."""
+    unhandled = {k: v for k, v in features.items() if k not in HANDLED_FEATURES}
+    if not unhandled:
+        return None
+    config = _get_config(model_or_config)
+    model_type = getattr(config, "model_type", None) or "<none>"
+    reasons = "; ".join(f"{name}: {FEATURES.get(name, name)} ({detail})" for name, detail in sorted(unhandled.items()))
+    return (f"hf-paged cannot run this model ({model_type}): it uses feature(s) {sorted(unhandled)} that the paged "
+            f"attention does not handle: {reasons}. Handled: {', '.join(sorted(HANDLED_FEATURES))}; see "
+            "docs/model-families.md.")
 
 
 def check_supported(model_or_config) -> None:
-    """Raise ``ValueError`` (listing the supported families and every reason) unless hf-paged can run this model.
+    """Raise ``ValueError`` naming every feature of this model (or config) outside :data:`HANDLED_FEATURES`.
 
-    Accepts a ``PreTrainedModel`` or a ``PretrainedConfig``. Refused: model types other than
-    :data:`SUPPORTED_MODEL_TYPES`, encoder-decoders, cross-attention, non-causal / bidirectional attention,
-    sliding-window or chunked attention in use, attention or final logit soft-capping, and remote-code model classes
-    (``trust_remote_code``: they may not use transformers' attention/cache interfaces).
+    A config alone shows its attention features (windows, soft-capping, chunks, head sizes, recurrent layers,
+    encoder-decoder, ...); a model also shows whether its attention modules call transformers' AttentionInterface,
+    attention sinks and remote-code classes.
     """
-    config = _get_config(model_or_config)
-    model_type = getattr(config, "model_type", None) or "<none>"
-    reasons: list[str] = []
-
-    if getattr(config, "is_encoder_decoder", False):
-        reasons.append("encoder-decoder models are not supported")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        reasons.append(f"model_type {model_type!r} is not supported")
-    if getattr(config, "add_cross_attention", False):
-        reasons.append("cross-attention (add_cross_attention=True) is not supported")
-    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
-        reasons.append("non-causal (bidirectional) attention is not supported")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        value = getattr(config, name, None)
-        if value is not None:
-            reasons.append(f"soft-capping is not supported ({name}={value})")
-    if model_type in SUPPORTED_MODEL_TYPES:
-        reasons.extend(_sliding_window_reasons(model_type, config))
-    else:
-        # Still explain windows on unsupported types when they are obviously there (e.g. Gemma 2).
-        window = getattr(config, "sliding_window", None)
-        if window is not None:
-            reasons.append(f"sliding-window attention is not supported (sliding_window={window})")
-
-    if model_or_config is not config:
-        remote = [c for c in type(model_or_config).__mro__ if (c.__module__ or "").startswith("transformers_modules")]
-        if remote:
-            reasons.append(
-                f"the model class {type(model_or_config).__name__} is remote code ({remote[0].__module__}); its "
-                "modeling may not use transformers' cache/attention interfaces: load it without trust_remote_code"
-            )
-
-    if reasons:
-        raise ValueError(
-            f"hf-paged cannot run this model ({model_type}): "
-            + "; ".join(reasons)
-            + f". Supported model types: {_supported_list()} (full attention only, no soft-capping, "
-            "decoder-only); see docs/model-families.md."
-        )
+    message = refusal(model_or_config, model_features(model_or_config))
+    if message:
+        raise ValueError(message)
 
 
 def describe_support(header: bool = True) -> str:
-    """Markdown table of the supported families (for the README)."""
-    lines = []
-    if header:
-        lines += ["| model_type | transformers class | notes |", "|---|---|---|"]
-    for model_type, (cls, notes) in _FAMILIES.items():
-        lines.append(f"| `{model_type}` | `{cls}` | {notes} |")
+    """Markdown table of the features hf-paged knows and whether the paged attention handles them."""
+    lines = ["| feature | meaning | handled |", "|---|---|---|"] if header else []
+    for name, meaning in FEATURES.items():
+        lines.append(f"| `{name}` | {meaning} | {'yes' if name in HANDLED_FEATURES else 'refused'} |")
     return "\n".join(lines)

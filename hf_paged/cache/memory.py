@@ -39,11 +39,17 @@ def parse_memory(value: int | float | str | None, name: str) -> int | None:
 def attention_shape(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    num_layers = getattr(text, "num_hidden_layers", None)
-    num_heads = getattr(text, "num_attention_heads", None)
+    # encoder-decoder families used as causal LMs (BartForCausalLM, ...): their decoder's sizes, which
+    # num_hidden_layers / num_attention_heads (mapped to the encoder's) need not equal
+    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    num_heads = getattr(text, "decoder_attention_heads", None) or getattr(text, "num_attention_heads", None)
     if num_layers is None or num_heads is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    if getattr(text, "decoder_attention_heads", None):  # multi-head decoders; num_key_value_heads maps to the encoder
+        num_kv_heads = num_heads
+    if getattr(text, "multi_query", False) is True:  # GPT-BigCode: one KV head whatever num_key_value_heads says
+        num_kv_heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), int(num_kv_heads), int(head_dim)
 

@@ -317,7 +317,9 @@ class PagedCache(Cache):
         """A new forward starts (first attention layer): prepare this step's metadata once for all layers."""
         if key_states.dim() != 4:
             raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
-        attn = getattr(self.config, "_attn_implementation", None) if self.config is not None else None
+        # composite models: the decoder's text config is the one that runs (a vision tower may stay on eager)
+        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        attn = getattr(text, "_attn_implementation", None) if text is not None else None
         if attn is not None and attn != "hf_paged":
             raise ValueError(
                 f"this model runs attention_implementation={attn!r}, which cannot read a PagedCache: call "

@@ -96,7 +96,7 @@ def _generation_params(model, generation_config, kwargs: dict) -> tuple[Generati
     current = config.to_dict()
     unsupported = sorted(
         k for k, v in current.items()
-        if k not in _HONOURED and k in defaults and v != defaults[k] and (v or defaults[k])
+        if k not in _HONOURED and k in defaults and _is_set(v, defaults[k])
     )
     if unsupported:
         raise ValueError(
@@ -109,6 +109,16 @@ def _generation_params(model, generation_config, kwargs: dict) -> tuple[Generati
             "pass past_key_values=hf_paged.PagedCache(config=model.config) to transformers' beam sampling instead"
         )
     return config, model_kwargs
+
+
+def _is_set(value, default) -> bool:
+    """Whether a generation option differs from its default. None means "the default" in transformers 5; None, False
+    and empty containers all mean "off"; but 0 is a value (`forced_bos_token_id=0` is BART's real setting), so
+    `(value or default)` would have let it through silently."""
+    def off(v) -> bool:
+        return v is None or v is False or (isinstance(v, (list, tuple, dict)) and not v)
+
+    return value is not None and value != default and not (off(value) and off(default))
 
 
 def sampling_params_from_config(

@@ -1,5 +1,11 @@
 """Moved to `hf_paged.attention.support`; `hf_paged.integrations.support` stays as a thin re-export for code written against 0.1 (no logic here)."""
 
-from ..attention.support import SUPPORTED_MODEL_TYPES, check_supported, describe_support
+from ..attention.support import (
+    HANDLED_FEATURES,
+    SUPPORTED_MODEL_TYPES,
+    check_supported,
+    describe_support,
+    model_features,
+)
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "check_supported", "describe_support"]
+__all__ = ["HANDLED_FEATURES", "SUPPORTED_MODEL_TYPES", "check_supported", "describe_support", "model_features"]

@@ -1,0 +1,227 @@
+"""What a model's attention really does, observed by running it: the run-time half of accepting models by capability.
+
+`hf_paged.attention.support.check_supported` decides from the config and the model's classes (cheap, no forward:
+it runs on every `enable`). This module checks that decision against the truth: :func:`inspect_model` registers a
+*recording* attention function and mask function in transformers' `AttentionInterface` / `AttentionMaskInterface`,
+runs one 4-token forward with a recording `DynamicCache`, and reports what arrived: whether attention is routed
+through the interface at all, whether the K/V the function gets are exactly what `Cache.update()` returned, the
+per-layer `sliding_window`, `softcap`, `s_aux` (sinks), `scaling`, head sizes (K vs V), and layers that keep a
+recurrent state (Mamba / linear attention) or read K/V they did not write (shared-KV layers). The architecture sweep
+(`tests/test_architectures.py`) asserts, for every architecture of transformers, that the static gate refuses a
+model whenever the observed features include one outside :data:`~hf_paged.attention.support.HANDLED_FEATURES`.
+
+The model is left as it was: its attention implementation is restored and the probe cache is thrown away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention.support import HANDLED_FEATURES, model_features, refusal
+
+__all__ = ["Capabilities", "AttentionCall", "inspect_model", "check_supported", "PROBE_NAME"]
+
+PROBE_NAME = "hf_paged_probe"
+# kwargs every interface-routed family may pass and that carry no attention semantics of their own
+_BENIGN_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings",
+                  "is_causal", "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type",
+                  "return_dict", "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k",
+                  "max_length_q", "max_length_k", "output_router_logits", "logits_to_keep"}
+
+
+@dataclass
+class AttentionCall:
+    """One call of the attention function, as it arrived."""
+
+    module: str
+    layer_idx: int | None
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    scaling: float | None
+    sliding_window: int | None
+    softcap: float | None
+    has_sinks: bool
+    causal: bool  # neither `is_causal=False` passed nor the module's `is_causal` attribute False
+    from_cache_update: bool  # the key tensor is the one `Cache.update()` returned
+    other_kwargs: tuple[str, ...]
+
+
+@dataclass
+class Capabilities:
+    """What one forward of the model showed (see :func:`inspect_model`)."""
+
+    model_type: str
+    interface_routed: bool  # attention went through ALL_ATTENTION_FUNCTIONS with a Cache (every call)
+    calls: list[AttentionCall] = field(default_factory=list)
+    updated_layers: tuple[int, ...] = ()
+    recurrent_layers: tuple[int, ...] = ()
+    features: dict[str, str] = field(default_factory=dict)  # observed feature -> detail
+    error: str | None = None  # the forward failed (with the probe function in place)
+
+    @property
+    def unhandled(self) -> dict[str, str]:
+        return {k: v for k, v in self.features.items() if k not in HANDLED_FEATURES}
+
+
+class _RecordingCache(DynamicCache):
+    """A DynamicCache that remembers which tensors `update()` handed back, per layer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.returned: dict[int, int] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.returned[layer_idx] = id(keys)
+        return keys, values
+
+
+_CALLS: list[tuple[AttentionCall, int]] = []
+
+
+def _recording_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    sinks = kwargs.get("s_aux")
+    call = AttentionCall(
+        module=type(module).__name__,
+        layer_idx=getattr(module, "layer_idx", None),
+        query_shape=tuple(query.shape),
+        key_shape=tuple(key.shape),
+        value_shape=tuple(value.shape),
+        scaling=None if scaling is None else float(scaling),
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        has_sinks=sinks is not None,
+        causal=kwargs.get("is_causal") is not False and getattr(module, "is_causal", True) is not False,
+        from_cache_update=False,
+        other_kwargs=tuple(sorted(k for k, v in kwargs.items()
+                                  if k not in _BENIGN_KWARGS | {"sliding_window", "softcap", "s_aux"}
+                                  and v is not None)),
+    )
+    _CALLS.append((call, id(key)))
+    # compute with transformers' own eager-equivalent path so the forward goes on (sinks / softcap dropped: the
+    # numbers do not matter here, only what arrived)
+    if value.shape[-1] != query.shape[-1] or key.shape[1] != value.shape[1]:
+        return _plain_attention(query, key, value, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
+                                  is_causal=kwargs.get("is_causal"))
+
+
+def _plain_attention(query, key, value, scaling):
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    weights = torch.softmax(query @ key.transpose(-1, -2) * (scaling or query.shape[-1] ** -0.5), dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), None
+
+
+def _register_probe() -> None:
+    AttentionInterface.register(PROBE_NAME, _recording_attention)
+    AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _probe_attention(model):
+    before = model.config._attn_implementation
+    sub_before = {id(m.config): m.config._attn_implementation for m in model.modules()
+                  if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    _register_probe()
+    model.set_attn_implementation(PROBE_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+        for module in model.modules():  # sub-models the top-level switch did not reach back
+            config = getattr(module, "config", None)
+            if config is not None and id(config) in sub_before:
+                config._attn_implementation_internal = sub_before[id(config)]
+
+
+def _observed_features(caps: Capabilities, text_config) -> dict[str, str]:
+    features: dict[str, str] = {}
+    calls = caps.calls
+    if not caps.interface_routed:
+        features["not_interface_routed"] = (
+            "no attention call went through transformers' AttentionInterface with a Cache" if not calls else
+            "some attention calls got K/V that Cache.update() did not return (K/V expanded from cached latents, "
+            "cross-attention or shared-KV layers)")
+    windows = sorted({(c.layer_idx, c.sliding_window) for c in calls if c.sliding_window is not None},
+                     key=lambda t: (t[0] is None, t[0] or 0))
+    if windows:
+        features["sliding_window"] = ", ".join(f"layer {i}: {w}" for i, w in windows)
+    softcaps = {c.softcap for c in calls if c.softcap is not None}
+    if softcaps:
+        features["softcap"] = ", ".join(str(s) for s in sorted(softcaps))
+    if any(not c.causal for c in calls):
+        features["non_causal"] = "is_causal=False (bidirectional attention)"
+    if any(c.has_sinks for c in calls):
+        features["sinks"] = "s_aux passed (per-head attention sink logits)"
+    if any(c.value_shape[-1] != c.query_shape[-1] for c in calls):
+        c = next(c for c in calls if c.value_shape[-1] != c.query_shape[-1])
+        features["value_head_dim"] = f"K head dim {c.key_shape[-1]} != V head dim {c.value_shape[-1]}"
+    extra = sorted({k for c in calls for k in c.other_kwargs})
+    if extra:
+        features["unknown_attention_kwargs"] = ", ".join(extra)
+    if caps.recurrent_layers:
+        features["recurrent_state"] = f"layers {list(caps.recurrent_layers)} keep a Mamba / linear-attention state"
+    if calls:
+        features["full_attention"] = f"{len(calls)} attention layers"
+        heads = {(c.query_shape[1], c.key_shape[1]) for c in calls}
+        if any(q != k for q, k in heads):
+            features["gqa"] = ", ".join(f"{q} query / {k} KV heads" for q, k in sorted(heads))
+        scalings = sorted({c.scaling for c in calls if c.scaling is not None})
+        if scalings:
+            features["scaling"] = ", ".join(f"{s:.4g}" for s in scalings)
+        features["head_dim"] = ", ".join(str(d) for d in sorted({c.query_shape[-1] for c in calls}))
+    return features
+
+
+def inspect_model(model, num_tokens: int = 4) -> Capabilities:
+    """Run one `num_tokens`-token forward of `model` (batch 1) with a recording attention function and cache."""
+    config = model.config
+    text_config = config.get_text_config(decoder=True)
+    caps = Capabilities(model_type=getattr(config, "model_type", "?"), interface_routed=False)
+    vocab = int(getattr(text_config, "vocab_size", 0) or 0)
+    device = next(model.parameters()).device
+    input_ids = (torch.arange(num_tokens, device=device) % max(vocab - 3, 1) + 3)[None]
+    cache = _RecordingCache(config=config)
+    _CALLS.clear()
+    try:
+        with _probe_attention(model), torch.no_grad():
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+                  use_cache=True)
+    except Exception as error:  # noqa: BLE001 - reported, the caller decides
+        caps.error = f"{type(error).__name__}: {error}"[:300]
+    for call, key_id in _CALLS:
+        call.from_cache_update = call.layer_idx is not None and cache.returned.get(call.layer_idx) == key_id
+        caps.calls.append(call)
+    _CALLS.clear()
+    caps.updated_layers = tuple(sorted(cache.returned))
+    caps.recurrent_layers = tuple(
+        i for i, layer in enumerate(getattr(cache, "layers", []))
+        if "LinearAttention" in type(layer).__name__
+    )
+    caps.interface_routed = bool(caps.calls) and all(c.from_cache_update for c in caps.calls)
+    caps.features = _observed_features(caps, text_config)
+    return caps
+
+
+def check_supported(model, probe: bool = True) -> Capabilities | None:
+    """Raise ``ValueError`` naming every unhandled feature, from the config and classes (always) and from one
+    recorded forward (`probe=True`); returns the observed capabilities (None without `probe`)."""
+    static = model_features(model)
+    caps = inspect_model(model) if probe else None
+    found = dict(static)
+    if caps is not None:
+        for name, detail in caps.features.items():
+            found.setdefault(name, detail)
+    message = refusal(model, found)
+    if message:
+        raise ValueError(message)
+    return caps

@@ -1,0 +1,109 @@
+"""The architecture sweep: every causal LM of transformers through hf-paged (issue 15).
+
+For each `model_type` of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, `hf_paged.model_zoo.check_architecture` builds a tiny
+seeded model (float32), runs transformers' own greedy `generate()` on a left-padded batch of 2, and then either
+- the gate accepts it and the greedy tokens of `generate(cache_implementation="paged")` and of the drop-in
+  `PagedCache` equal transformers' (`pass`), or
+- `hf_paged.enable` refuses it with a ValueError naming every feature outside `HANDLED_FEATURES` (`refused`), or
+- transformers itself cannot run the tiny model (`not_runnable`, listed with the reason in docs/architectures.json).
+Anything else (a crash, different tokens, an unhandled feature seen at run time that the gate let through, a refusal
+that does not name the feature) fails. The gate reads `HANDLED_FEATURES`, so adding a kernel feature there is all the
+sweep needs; then `python benchmarks/probe_architectures.py` regenerates the JSON and the docs that the last tests
+compare with.
+
+One process, all architectures once (about a minute on 2 CPU cores), each under a 60 s guard against hangs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_paged.attention.support import FEATURES, HANDLED_FEATURES
+from hf_paged.model_zoo import ARCHITECTURES, check_architecture
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+architecture_report = pytest.importorskip("architecture_report")
+
+# plain except for MoE MLPs / norms / biases / positions: accepted with today's kernels
+MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "olmo2", "cohere", "gpt_neox",
+             "phi", "smollm3", "starcoder2", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
+HYBRID = ("qwen3_next", "jamba", "bamba", "falcon_h1", "lfm2", "zamba", "nemotron_h", "granitemoehybrid")
+
+
+@functools.cache
+def _records() -> dict[str, dict]:
+    warnings.filterwarnings("ignore")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng():
+            return {arch: check_architecture(arch, timeout_s=60) for arch in ARCHITECTURES}
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+@functools.cache
+def _recorded() -> dict:
+    return architecture_report.load()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architecture(arch):
+    record = _records()[arch]
+    verdict = record["verdict"]
+    assert verdict in ("pass", "refused", "not_runnable"), f"{arch}: {verdict}: {record['reason']}"
+    if verdict == "refused":
+        assert record["unhandled"] and set(record["unhandled"]) <= set(FEATURES)
+        assert not set(record["unhandled"]) & HANDLED_FEATURES
+        for feature in record["features"]:
+            if feature not in HANDLED_FEATURES:
+                assert feature in record["reason"], (arch, feature, record["reason"])
+    if verdict == "pass":
+        assert record["runs_under_transformers"] and record["interface_routed"], arch
+        assert not record["unhandled"], arch
+    if verdict == "not_runnable":
+        assert record["reason"], f"{arch} is not runnable without a reason"
+
+
+def test_plain_attention_families_pass():
+    failing = {a: _records()[a]["reason"] for a in MUST_PASS if _records()[a]["verdict"] != "pass"}
+    assert not failing
+
+
+def test_hybrid_models_are_refused_naming_the_recurrent_state():
+    for arch in HYBRID:
+        record = _records()[arch]
+        if record["runs_under_transformers"]:
+            assert record["verdict"] == "refused" and "recurrent_state" in record["unhandled"], (arch, record)
+
+
+def test_sweep_matches_docs_architectures_json():
+    """docs/architectures.json is this sweep's output (regenerate: python benchmarks/probe_architectures.py)."""
+    recorded = _recorded()
+    assert recorded["handled_features"] == sorted(HANDLED_FEATURES), "HANDLED_FEATURES changed: regenerate the docs"
+    assert recorded["transformers_version"] == transformers.__version__
+    saved = {r["model_type"]: r for r in recorded["architectures"]}
+    assert list(saved) == list(ARCHITECTURES)
+    keys = ("verdict", "runs_under_transformers", "interface_routed", "unhandled", "features")
+    stale = {a: {k: (saved[a][k], r[k]) for k in keys if saved[a][k] != r[k]} for a, r in _records().items()}
+    assert not {a: d for a, d in stale.items() if d}
+
+
+def test_docs_are_rendered_from_the_json():
+    for path, text in architecture_report.rendered_files(_recorded()).items():
+        assert path.read_text() == text, f"{path.name} is stale: python benchmarks/architecture_report.py"
+
+
+def test_report_summary_counts():
+    summary = architecture_report.summary(_recorded())
+    assert summary["architectures"] == len(ARCHITECTURES)
+    assert summary["pass"] + summary["refused"] + summary["not_runnable"] + summary["failures"] == len(ARCHITECTURES)
+    assert summary["failures"] == 0
+    assert summary["pass"] <= summary["would_pass_with_kernel_features"] <= summary["runs_under_transformers"]
