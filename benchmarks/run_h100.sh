@@ -54,7 +54,7 @@ for part in "$@"; do
     startup) timeout 420 $PY benchmarks/bench_startup.py --models llama-1b,qwen3-0.6b --modes compiled,eager \
         --out "$RES" > "$OUT/startup.log" 2>&1 ;;
     tests) timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_kernels.py \
-        tests/test_beam.py tests/test_engine_prefix_cache.py > "$OUT/tests.log" 2>&1 ;;
+        tests/test_beam.py tests/test_engine_prefix_cache.py tests/test_memory_lifetime.py > "$OUT/tests.log" 2>&1 ;;
     *) echo "unknown part $part (step, generate, paged, sampled, long, profile, beam, kernel, startup, tests)"; continue ;;
   esac
   echo "exit $?"

@@ -150,3 +150,18 @@ def test_two_drop_in_caches_and_a_second_model_fit_side_by_side():
     out = second.generate(ids, past_key_values=hf_paged.PagedCache(config=second.config), max_new_tokens=4,
                           do_sample=False)
     assert out.shape == (4, 68)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_dropped_model_gives_its_gpu_pool_back(no_gc):
+    """The H100 symptom of issue 13: after `del model` the engine's pool (most of the GPU) stayed allocated."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = tiny_model("llama").cuda()
+    hf_paged.enable(model)
+    model.generate(_ids().cuda(), cache_implementation="paged", max_new_tokens=3, do_sample=False)
+    assert torch.cuda.memory_allocated() - before > 2**20  # the engine's pool is allocated
+    del model
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20, "the pool outlived the model"
