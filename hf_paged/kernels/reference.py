@@ -24,6 +24,7 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "copy_blocks",
+    "masked_attention",
     "naive_attention",
     "naive_paged_decode",
     "naive_paged_prefill",
@@ -105,7 +106,7 @@ def _feature_mask(q_pos, key_pos, lo: int, sliding_window, chunk_size) -> torch.
     return mask
 
 
-def _attend(q, k, v, mask, scale, softcap, sink_col):
+def masked_attention(q, k, v, mask, scale, softcap=None, sink_col=None):
     """Masked attention ``q [.., M, D] @ k [.., L, D] -> [.., M, Dv]``; SDPA unless softcap / sinks need explicit math.
 
     ``sink_col`` (broadcastable to ``[.., M, 1]``) is one extra logit per row that only joins the denominator
@@ -187,7 +188,7 @@ def paged_decode(
         v = torch.where(vm, v, 0)
         # pack the G query heads of a KV head into the "query length" dim: no K/V expansion
         q = query[b0:b1].reshape(b1 - b0, Hkv, G, D)
-        o = _attend(q, k, v, valid[:, None, None, :], scale, softcap, sink_col)
+        o = masked_attention(q, k, v, valid[:, None, None, :], scale, softcap, sink_col)
         o = torch.where(valid.any(-1)[:, None, None, None], o, 0)
         out[b0:b1] = o.reshape(b1 - b0, Hq, Dv)
     return out
@@ -242,7 +243,7 @@ def paged_prefill(
         sink_col = None
         if sinks is not None:
             sink_col = sinks.reshape(Hkv, G, 1).expand(Hkv, G, q_len).reshape(1, Hkv, G * q_len, 1)
-        o = _attend(q, k.unsqueeze(0), v.unsqueeze(0), m, scale, softcap, sink_col)
+        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), m, scale, softcap, sink_col)
         o = torch.where(m.any(-1, keepdim=True), o, 0)
         out[q0:q1] = o.reshape(Hkv, G, q_len, Dv).permute(2, 0, 1, 3).reshape(q_len, Hq, Dv)
     return out
