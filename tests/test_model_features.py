@@ -106,3 +106,23 @@ def test_no_cache_forward_applies_window():
             out = model(**batch, use_cache=False).logits
     m = batch["attention_mask"].bool()
     torch.testing.assert_close(out[m], ref[m], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "compiled"])
+def test_engine_static_and_compiled_decode(compiled):
+    """The static-buffer decode (what CUDA graphs replay) and the compiled decode op get the layer's options too.
+
+    The compiled variant is marked slow (about a minute of Inductor compilation on CPU)."""
+    model = _model("gpt_oss", seed=2)  # sinks (a Parameter into the custom op) + sliding window
+    prompts = [tiny_batch(model, lengths=(n,), seed=6 + n)["input_ids"][0].tolist() for n in (17, 9, 3)]
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=9)[0, len(p):].tolist()
+                for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=4, compile_decode=compiled)
+    engine.runner.decode_mode = "static"
+    try:
+        results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=9) for _ in prompts])
+        assert [r.outputs[0].token_ids for r in results] == refs
+        assert engine.runner.graph_steps > 0
+    finally:
+        engine.close()
