@@ -169,3 +169,35 @@ def test_bad_options_named():
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, sinks=torch.zeros(3, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("opts", [dict(sliding_window=100), dict(softcap=20.0, sliding_window=300),
+                                  dict(sinks=True, sliding_window=64), dict(chunk_size=256)], ids=str)
+def test_cuda_features_realistic(opts, dtype, monkeypatch):
+    """Compiled Triton on CUDA, GQA 8, D 128, 1000-token contexts, split-K on: == the float64 oracle."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    opts = dict(opts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hkv, hq, d, bs, n = 2, 16, 128, 16, 1000
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.randn(hq, device="cuda", generator=g)
+    nb = 3 * (-(-n // bs))
+    kc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)
+    bt = torch.randperm(nb, device="cuda", generator=g)[: 2 * (-(-n // bs))].reshape(2, -1).to(torch.int32)
+    sl = torch.tensor([n, n - 333], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, hq, d, device="cuda", generator=g).to(dtype)
+    tol = dict(atol=3e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=3e-4, rtol=1e-4)
+    for splits in (1, 4):
+        out = kernels.paged_decode(q, kc, vc, bt, sl, d**-0.5, _num_splits=splits, **opts)
+        naive = reference.naive_paged_decode(q, kc, vc, bt, sl, d**-0.5, **opts)
+        torch.testing.assert_close(out.double(), naive, **tol)
+    qp = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype)
+    cu = torch.tensor([0, 600, n], dtype=torch.int32, device="cuda")  # 600 new tokens, then 400 over a prefix
+    sl = torch.tensor([600, n], dtype=torch.int32, device="cuda")
+    out = kernels.paged_prefill(qp, kc, vc, bt, cu, sl, d**-0.5, 600, **opts)
+    naive = reference.naive_paged_prefill(qp, kc, vc, bt, cu, sl, d**-0.5, 600, **opts)
+    torch.testing.assert_close(out.double(), naive, **tol)
