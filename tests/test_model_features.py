@@ -126,3 +126,21 @@ def test_engine_static_and_compiled_decode(compiled):
         assert engine.runner.graph_steps > 0
     finally:
         engine.close()
+
+
+def test_prefix_hits_with_windows():
+    """Prompts sharing a 24-token prefix (3x the window): the second one prefills over cached blocks, same tokens."""
+    model = _model("gemma3_text", seed=3)
+    prefix = tiny_batch(model, lengths=(24,), seed=8)["input_ids"][0].tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [9, 10, 11, 12, 13]]
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6)[0, len(p):].tolist()
+                for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=4, enable_prefix_caching=True)
+    try:
+        first = engine.generate(prompts[:1], [hf_paged.SamplingParams(max_new_tokens=6)])
+        second = engine.generate(prompts[1:], [hf_paged.SamplingParams(max_new_tokens=6)])
+        assert [r.outputs[0].token_ids for r in first + second] == refs
+        assert engine.prefix_cache_stats().hit_tokens >= 16  # the second prompt really prefilled over cached blocks
+    finally:
+        engine.close()
