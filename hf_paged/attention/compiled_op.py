@@ -49,24 +49,30 @@ class active_cache:  # noqa: N801 (a context manager used like a function)
 
 @torch.library.custom_op("hf_paged::write_and_decode", mutates_args=())
 def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                     scale: float) -> torch.Tensor:
-    """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then decode `query` `[T, Hq, D]`."""
+                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then decode `query` `[T, Hq, D]`.
+
+    The options are the layer's (see `kernels.paged_decode`); constants of the traced graph except `sinks`.
+    """
     cache = _ACTIVE[0]
     if cache is None or cache._step is None:
         raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled decode step (no active cache)")
     step = cache._step
     key_cache, value_cache = cache.layer_caches(layer_idx)
     kernels.write_kv(key, value, key_cache, value_cache, step.slot_mapping)
-    return kernels.paged_decode(query, key_cache, value_cache, step.block_tables, step.seq_lens, scale, step.kv_start)
+    return kernels.paged_decode(query, key_cache, value_cache, step.block_tables, step.seq_lens, scale, step.kv_start,
+                                sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
 
 
 @write_and_decode.register_fake
-def _(query, key, value, layer_idx, scale):
-    return torch.empty_like(query)
+def _(query, key, value, layer_idx, scale, sliding_window=None, softcap=None, sinks=None, chunk_size=None):
+    return query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
 
 
 def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           cache_dtype: torch.dtype) -> torch.Tensor:
+                           cache_dtype: torch.dtype, sliding_window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Traced part of the attention of a compiled decode step: layouts in, one op, layout out.
 
     `query [1, Hq, T, D]`, `key`/`value [1, Hkv, T, D]` (the new tokens: `PagedCache.update` deferred the write);
@@ -79,7 +85,8 @@ def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).to(cache_dtype).contiguous()
     v = value[0].transpose(0, 1).to(cache_dtype).contiguous()
-    return torch.ops.hf_paged.write_and_decode(q, k, v, layer_idx, float(scale)).unsqueeze(0)
+    return torch.ops.hf_paged.write_and_decode(q, k, v, layer_idx, float(scale), sliding_window, softcap, sinks,
+                                               chunk_size).unsqueeze(0)
 
 
 def active_deferred_cache():

@@ -7,7 +7,13 @@ attention function, which reads the current step's block tables from that cache.
 
 The mask function builds no 4D mask: it hands the 2D padding mask through (or None), and the attention function turns
 left padding into a per-row `kv_start`. Any other padding pattern, and calls without a `PagedCache` (e.g.
-`use_cache=False`), take an exact SDPA path so results never silently change.
+`use_cache=False`), take an exact dense path so results never silently change.
+
+Per-layer attention options reach the kernels from what transformers' attention modules pass (see
+`layer_options`): `sliding_window` (kwarg: Mistral, Phi-3, Qwen2, Starcoder2, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3),
+`softcap` (kwarg: Gemma 2), `s_aux` (kwarg: gpt-oss sinks), `scaling`, and chunked attention from the module's
+config (`layer_types[layer_idx] == "chunked_attention"` with `attention_chunk_size`: Llama 4). Since the mask
+function builds no 4D mask, the kernels apply windows and chunks themselves on every path.
 """
 
 from __future__ import annotations
@@ -18,13 +24,45 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import kernels
+from ..kernels.reference import masked_attention
 from .compiled_op import active_deferred_cache, fused_decode_attention
 
 ATTENTION_NAME = "hf_paged"
 
-__all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask"]
+__all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask", "layer_options", "HANDLED_KWARGS"]
 
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
+# attention kwargs (besides `scaling` / `dropout`) the kernels handle, and the config-driven chunked layers
+HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux")
+
+
+def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
+    """Kernel options of this layer: `sliding_window`, `softcap`, `sinks`, `chunk_size` (None when unused).
+
+    `sliding_window` / `softcap` / `s_aux` come as kwargs (transformers passes them per layer, None on full
+    layers); chunked attention is not a kwarg: Llama 4 builds a chunked mask for the layers whose
+    `config.layer_types[i]` is "chunked_attention", so the size is read from the module's config.
+    """
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    chunk = None
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(layer_idx, int) and layer_idx < len(layer_types):
+        if layer_types[layer_idx] == "chunked_attention":
+            chunk = getattr(config, "attention_chunk_size", None)
+    for name, val in (("sliding_window", window), ("attention_chunk_size", chunk)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
+            raise ValueError(f"hf_paged attention: {type(module).__name__} passed {name}={val!r}, expected a positive int")
+    if softcap is not None:
+        if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+            raise ValueError(f"hf_paged attention: {type(module).__name__} passed softcap={softcap!r}, expected a float")
+        softcap = float(softcap) if softcap > 0 else None  # 0 / negative means "off" in some configs
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed s_aux of type {type(sinks).__name__}")
+    return dict(sliding_window=window, softcap=softcap, sinks=sinks, chunk_size=chunk)
 
 
 def paged_mask(
@@ -43,6 +81,39 @@ def paged_mask(
     if attention_mask.dim() != 2:
         return attention_mask
     return attention_mask[:, -kv_length:] if attention_mask.shape[1] > kv_length else attention_mask
+
+
+def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict) -> torch.Tensor:
+    """Exact dense attention with the layer's options: `query [B, Hq, q, D]`, keys/values `[B, Hkv, kv, D]`.
+
+    Fallback for calls without a paged cache or with non-left padding: causal AND padding AND window AND chunk
+    (chunks counted from the row's first non-padding key, as transformers' `chunked_overlay`). Returns
+    `[B, q, Hq, Dv]`.
+    """
+    B, Hq, q_len, _ = query.shape
+    kv_len = keys.shape[2]
+    dev = query.device
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)[None, :, None]
+    k_pos = torch.arange(kv_len, device=dev)[None, None, :]
+    mask = (k_pos <= q_pos).expand(B, q_len, kv_len)
+    lead = torch.zeros(B, 1, 1, dtype=torch.long, device=dev)
+    if mask_2d is not None:
+        pad = mask_2d.to(device=dev, dtype=torch.bool)[:, -kv_len:]
+        mask = mask & pad[:, None, :]
+        lead = (pad.to(torch.long).cumsum(-1) == 0).sum(-1).reshape(B, 1, 1)
+    if opts["sliding_window"] is not None:
+        mask = mask & (k_pos > q_pos - opts["sliding_window"])
+    if opts["chunk_size"] is not None:
+        c = opts["chunk_size"]
+        mask = mask & (torch.div(k_pos - lead, c, rounding_mode="floor") == torch.div(q_pos - lead, c, rounding_mode="floor"))
+    groups = Hq // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    mask = mask[:, None]
+    sink_col = opts["sinks"].reshape(1, Hq, 1, 1) if opts["sinks"] is not None else None
+    out = masked_attention(query, keys.to(query.dtype), values.to(query.dtype), mask, scale, opts["softcap"], sink_col)
+    out = torch.where(mask.any(-1, keepdim=True), out, 0)
+    return out.transpose(1, 2)
 
 
 def _dense_mask(mask_2d: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor | None:
@@ -103,16 +174,25 @@ def paged_attention_forward(
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
+    opts = layer_options(module, kwargs)
+    has_opts = any(v is not None for v in opts.values())
     if torch.compiler.is_compiling():
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
         if active is not None:
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-            return fused_decode_attention(module, query, key, value, scale, active.dtype), None
+            return fused_decode_attention(module, query, key, value, scale, active.dtype, **opts), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
-        # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact SDPA with a dense mask.
+        # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact dense attention.
+        if has_opts:
+            scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+            mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            if attention_mask is not None and attention_mask.dim() != 2:
+                raise ValueError("hf_paged attention: a 4D attention mask with sliding_window / softcap / s_aux / "
+                                 "chunked attention is not supported (pass a 2D padding mask)")
+            return _dense_feature_attention(query, key, value, mask, scale, opts), None
         mask = attention_mask
         if mask is not None and mask.dim() == 2:
             mask = _dense_mask(mask, query.shape[2], key.shape[2], query.device)
@@ -126,10 +206,11 @@ def paged_attention_forward(
     if step.layout == "ragged":
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
-            out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale)
+            out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale, **opts)
         else:
             out = kernels.paged_prefill(
-                flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q
+                flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,
+                **opts,
             )
         return out.unsqueeze(0), None
 
@@ -138,18 +219,20 @@ def paged_attention_forward(
     if not left_padded:
         keys = _gather_dense(key, step.block_tables, kv_len)
         values = _gather_dense(value, step.block_tables, kv_len)
+        if has_opts:
+            return _dense_feature_attention(query, keys, values, attention_mask, scale, opts), None
         mask = _dense_mask(attention_mask, q_len, kv_len, query.device)
         return sdpa_attention_forward(module, query, keys, values, mask, dropout=0.0, scaling=scaling)
     if q_len == 1:
         out = kernels.paged_decode(
-            query[:, :, 0, :].contiguous(), key, value, step.block_tables, step.seq_lens, scale, kv_start
+            query[:, :, 0, :].contiguous(), key, value, step.block_tables, step.seq_lens, scale, kv_start, **opts
         )
         return out.unsqueeze(1), None
     flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     out = kernels.paged_prefill(
-        flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, q_len, kv_start
+        flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, q_len, kv_start, **opts
     )
-    return out.view(batch, q_len, num_heads, head_dim), None
+    return out.view(batch, q_len, num_heads, out.shape[-1]), None
 
 
 _registered = False

@@ -293,6 +293,12 @@ class PagedCache(Cache):
             # hf_paged's compiled decode step: the attention op writes and reads in one call
             # (`hf_paged.attention.compiled_op.write_and_decode`), so hand the new tokens through
             return key_states, value_states
+        if key_states.shape[-1] != value_states.shape[-1]:
+            # the kernels handle Dv != Dk; the pool stores K and V with one head dim (separate pools: not yet)
+            raise ValueError(
+                f"PagedCache: K and V head dims differ ({key_states.shape[-1]} vs {value_states.shape[-1]}, "
+                "e.g. DeepSeek V2/V3 multi-head latent attention); the paged KV pool does not support this yet"
+            )
         batch, _, q_len, _ = key_states.shape
         self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1],
                           min_blocks=batch * (-(-q_len // self.block_size) + 1))

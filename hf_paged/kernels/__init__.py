@@ -84,10 +84,12 @@ def _check_tensor(name: str, t, ndim: int, dtypes, device: torch.device | None =
         raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the other inputs)")
 
 
-def _check_caches(key_cache, value_cache, device) -> tuple:
+def _check_caches(key_cache, value_cache, device, same_head_dim: bool = True) -> tuple:
     _check_tensor("key_cache", key_cache, 4, _FLOAT_DTYPES, device)
     _check_tensor("value_cache", value_cache, 4, _FLOAT_DTYPES, device)
-    if key_cache.shape != value_cache.shape:
+    k_shape = key_cache.shape if same_head_dim else key_cache.shape[:-1]
+    v_shape = value_cache.shape if same_head_dim else value_cache.shape[:-1]
+    if k_shape != v_shape:
         raise ValueError(
             f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape"
         )
@@ -102,9 +104,10 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def _check_triton_dims(head_dim: int, block_size: int) -> None:
-    if not (_is_pow2(head_dim) and 16 <= head_dim <= 256):
-        raise ValueError(f"Triton kernels support head_dim in {{16, 32, 64, 128, 256}}, got {head_dim}")
+def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
+    for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
+        if not (_is_pow2(d) and 16 <= d <= 256):
+            raise ValueError(f"Triton kernels support {name} in {{16, 32, 64, 128, 256}}, got {d}")
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 
@@ -121,10 +124,30 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _check_options(hq: int, device, sliding_window, softcap, sinks, chunk_size) -> None:
+    """Per-call attention options: positive ints / floats, ``sinks`` a ``[Hq]`` float tensor on the query's device."""
+    for name, val in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if val is None:
+            continue
+        if not isinstance(val, int) or isinstance(val, bool):
+            raise TypeError(f"{name} must be a Python int or None, got {type(val).__name__}")
+        if val <= 0:
+            raise ValueError(f"{name} must be > 0, got {val}")
+    if softcap is not None:
+        if not isinstance(softcap, (float, int)) or isinstance(softcap, bool):
+            raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
+        if not softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {softcap}")
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, _FLOAT_DTYPES, device)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must have shape [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
+
+
 def _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, n_seq_name):
     _check_tensor("query", query, 3, _FLOAT_DTYPES)
     dev = query.device
-    nb, hkv, bs, d = _check_caches(key_cache, value_cache, dev)
+    nb, hkv, bs, d = _check_caches(key_cache, value_cache, dev, same_head_dim=False)
     _, hq, qd = query.shape
     if query.dtype != key_cache.dtype:
         raise TypeError(f"query dtype {query.dtype} must match the cache dtype {key_cache.dtype}")
@@ -192,19 +215,35 @@ def paged_decode(
     scale: float,
     kv_start: torch.Tensor | None = None,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, D]``.
+    """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, Dv]``.
 
     Sequence ``b`` attends keys ``[kv_start[b], seq_lens[b])`` read through
     ``block_tables [B, max_blocks]``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
     Empty ranges give zeros. ``_num_splits`` (private) forces the Triton split-K count.
+
+    Options (transformers' conventions, positions are cache indices, the query at ``seq_len - 1``):
+
+    * ``sliding_window`` W: keys with ``q - k < W`` only (``kv > q - W`` in ``masking_utils``); blocks wholly
+      before the window are not read.
+    * ``chunk_size`` C: keys in the query's chunk, ``(k - kv_start) // C == (q - kv_start) // C`` (Llama 4).
+    * ``softcap``: logits ``softcap * tanh(scale * q.k / softcap)`` before masking (Gemma 2/3).
+    * ``sinks [Hq]``: one learned logit per head added to the softmax denominator only (gpt-oss ``s_aux``).
+
+    ``value_cache`` may have a head dim ``Dv`` different from the key's (MLA-style); the output has ``Dv``.
     """
     bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
     if query.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"query has batch {query.shape[0]} but seq_lens has {seq_lens.shape[0]} entries")
+    _check_options(query.shape[1], query.device, sliding_window, softcap, sinks, chunk_size)
+    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs)
+        _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)
         return _triton_module("triton_decode").paged_decode(
             _last_contig(query),
@@ -215,8 +254,9 @@ def paged_decode(
             float(scale),
             kv_start.contiguous() if kv_start is not None else None,
             num_splits=_num_splits,
+            **opts,
         )
-    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start)
+    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start, **opts)
 
 
 def paged_prefill(
@@ -229,8 +269,15 @@ def paged_prefill(
     scale: float,
     max_seqlen_q: int,
     kv_start: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, D]``.
+    """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, Dv]``.
+
+    Options as in :func:`paged_decode` (per query row at its own position).
 
     Sequence ``s`` owns rows ``[cu_seqlens_q[s], cu_seqlens_q[s+1])``; its row ``i`` sits at
     position ``seq_lens[s] - q_len_s + i`` (own K/V already written) and attends keys
@@ -247,8 +294,10 @@ def paged_prefill(
         raise TypeError(f"max_seqlen_q must be a Python int, got {type(max_seqlen_q).__name__}")
     if max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    _check_options(query.shape[1], query.device, sliding_window, softcap, sinks, chunk_size)
+    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs)
+        _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)
         return _triton_module("triton_prefill").paged_prefill(
             _last_contig(query),
@@ -260,9 +309,11 @@ def paged_prefill(
             float(scale),
             max_seqlen_q,
             kv_start.contiguous() if kv_start is not None else None,
+            **opts,
         )
     return reference.paged_prefill(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q, kv_start
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q, kv_start,
+        **opts,
     )
 
 

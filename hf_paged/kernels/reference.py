@@ -24,6 +24,7 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "copy_blocks",
+    "masked_attention",
     "naive_attention",
     "naive_paged_decode",
     "naive_paged_prefill",
@@ -83,6 +84,52 @@ def _gather_kv(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
 
 
+def _window_lo(kv_lo, pos, sliding_window, chunk_size):
+    """First key a query at ``pos`` may see: padding start, raised by a window and / or a chunk start."""
+    if sliding_window is not None:
+        kv_lo = torch.maximum(kv_lo, pos - sliding_window + 1)
+    if chunk_size is not None:
+        rel = torch.clamp(pos - kv_lo, min=0) if not isinstance(pos, int) else max(pos - kv_lo, 0)
+        kv_lo = kv_lo + (rel // chunk_size) * chunk_size
+    return kv_lo
+
+
+def _feature_mask(q_pos, key_pos, lo: int, sliding_window, chunk_size) -> torch.Tensor:
+    """``[Lq, Lk]`` boolean: causal, ``key >= lo``, in the window (``q - k < W``), in the query's chunk."""
+    mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] >= lo)
+    if sliding_window is not None:
+        mask &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
+    if chunk_size is not None:
+        mask &= torch.div(key_pos[None, :] - lo, chunk_size, rounding_mode="floor") == torch.div(
+            q_pos[:, None] - lo, chunk_size, rounding_mode="floor"
+        )
+    return mask
+
+
+def masked_attention(q, k, v, mask, scale, softcap=None, sink_col=None):
+    """Masked attention ``q [.., M, D] @ k [.., L, D] -> [.., M, Dv]``; SDPA unless softcap / sinks need explicit math.
+
+    ``sink_col`` (broadcastable to ``[.., M, 1]``) is one extra logit per row that only joins the denominator
+    (gpt-oss ``s_aux``). Rows with no key give zeros (the caller masks them).
+    """
+    if softcap is None and sink_col is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    if sink_col is not None:
+        mx = torch.maximum(mx, sink_col.float())
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(s - mx)
+    denom = p.sum(-1, keepdim=True)
+    if sink_col is not None:
+        denom = denom + torch.exp(sink_col.float() - mx)
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -91,12 +138,23 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     kv_start: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending keys ``[kv_start[b], seq_lens[b])``."""
+    """One query token per sequence attending keys ``[kv_start[b], seq_lens[b])``.
+
+    Options (see :func:`hf_paged.kernels.paged_decode`): ``sliding_window`` W keeps keys with ``q - k < W``,
+    ``chunk_size`` C keeps keys in the query's chunk (counted from ``kv_start``), ``softcap`` caps the scaled
+    logits with ``softcap * tanh(x / softcap)``, ``sinks [Hq]`` adds ``exp(sink)`` to each head's denominator.
+    """
     B, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
+    Dv = value_cache.shape[-1]
     G = Hq // Hkv
-    out = torch.zeros_like(query)
+    out = query.new_zeros(B, Hq, Dv)
     if B == 0:
         return out
     seq_lens = seq_lens.to(device=query.device, dtype=torch.long)
@@ -104,6 +162,9 @@ def paged_decode(
         kv_lo = torch.zeros_like(seq_lens)
     else:
         kv_lo = kv_start.to(device=query.device, dtype=torch.long)
+    # the one query sits at seq_len - 1: a window or a chunk only raises the first key it may see
+    kv_lo = _window_lo(kv_lo, seq_lens - 1, sliding_window, chunk_size)
+    sink_col = sinks.reshape(1, Hkv, G, 1) if sinks is not None else None
     if query.device.type == "cpu":
         max_len = int(seq_lens.max())
         n_blocks = min(block_tables.shape[1], max(1, -(-max_len // bs)))
@@ -127,9 +188,9 @@ def paged_decode(
         v = torch.where(vm, v, 0)
         # pack the G query heads of a KV head into the "query length" dim: no K/V expansion
         q = query[b0:b1].reshape(b1 - b0, Hkv, G, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        o = masked_attention(q, k, v, valid[:, None, None, :], scale, softcap, sink_col)
         o = torch.where(valid.any(-1)[:, None, None, None], o, 0)
-        out[b0:b1] = o.reshape(b1 - b0, Hq, D)
+        out[b0:b1] = o.reshape(b1 - b0, Hq, Dv)
     return out
 
 
@@ -143,12 +204,18 @@ def paged_prefill(
     scale: float,
     max_seqlen_q: int,
     kv_start: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention of new tokens over their cached prefix and themselves."""
+    """Varlen causal attention of new tokens over their cached prefix and themselves (options as in decode)."""
     T, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
+    Dv = value_cache.shape[-1]
     G = Hq // Hkv
-    out = torch.zeros_like(query)
+    out = query.new_zeros(T, Hq, Dv)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     starts = kv_start.tolist() if kv_start is not None else [0] * len(lens)
@@ -166,12 +233,19 @@ def paged_prefill(
         v = _gather_kv(value_cache, table)[:, lo:seq_len]
         key_pos = torch.arange(lo, seq_len, device=dev)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
-        mask = key_pos[None, :] <= q_pos[:, None]  # [q_len, Lk]
+        mask = _feature_mask(q_pos, key_pos, lo, sliding_window, chunk_size)  # [q_len, Lk]
+        if sliding_window is not None or chunk_size is not None:
+            # keys before every row's window / chunk are never read: they may be stale or garbage
+            used = mask.any(0)[None, :, None]
+            k, v = torch.where(used, k, 0), torch.where(used, v, 0)
         q = query[q0:q1].reshape(q_len, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * q_len, D)
         m = mask.unsqueeze(0).expand(G, q_len, -1).reshape(1, 1, G * q_len, -1)
-        o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=m, scale=scale)
+        sink_col = None
+        if sinks is not None:
+            sink_col = sinks.reshape(Hkv, G, 1).expand(Hkv, G, q_len).reshape(1, Hkv, G * q_len, 1)
+        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), m, scale, softcap, sink_col)
         o = torch.where(m.any(-1, keepdim=True), o, 0)
-        out[q0:q1] = o.reshape(Hkv, G, q_len, D).permute(2, 0, 1, 3).reshape(q_len, Hq, D)
+        out[q0:q1] = o.reshape(Hkv, G, q_len, Dv).permute(2, 0, 1, 3).reshape(q_len, Hq, Dv)
     return out
 
 
@@ -186,12 +260,19 @@ def naive_attention(
     q_positions: torch.Tensor | list[int],
     kv_start: int = 0,
     dtype: torch.dtype = torch.float64,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Explicit-softmax attention of one sequence.
 
     query ``[Lq, Hq, D]``; key / value ``[Lk, Hkv, D]`` (key ``j`` sits at position ``j``);
     row ``i`` attends keys ``kv_start <= j <= q_positions[i]``. Empty rows give zeros.
-    Computed in ``dtype`` (float64 by default) and returned in ``dtype``.
+    Computed in ``dtype`` (float64 by default) and returned in ``dtype``. The options mirror
+    transformers' masks: window ``kv > q - W``, chunk ``(kv - start) // C == (q - start) // C``,
+    softcap on the scaled logits before masking, sinks as an extra softmax column that is dropped.
     """
     Lq, Hq, D = query.shape
     Lk, Hkv, _ = key.shape
@@ -200,17 +281,30 @@ def naive_attention(
     qp = torch.as_tensor(q_positions, device=query.device).reshape(Lq, 1)
     kp = torch.arange(Lk, device=query.device).reshape(1, Lk)
     mask = (kp >= kv_start) & (kp <= qp)  # [Lq, Lk]
+    if sliding_window is not None:
+        mask &= kp > qp - sliding_window
+    if chunk_size is not None:
+        mask &= (kp - kv_start) // chunk_size == (qp - kv_start) // chunk_size
     # keys no row attends may be garbage (NaN): drop them before any arithmetic
     used = mask.any(0).reshape(Lk, 1, 1)
     k = torch.where(used, key.to(dtype), 0).repeat_interleave(G, dim=1)  # [Lk, Hq, D]
     v = torch.where(used, value.to(dtype), 0).repeat_interleave(G, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(dtype).reshape(Hq, 1, 1).expand(Hq, Lq, 1)], dim=-1)
     mx = scores.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = torch.exp(scores - mx)
-    p = p.masked_fill(~mask, 0.0)
-    denom = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        p = p.masked_fill(~torch.cat([mask, mask.new_ones(Lq, 1)], dim=-1), 0.0)
+        denom = p.sum(-1, keepdim=True)
+        p = p[..., :Lk]
+    else:
+        p = p.masked_fill(~mask, 0.0)
+        denom = p.sum(-1, keepdim=True)
     p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
     return torch.einsum("hqk,khd->qhd", p, v)
 
@@ -223,26 +317,27 @@ def _naive_seq_kv(key_cache, value_cache, table_row, n_tokens):
     return key_cache[blk, :, off], value_cache[blk, :, off]  # [n, Hkv, D]
 
 
-def naive_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start=None):
+def naive_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start=None, **opts):
     """float64 oracle for :func:`paged_decode` (per-token slot arithmetic, explicit softmax)."""
-    B, Hq, D = query.shape
-    out = torch.zeros(B, Hq, D, dtype=torch.float64, device=query.device)
+    B, Hq, _ = query.shape
+    out = torch.zeros(B, Hq, value_cache.shape[-1], dtype=torch.float64, device=query.device)
     for b in range(B):
         n = int(seq_lens[b])
         lo = int(kv_start[b]) if kv_start is not None else 0
         if n <= 0:
             continue
         k, v = _naive_seq_kv(key_cache, value_cache, block_tables[b], n)
-        out[b] = naive_attention(query[b : b + 1], k, v, scale, [n - 1], kv_start=lo)[0]
+        out[b] = naive_attention(query[b : b + 1], k, v, scale, [n - 1], kv_start=lo, **opts)[0]
     return out
 
 
 def naive_paged_prefill(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None, kv_start=None
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None, kv_start=None,
+    **opts,
 ):
     """float64 oracle for :func:`paged_prefill`."""
-    T, Hq, D = query.shape
-    out = torch.zeros(T, Hq, D, dtype=torch.float64, device=query.device)
+    T, Hq, _ = query.shape
+    out = torch.zeros(T, Hq, value_cache.shape[-1], dtype=torch.float64, device=query.device)
     for s in range(seq_lens.shape[0]):
         q0, q1 = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         n = int(seq_lens[s])
@@ -251,5 +346,5 @@ def naive_paged_prefill(
             continue
         k, v = _naive_seq_kv(key_cache, value_cache, block_tables[s], n)
         pos = list(range(n - (q1 - q0), n))
-        out[q0:q1] = naive_attention(query[q0:q1], k, v, scale, pos, kv_start=lo)
+        out[q0:q1] = naive_attention(query[q0:q1], k, v, scale, pos, kv_start=lo, **opts)
     return out

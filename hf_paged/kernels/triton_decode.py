@@ -87,7 +87,12 @@ def _paged_decode_kernel(
     PACC,
     PM,
     PL,
+    SINK,
     qk_scale,
+    sm_scale,
+    softcap,
+    window,
+    chunk,
     split_len,
     stride_qb,
     stride_qh,
@@ -108,9 +113,14 @@ def _paged_decode_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_KV_START: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -124,11 +134,17 @@ def _paged_decode_kernel(
         kv_lo = tl.load(KVS + b).to(tl.int32)
     else:
         kv_lo = 0
+    # the query sits at seq_len - 1: a window / chunk only raises the first key, so blocks before it are never read
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(kv_lo, seq_len - window)
+    if HAS_CHUNK:
+        kv_lo = kv_lo + (tl.maximum(seq_len - 1 - kv_lo, 0) // chunk) * chunk
     lo = tl.maximum(kv_lo, sp * split_len)
     hi = tl.minimum(seq_len, (sp + 1) * split_len)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
     offs_n = tl.arange(0, BLOCK_N)
     head = kvh * G + offs_g
     gmask = offs_g < G
@@ -138,7 +154,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM_V], dtype=tl.float32)
 
     bt_row = BT + b64 * stride_btb
     k_base = KC + kvh.to(tl.int64) * stride_kh
@@ -161,14 +177,19 @@ def _paged_decode_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
+            x = s * sm_scale / softcap
+            s = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
-            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
+            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
             mask=valid[:, None],
             other=0.0,
         )
@@ -182,15 +203,22 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if SPLIT:
-        pa = PACC + b64 * stride_pab + head[:, None] * stride_pah + sp * stride_pas + offs_d[None, :]
+        pa = PACC + b64 * stride_pab + head[:, None] * stride_pah + sp * stride_pas + offs_dv[None, :]
         tl.store(pa, acc, mask=gmask[:, None])
         pm = b64 * stride_pmb + head * stride_pmh + sp
         tl.store(PM + pm, m_i, mask=gmask)
         tl.store(PL + pm, l_i, mask=gmask)
     else:
+        if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
+            sink = tl.load(SINK + head, mask=gmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            corr = tl.math.exp2(m_i - m_all)
+            l_i = l_i * corr + tl.math.exp2(sink - m_all)
+            acc = acc * corr[:, None]
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+        po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -199,6 +227,7 @@ def _paged_decode_reduce_kernel(
     PACC,
     PM,
     PL,
+    SINK,
     OUT,
     num_splits,
     stride_pab,
@@ -210,6 +239,7 @@ def _paged_decode_reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     S_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -220,9 +250,14 @@ def _paged_decode_reduce_kernel(
     m = tl.load(PM + pm, mask=smask, other=float("-inf"))
     l = tl.load(PL + pm, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_use)
     l_tot = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        l_tot += tl.math.exp2(sink - m_use)
     acc = tl.load(
         PACC + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
         mask=smask[:, None],
@@ -249,13 +284,18 @@ def paged_decode(
     num_stages: int | None = None,
     max_context: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernel(s). Inputs are assumed validated (see ``hf_paged.kernels``)."""
     B, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
+    Dv = value_cache.shape[-1]
     G = Hq // Hkv
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(B, Hq, Dv)
     if B == 0:
         return out
     cfg_n, cfg_w, cfg_s = _CONFIGS.get(D, (64, 4, 2))
@@ -277,7 +317,7 @@ def paged_decode(
     kvs = kv_start if has_kv_start else seq_lens
 
     if num_splits > 1:
-        pacc = torch.empty(B, Hq, num_splits, D, device=query.device, dtype=torch.float32)
+        pacc = torch.empty(B, Hq, num_splits, Dv, device=query.device, dtype=torch.float32)
         pm = torch.empty(B, Hq, num_splits, device=query.device, dtype=torch.float32)
         pl = torch.empty_like(pm)
         pstrides = (pacc.stride(0), pacc.stride(1), pacc.stride(2), pm.stride(0), pm.stride(1))
@@ -296,7 +336,12 @@ def paged_decode(
         pacc,
         pm,
         pl,
+        sinks if sinks is not None else out,
         float(scale) * _LOG2E,
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        int(chunk_size) if chunk_size is not None else 1,
         split_len,
         query.stride(0),
         query.stride(1),
@@ -313,9 +358,14 @@ def paged_decode(
         G=G,
         G_PAD=g_pad,
         HEAD_DIM=D,
+        HEAD_DIM_V=Dv,
         BLOCK_SIZE=bs,
         BLOCK_N=block_n,
         HAS_KV_START=has_kv_start,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=chunk_size is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         SPLIT=num_splits > 1,
         IEEE=ieee,
         DOT_F32=not query.is_cuda,
@@ -327,13 +377,15 @@ def paged_decode(
             pacc,
             pm,
             pl,
+            sinks if sinks is not None else out,
             out,
             num_splits,
             *pstrides,
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=D,
+            HEAD_DIM=Dv,
             S_PAD=triton.next_power_of_2(num_splits),
+            HAS_SINKS=sinks is not None,
             num_warps=4 if D >= 128 else 2,
         )
     return out

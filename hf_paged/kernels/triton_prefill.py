@@ -33,7 +33,12 @@ def _paged_prefill_kernel(
     SEQ,
     KVS,
     OUT,
+    SINK,
     qk_scale,
+    sm_scale,
+    softcap,
+    window,
+    chunk,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -49,9 +54,14 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_KV_START: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -72,6 +82,7 @@ def _paged_prefill_kernel(
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
+        offs_dv = tl.arange(0, HEAD_DIM_V)
         offs_n = tl.arange(0, BLOCK_N)
         tq = qt * BLOCK_Q + offs_m // G  # query token index within the sequence
         head = kvh * G + offs_m % G
@@ -87,17 +98,24 @@ def _paged_prefill_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
 
         # last key any row of this tile may see (+1)
         hi = tl.minimum(ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len), seq_len)
         bt_row = BT + s.to(tl.int64) * stride_btb
         k_base = KC + kvh.to(tl.int64) * stride_kh
         v_base = VC + kvh.to(tl.int64) * stride_vh
-        start = (kv_lo // BLOCK_N) * BLOCK_N
+        # first key any row of this tile may see: a window / chunk raises it, blocks before it are never read
+        lo_tile = kv_lo
+        pos0 = ctx + qt * BLOCK_Q
+        if HAS_WINDOW:
+            lo_tile = tl.maximum(lo_tile, pos0 - window + 1)
+        if HAS_CHUNK:
+            lo_tile = tl.maximum(lo_tile, kv_lo + (tl.maximum(pos0 - kv_lo, 0) // chunk) * chunk)
+        start = (lo_tile // BLOCK_N) * BLOCK_N
         for t0 in range(start, hi, BLOCK_N):
             tok = t0 + offs_n
-            valid = (tok >= kv_lo) & (tok < hi)
+            valid = (tok >= lo_tile) & (tok < hi)
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             off = tok % BLOCK_SIZE
             k = tl.load(
@@ -112,14 +130,23 @@ def _paged_prefill_kernel(
             else:
                 sc = tl.dot(q, k)
             keep = valid[None, :] & (tok[None, :] <= pos[:, None])
-            sc = tl.where(keep, sc * qk_scale, float("-inf"))
+            if HAS_WINDOW:  # transformers: kv > q - W
+                keep = keep & (tok[None, :] > pos[:, None] - window)
+            if HAS_CHUNK:  # transformers: same chunk, counted from the first (non-padding) key
+                keep = keep & ((tok[None, :] - kv_lo) // chunk == tl.maximum(pos[:, None] - kv_lo, 0) // chunk)
+            if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
+                x = sc * sm_scale / softcap
+                sc = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
+            else:
+                sc = sc * qk_scale
+            sc = tl.where(keep, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(sc - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :],
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -132,10 +159,17 @@ def _paged_prefill_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
+            sink = tl.load(SINK + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            corr = tl.math.exp2(m_i - m_all)
+            l_i = l_i * corr + tl.math.exp2(sink - m_all)
+            acc = acc * corr[:, None]
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         tl.store(
-            OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
             o.to(OUT.dtype.element_ty),
             mask=row_ok[:, None],
         )
@@ -170,13 +204,18 @@ def paged_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel. Inputs are assumed validated (see ``hf_paged.kernels``)."""
     T, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
+    Dv = value_cache.shape[-1]
     S = seq_lens.shape[0]
     G = Hq // Hkv
-    out = torch.zeros_like(query)  # rows outside every sequence stay zero
+    out = query.new_zeros(T, Hq, Dv)  # rows outside every sequence stay zero
     if T == 0 or S == 0 or max_seqlen_q <= 0:
         return out
     bm, bn, nw, ns = _config(G, D, max_seqlen_q, query.is_cuda)
@@ -196,7 +235,12 @@ def paged_prefill(
         seq_lens,
         kv_start if has_kv_start else seq_lens,
         out,
+        sinks if sinks is not None else out,
         float(scale) * _LOG2E,
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        int(chunk_size) if chunk_size is not None else 1,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -212,9 +256,14 @@ def paged_prefill(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         HEAD_DIM=D,
+        HEAD_DIM_V=Dv,
         BLOCK_SIZE=bs,
         BLOCK_N=block_n,
         HAS_KV_START=has_kv_start,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=chunk_size is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32,
         DOT_F32=not query.is_cuda,
         num_warps=num_warps,
