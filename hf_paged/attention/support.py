@@ -19,6 +19,8 @@ import functools
 import inspect
 import textwrap
 
+from ..cache import attention_shape
+
 __all__ = [
     "FEATURES",
     "HANDLED_FEATURES",
@@ -43,6 +45,8 @@ FEATURES: dict[str, str] = {
     "sinks": "attention sinks (`s_aux`: per-head logits added to the softmax denominator)",
     "chunked_attention": "chunked (block-local) attention",
     "value_head_dim": "K and V of different head sizes (multi-head latent attention)",
+    "per_layer_head_dim": "head sizes that differ between layers (one KV pool holds one head size)",
+    "mask_only_window": "a sliding window applied only through the model's mask, not passed to the attention function",
     "recurrent_state": "Mamba / linear-attention / convolution layers whose recurrent state is not paged",
     "sparse_attention": "learned sparse attention (an indexer picks the keys each query reads)",
     "latent_kv": "multi-head latent attention that caches a compressed latent and expands K/V after the cache",
@@ -61,10 +65,12 @@ FEATURES: dict[str, str] = {
     "remote_code": "a trust_remote_code model class",
 }
 
-# What today's paged kernels and attention function handle. When a kernel feature lands, add its name here: that is
+# What the paged kernels and attention function handle (K/V of different head sizes: the kernels do, the pool does
+# not yet, so "value_head_dim" stays out). When a kernel feature lands, add its name here: that is
 # the only change needed for the gate, the sweep and the generated docs.
 HANDLED_FEATURES: frozenset[str] = frozenset({
     "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
+    "sliding_window", "softcap", "sinks", "chunked_attention",  # hf_paged.kernels: per-call options
 })
 
 # Attention features the kernels can be taught (issue 15): the report estimates what would pass with them handled.
@@ -119,6 +125,13 @@ def _layer_types(config) -> list[str]:
 def _config_features(config) -> dict[str, str]:
     """Features visible in one (text) config."""
     found: dict[str, str] = {}
+    try:
+        attention_shape(config)
+    except ValueError:
+        pass  # not a decoder config with attention sizes: other checks name what it is
+    except Exception as error:  # noqa: BLE001 - e.g. transformers' per-layer attribute error (Gemma 4)
+        if "per-layer" in str(error) or "per_layer" in str(error):
+            found["per_layer_head_dim"] = f"{type(config).__name__}: {str(error).split('.')[0]}"
     layer_types = _layer_types(config)
     window = _attr(config, "sliding_window")
     sliding = [i for i, t in enumerate(layer_types) if "sliding" in t or t in ("local", "window_attention")]
@@ -240,6 +253,7 @@ def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
     attention_classes, recurrent_classes, not_routed = set(), set(), set()
+    attention_types: set[type] = set()
     try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
@@ -258,10 +272,16 @@ def _model_features(model) -> dict[str, str]:
             found["non_causal"] = f"{cls_name}.is_causal=False (bidirectional attention)"
         if "Attention" in cls_name and hasattr(module, "layer_idx") and cls_name not in recurrent_classes:
             attention_classes.add(cls_name)
+            attention_types.add(cls)
             if _routes_through_interface(cls) is False:
                 not_routed.add(cls_name)
             for name, detail in _dataflow_features(cls):
                 found.setdefault(name, detail)
+    if attention_types and not any("sliding_window" in (_forward_source(c) or "") for c in attention_types):
+        text = _text_config(_get_config(model))
+        if "sliding_window" in _config_features(text):
+            found["mask_only_window"] = (f"{sorted(attention_classes)} never pass `sliding_window` to the attention "
+                                         "function: the window lives in the model's mask only")
     if recurrent_classes:
         found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)} (recurrent state is not paged)")
     if not_routed:
