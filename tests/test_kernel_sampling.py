@@ -46,7 +46,7 @@ def _mixed(rows, vocab, device="cpu", dtype=torch.float32, gen_seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_reference(monkeypatch, dtype):
-    logits, params = _mixed(8, 1500, dtype=dtype)
+    logits, params = _mixed(8, 700, dtype=dtype)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ref = sample_tokens(logits, *params)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
@@ -79,7 +79,7 @@ def _draws(logits_row, n, t, k, p, mp, seed=11):
 def test_distribution_matches_transformers_warpers(monkeypatch, t, k, p, mp):
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -2.0, -3.0, -6.0])
-    n = 1500
+    n = 1000
     tokens = _draws(logits, n, t, k, p, mp)
     probs = _exact(logits, t, k, p, mp)
     counts = torch.bincount(tokens, minlength=logits.numel()).double()

@@ -1,8 +1,10 @@
 """Plain-torch reference of `hf_paged.kernels.sampling.sample_tokens` (CPU, and the check for the Triton kernel).
 
-It does, row by row and with the same integer arithmetic, exactly what the Triton kernel does, so both give the same
-tokens for the same inputs (floating-point sums may round differently; a decision can only differ when a sum lands
+It does exactly what the Triton kernel does (the same integer arithmetic and float operations), so both give the
+same tokens for the same inputs (floating-point sums may round differently; a decision can only differ when a sum lands
 on a threshold within rounding, which the tests never meet):
+
+Rows are processed together in chunks (the work is vectorised over rows; the decisions are per row).
 
 1. ``x = logits * inv_t`` (``inv_t = 1 / temperature``, 0 for greedy rows: those take ``argmax(logits)``), ``m = max x``.
 2. top-k: the k-th largest value ``t_k``, found by a multi-way bisection on the order-preserving int32 key of the
@@ -22,6 +24,7 @@ import torch
 __all__ = ["sample_tokens", "uniform_bits", "NUM_CANDIDATES"]
 
 NUM_CANDIDATES = 16
+_CHUNK_ELEMENTS = 1 << 22
 _M32 = 0xFFFFFFFF
 
 
@@ -61,46 +64,67 @@ def float_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def search(keys: torch.Tensor, weights: torch.Tensor | None, lo: int, hi: int, target: float) -> int:
-    """Largest key ``t`` in ``[lo, hi]`` with ``stat(t) >= target``, ``stat(t)`` = count (``weights`` None) or sum of
-    ``weights`` over ``keys >= t``; ``stat(lo) >= target`` is assumed. NC-way bisection, as the kernel does it."""
+def search(keys: torch.Tensor, weights: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+           target: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest key ``t`` in ``[lo, hi]`` with ``stat(t) >= target``, ``stat(t)`` = count (``weights``
+    None) or sum of ``weights`` over ``keys >= t``; ``stat(lo) >= target`` is assumed. ``keys [R, V]``, the rest
+    ``[R]``. NC-way bisection, as the kernel does it (rows already converged stay put)."""
     j = torch.arange(1, NUM_CANDIDATES + 1, dtype=torch.long)
-    while lo < hi:
-        span = hi - lo
-        cands = lo + (span * j + NUM_CANDIDATES - 1) // NUM_CANDIDATES
-        ge = keys[:, None] >= cands[None, :]
-        stat = ge.sum(0).float() if weights is None else torch.where(ge, weights[:, None], 0.0).sum(0)
-        ok = stat >= target
-        new_lo = int(torch.where(ok, cands, lo).max())
-        new_hi = int(torch.where(ok, hi, cands - 1).min())
-        lo, hi = new_lo, new_hi
+    while bool((lo < hi).any()):
+        span = (hi - lo)[:, None]
+        cands = lo[:, None] + (span * j + NUM_CANDIDATES - 1) // NUM_CANDIDATES
+        ge = keys[:, :, None] >= cands[:, None, :]
+        if weights is None:
+            stat = ge.sum(1).float()
+        else:
+            stat = torch.where(ge, weights[:, :, None], 0.0).sum(1)
+        ok = stat >= target[:, None]
+        new_lo = torch.where(ok, cands, lo[:, None]).amax(1)
+        new_hi = torch.where(ok, hi[:, None], cands - 1).amin(1)
+        active = lo < hi
+        lo, hi = torch.where(active, new_lo, lo), torch.where(active, new_hi, hi)
     return lo
 
 
 def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Token ids ``[R]`` (int64). Parameters are the dispatcher's normalised ones: ``inv_t`` 0 for greedy, ``top_k``
-    0 when off, ``top_p`` >= 1 when off, ``log_min_p`` -inf when off."""
+    """Token ids ``[R]`` (int64, on the CPU). Parameters are the dispatcher's normalised ones: ``inv_t`` 0 for greedy,
+    ``top_k`` 0 when off, ``top_p`` >= 1 when off, ``log_min_p`` -inf when off."""
+    logits = logits.cpu()
     out = logits.argmax(dim=-1)
-    rows, vocab = logits.shape
-    k1s, k2s = row_keys(seed.cpu(), offset.cpu())
-    index = torch.arange(vocab, dtype=torch.long)
-    params = [t.cpu().tolist() for t in (inv_t, top_k, top_p, log_min_p)]
-    for r in range(rows):
-        it, k, p, lmp = (col[r] for col in params)
-        if it <= 0:
-            continue
-        x = logits[r].float().cpu() * torch.tensor(it, dtype=torch.float32)
-        m = x.max()
-        keys = float_key(x)
-        lo, hi = int(keys.min()), int(float_key(m.reshape(1))[0])
-        if 0 < k < vocab:
-            lo = search(keys, None, lo, hi, float(k))
-        if p < 1.0:
-            e = torch.exp(x - m)
-            z = torch.where(keys >= lo, e, 0.0).sum()
-            lo = search(keys, e, lo, hi, float(torch.tensor(p, dtype=torch.float32) * z))
-        keep = (keys >= lo) & ((x - m) >= torch.tensor(lmp, dtype=torch.float32))
-        score = torch.where(keep, x + gumbel(k1s[r], k2s[r], index), -float("inf"))
-        out[r] = int(score.argmax())
+    inv_t, top_k, top_p, log_min_p = (t.cpu() for t in (inv_t, top_k, top_p, log_min_p))
+    rows = torch.nonzero(inv_t > 0).flatten()
+    if rows.numel() == 0:
+        return out
+    chunk = max(1, _CHUNK_ELEMENTS // (logits.shape[1] * NUM_CANDIDATES))  # bounds the [rows, V, NC] temporaries
+    seed, offset = seed.cpu(), offset.cpu()
+    for start in range(0, rows.numel(), chunk):
+        sel = rows[start : start + chunk]
+        out[sel] = _sample_rows(logits[sel].float(), inv_t[sel], top_k[sel], top_p[sel], log_min_p[sel],
+                                seed[sel], offset[sel])
     return out
+
+
+def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.Tensor:
+    """Sampled rows only (``inv_t > 0``), every tensor on the CPU."""
+    vocab = logits.shape[1]
+    k1, k2 = row_keys(seed, offset)
+    x = logits * inv_t[:, None]
+    m = x.amax(1, keepdim=True)
+    keys = float_key(x)
+    lo, hi = keys.amin(1), float_key(m)[:, 0]
+    k, p = top_k, top_p
+    use_k = (k > 0) & (k < vocab)
+    if bool(use_k.any()):
+        sel = torch.nonzero(use_k).flatten()
+        lo[sel] = search(keys[sel], None, lo[sel], hi[sel], k[sel].float())
+    use_p = p < 1.0
+    if bool(use_p.any()):
+        sel = torch.nonzero(use_p).flatten()
+        e = torch.exp(x[sel] - m[sel])
+        z = torch.where(keys[sel] >= lo[sel, None], e, 0.0).sum(1)
+        lo[sel] = search(keys[sel], e, lo[sel], hi[sel], p[sel] * z)
+    keep = (keys >= lo[:, None]) & ((x - m) >= log_min_p[:, None])
+    index = torch.arange(vocab, dtype=torch.long)[None, :]
+    score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], index), -float("inf"))
+    return score.argmax(1)

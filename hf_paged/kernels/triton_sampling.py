@@ -117,7 +117,7 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         k1 = _h((seed & 0xFFFFFFFF) ^ k)
         k2 = _h(k1 ^ 0x85EBCA6B)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK], vocab, tl.int32)
+        best_i = tl.zeros([BLOCK], dtype=tl.int32) + vocab
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             valid = idx < vocab
