@@ -3,7 +3,7 @@
 A "plain" request (one sequence per sample, no logits processors, no repetition penalty, no `min_new_tokens`, no
 scores, no beams) has its next token as a pure function of its logits row and five numbers: temperature (0 for
 greedy), top-k, top-p, min-p and a seed, plus the position it draws for. `DevicePicker.pick` takes every such row of a
-step at once: the parameters travel in one pinned upload, the draw is one kernel (`hf_paged.kernels.sample_tokens`),
+step at once: the parameters travel in one pinned upload, the draw is one kernel (`hf_paged.kernels.sampling.sample_tokens`),
 nothing waits for the host, so sampled requests take the pipelined, graph-replayed decode path of greedy ones.
 
 Seeds: the draw of a token is a function of (seed, offset) only, where offset = the token's position in its
@@ -19,6 +19,7 @@ import random
 import torch
 
 from ..core import Sequence
+from ..kernels.sampling import sample_tokens
 from .params import SamplingParams
 
 __all__ = ["DevicePicker", "device_params", "offset", "SAMPLE_INDEX_SHIFT"]
@@ -81,49 +82,11 @@ class DevicePicker:
         dev_f, dev_i = self._dev_f, self._dev_i
         dev_f.copy_(host_f, non_blocking=True)
         dev_i.copy_(host_i, non_blocking=True)
-        return _sample_reference(logits, dev_f[0, :n], dev_i[0, :n], dev_f[1, :n], dev_f[2, :n], dev_i[1, :n],
-                                     dev_i[2, :n], any_top_k=any(top_k), any_top_p=any(p < 1.0 for p in top_p),
-                                     any_min_p=any(min_p))
+        return sample_tokens(logits, dev_f[0, :n], dev_i[0, :n], dev_f[1, :n], dev_f[2, :n], dev_i[1, :n],
+                             dev_i[2, :n])
 
 
 def offset(seq: Sequence, sample_index: int | None = None) -> int:
     """Where `seq` draws its next token: its position, and its sample index (parallel sampling) in the high bits."""
     index = seq.sample_index if sample_index is None else sample_index
     return len(seq.token_ids) | (index << SAMPLE_INDEX_SHIFT)
-
-
-def _sample_reference(logits, temperature, top_k, top_p, min_p, seed, offset, **_flags) -> torch.Tensor:
-    """Per-row torch version of `kernels.sample_tokens` (temporary, until the kernel lands)."""
-    out = logits.argmax(dim=-1)
-    for r in range(logits.shape[0]):
-        t = float(temperature[r])
-        if t <= 0:
-            continue
-        x = logits[r].float() / t
-        k = int(top_k[r])
-        if 0 < k < x.numel():
-            x = x.masked_fill(x < torch.topk(x, k).values[-1], -float("inf"))
-        p = float(top_p[r])
-        if p < 1.0:
-            sorted_x, order = x.sort(descending=False)
-            cumulative = sorted_x.softmax(-1).cumsum(-1)
-            remove = cumulative <= 1 - p
-            remove[-1] = False
-            x = x.masked_fill(remove.scatter(0, order, remove), -float("inf"))
-        m = float(min_p[r])
-        probs = x.softmax(-1)
-        if m > 0:
-            x = x.masked_fill(probs < m * probs.max(), -float("inf"))
-            probs = x.softmax(-1)
-        gen = torch.Generator().manual_seed(_mix(int(seed[r]), int(offset[r])))
-        noise = torch.empty(x.numel()).exponential_(generator=gen).to(probs.device)
-        out[r] = (probs / noise).argmax()
-    return out
-
-
-def _mix(seed: int, offset: int) -> int:
-    """A 32-bit generator seed from (seed, offset) (splitmix64 finaliser; CPU generators use 32 seed bits)."""
-    z = (seed * 0x9E3779B97F4A7C15 + offset) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0xFFFFFFFF

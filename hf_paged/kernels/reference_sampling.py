@@ -1,0 +1,130 @@
+"""Plain-torch reference of `hf_paged.kernels.sampling.sample_tokens` (CPU, and the check for the Triton kernel).
+
+It does exactly what the Triton kernel does (the same integer arithmetic and float operations), so both give the
+same tokens for the same inputs (floating-point sums may round differently; a decision can only differ when a sum lands
+on a threshold within rounding, which the tests never meet):
+
+Rows are processed together in chunks (the work is vectorised over rows; the decisions are per row).
+
+1. ``x = logits * inv_t`` (``inv_t = 1 / temperature``, 0 for greedy rows: those take ``argmax(logits)``), ``m = max x``.
+2. top-k: the k-th largest value ``t_k``, found by a multi-way bisection on the order-preserving int32 key of the
+   float (no sort): each round evaluates ``NC`` candidate thresholds at once (count of keys ``>=`` each).
+3. top-p: ``Z_k = sum exp(x - m)`` over ``x >= t_k``; the largest key ``t_p`` whose mass ``sum exp(x - m)`` over
+   ``x >= t_p`` is still ``>= p * Z_k`` (the same search, on masses). This keeps a token iff the mass of the strictly
+   larger tokens is ``< p`` (transformers' rule; tied tokens are kept or dropped together).
+4. min-p: keep ``x - m >= log(min_p)`` (``p_i >= min_p * p_max``).
+5. draw: ``argmax(x_i + G_i)`` over kept tokens, ``G_i = -log(-log(u_i))`` (Gumbel-max: exact sampling from the
+   renormalised kept distribution, no cumsum), with ``u_i`` a counter-based hash of (seed, offset, i).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sample_tokens", "uniform_bits", "NUM_CANDIDATES"]
+
+NUM_CANDIDATES = 16
+_CHUNK_ELEMENTS = 1 << 22
+_M32 = 0xFFFFFFFF
+
+
+def _h(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding uint32 values (wrapping multiplies keep the low 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two uint32 keys (as int64) of each row's (seed, offset): its stream depends on nothing else."""
+    seed, offset = seed.long(), offset.long()
+    k = _h((offset >> 32) & _M32 ^ 0x9E3779B9)
+    k = _h((offset & _M32) ^ k)
+    k = _h(((seed >> 32) & _M32) ^ k)
+    k1 = _h((seed & _M32) ^ k)
+    return k1, _h(k1 ^ 0x85EBCA6B)
+
+
+def uniform_bits(k1: torch.Tensor, k2: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """uint32 random bits (int64) of token `index` in the stream of keys (k1, k2)."""
+    return _h(_h(index ^ k1) ^ k2)
+
+
+def gumbel(k1: torch.Tensor, k2: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise ``-log(-log(u))``, ``u = (bits >> 8 + 0.5) / 2**24`` in (0, 1) exactly representable."""
+    u = ((uniform_bits(k1, k2, index) >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(u))
+
+
+def float_key(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int64 key of float32 values (int32 bits, negative magnitudes flipped)."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def search(keys: torch.Tensor, weights: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+           target: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest key ``t`` in ``[lo, hi]`` with ``stat(t) >= target``, ``stat(t)`` = count (``weights``
+    None) or sum of ``weights`` over ``keys >= t``; ``stat(lo) >= target`` is assumed. ``keys [R, V]``, the rest
+    ``[R]``. NC-way bisection, as the kernel does it (rows already converged stay put)."""
+    j = torch.arange(1, NUM_CANDIDATES + 1, dtype=torch.long)
+    while bool((lo < hi).any()):
+        span = (hi - lo)[:, None]
+        cands = lo[:, None] + (span * j + NUM_CANDIDATES - 1) // NUM_CANDIDATES
+        ge = keys[:, :, None] >= cands[:, None, :]
+        if weights is None:
+            stat = ge.sum(1).float()
+        else:
+            stat = torch.where(ge, weights[:, :, None], 0.0).sum(1)
+        ok = stat >= target[:, None]
+        new_lo = torch.where(ok, cands, lo[:, None]).amax(1)
+        new_hi = torch.where(ok, hi[:, None], cands - 1).amin(1)
+        active = lo < hi
+        lo, hi = torch.where(active, new_lo, lo), torch.where(active, new_hi, hi)
+    return lo
+
+
+def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[R]`` (int64, on the CPU). Parameters are the dispatcher's normalised ones: ``inv_t`` 0 for greedy,
+    ``top_k`` 0 when off, ``top_p`` >= 1 when off, ``log_min_p`` -inf when off."""
+    logits = logits.cpu()
+    out = logits.argmax(dim=-1)
+    inv_t, top_k, top_p, log_min_p = (t.cpu() for t in (inv_t, top_k, top_p, log_min_p))
+    rows = torch.nonzero(inv_t > 0).flatten()
+    if rows.numel() == 0:
+        return out
+    chunk = max(1, _CHUNK_ELEMENTS // (logits.shape[1] * NUM_CANDIDATES))  # bounds the [rows, V, NC] temporaries
+    seed, offset = seed.cpu(), offset.cpu()
+    for start in range(0, rows.numel(), chunk):
+        sel = rows[start : start + chunk]
+        out[sel] = _sample_rows(logits[sel].float(), inv_t[sel], top_k[sel], top_p[sel], log_min_p[sel],
+                                seed[sel], offset[sel])
+    return out
+
+
+def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.Tensor:
+    """Sampled rows only (``inv_t > 0``), every tensor on the CPU."""
+    vocab = logits.shape[1]
+    k1, k2 = row_keys(seed, offset)
+    x = logits * inv_t[:, None]
+    m = x.amax(1, keepdim=True)
+    keys = float_key(x)
+    lo, hi = keys.amin(1), float_key(m)[:, 0]
+    k, p = top_k, top_p
+    use_k = (k > 0) & (k < vocab)
+    if bool(use_k.any()):
+        sel = torch.nonzero(use_k).flatten()
+        lo[sel] = search(keys[sel], None, lo[sel], hi[sel], k[sel].float())
+    use_p = p < 1.0
+    if bool(use_p.any()):
+        sel = torch.nonzero(use_p).flatten()
+        e = torch.exp(x[sel] - m[sel])
+        z = torch.where(keys[sel] >= lo[sel, None], e, 0.0).sum(1)
+        lo[sel] = search(keys[sel], e, lo[sel], hi[sel], p[sel] * z)
+    keep = (keys >= lo[:, None]) & ((x - m) >= log_min_p[:, None])
+    index = torch.arange(vocab, dtype=torch.long)[None, :]
+    score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], index), -float("inf"))
+    return score.argmax(1)

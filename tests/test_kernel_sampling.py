@@ -1,0 +1,163 @@
+"""`hf_paged.kernels.sampling.sample_tokens`: the Triton kernel equals the torch reference token for token (the
+interpreter on CPU, real shapes on a GPU), and the draws follow transformers' warpers (temperature -> top-k -> top-p
+-> min-p) in distribution, seeds included."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from scipy.stats import chi2  # noqa: E402
+from transformers.generation.logits_process import (  # noqa: E402
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hf_paged.kernels import reference_sampling  # noqa: E402
+from hf_paged.kernels.sampling import sample_tokens  # noqa: E402
+
+
+def _params(rows, temperature, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=None, device="cpu"):
+    def col(v, dtype):
+        return torch.as_tensor(v if isinstance(v, (list, tuple)) else [v] * rows, dtype=dtype, device=device)
+    off = offset if offset is not None else list(range(rows))
+    return (col(temperature, torch.float32), col(top_k, torch.long), col(top_p, torch.float32),
+            col(min_p, torch.float32), col(seed, torch.long), col(off, torch.long))
+
+
+def _mixed(rows, vocab, device="cpu", dtype=torch.float32, gen_seed=0):
+    g = torch.Generator().manual_seed(gen_seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    temps = [0.0, 1.0, 0.6, 1.3, 0.9, 1.0, 0.7, 2.0][:rows] * (rows // 8 + 1)
+    ks = [0, 0, 20, 5, 0, vocab, 1, 40][:rows] * (rows // 8 + 1)
+    ps = [1.0, 1.0, 0.9, 0.5, 0.95, 0.3, 1.0, 0.8][:rows] * (rows // 8 + 1)
+    mps = [0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.0, 0.2][:rows] * (rows // 8 + 1)
+    seeds = [(i * 7919 + 3) << (i % 3) * 20 for i in range(rows)]
+    offs = [i + ((i % 2) << 32) for i in range(rows)]
+    return logits.to(device), _params(rows, temps[:rows], ks[:rows], ps[:rows], mps[:rows], seeds, offs, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(monkeypatch, dtype):
+    logits, params = _mixed(8, 700, dtype=dtype)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    ref = sample_tokens(logits, *params)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    tri = sample_tokens(logits, *params)
+    assert torch.equal(ref, tri)
+    assert ref[0] == logits[0].float().argmax()  # temperature 0 = greedy
+
+
+def _exact(logits_row, t, k, p, mp):
+    """transformers' warpers in generate()'s order, as a probability vector."""
+    x = logits_row[None].clone()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    x = TemperatureLogitsWarper(t)(ids, x)
+    if k:
+        x = TopKLogitsWarper(k)(ids, x)
+    if p < 1.0:
+        x = TopPLogitsWarper(p)(ids, x)
+    if mp:
+        x = MinPLogitsWarper(mp)(ids, x)
+    return x.softmax(-1)[0]
+
+
+def _draws(logits_row, n, t, k, p, mp, seed=11):
+    rows = logits_row[None].expand(n, -1)
+    return sample_tokens(rows, *_params(n, t, k, p, mp, seed, list(range(n))))
+
+
+@pytest.mark.parametrize("t,k,p,mp", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
+                                      (1.5, 8, 0.9, 0.1), (1.0, 0, 1.0, 0.2)])
+def test_distribution_matches_transformers_warpers(monkeypatch, t, k, p, mp):
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -2.0, -3.0, -6.0])
+    n = 1000
+    tokens = _draws(logits, n, t, k, p, mp)
+    probs = _exact(logits, t, k, p, mp)
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was drawn"
+    keep = probs > 0
+    expected = probs[keep].double() * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(1 - 1e-4, max(int(keep.sum()) - 1, 1)), (stat, counts, expected)
+
+
+def test_ties_kept_together(monkeypatch):
+    """Ties at the top-k boundary are all kept (as TopKLogitsWarper does); at the top-p boundary a tie group is kept
+    or dropped as a whole: its strictly larger mass decides."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, -1.0, -1.0, -5.0])
+    tokens = _draws(logits, 600, 1.0, 3, 1.0, 0.0)
+    assert set(tokens.tolist()) == {0, 1, 2, 3}  # 3 wanted, the tie at 1.0 keeps four
+    # mass above the 1.0 group < 0.9, so the whole group stays; nothing below it does
+    tokens = _draws(logits, 600, 1.0, 0, 0.9, 0.0)
+    e = logits.exp() / logits.exp().sum()
+    assert e[0] < 0.9 <= e[:4].sum()
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+    assert torch.equal(_draws(logits, 50, 1.0, 1, 1.0, 0.0), torch.zeros(50, dtype=torch.long))
+
+
+def test_edge_parameters_are_no_ops(monkeypatch):
+    """top_p=1, top_k=0, top_k >= vocab, min_p=0 filter nothing: identical tokens to the unfiltered draw."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    logits, _ = _mixed(6, 300)
+    base = sample_tokens(logits, *_params(6, 0.8, 0, 1.0, 0.0, 5))
+    for k, p, mp in [(300, 1.0, 0.0), (10**6, 1.0, 0.0), (0, 1.5, 0.0), (-1, 1.0, 0.0)]:
+        assert torch.equal(sample_tokens(logits, *_params(6, 0.8, k, p, mp, 5)), base)
+
+
+def test_seeds_independent_of_batch(monkeypatch):
+    """A row's token depends on its own (seed, offset) only: same in any batch order or size, and in every run."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    logits, params = _mixed(8, 400)
+    full = sample_tokens(logits, *params)
+    assert torch.equal(full, sample_tokens(logits, *params))
+    perm = torch.tensor([5, 2, 7, 0, 3])
+    sub = sample_tokens(logits[perm], *(x[perm] for x in params))
+    assert torch.equal(sub, full[perm])
+    rows = torch.tensor([1] * 40)  # the same row at 40 offsets: the draws differ (a live random stream)
+    temps, ks, ps, mps, seeds, _ = (x[rows] for x in params)
+    draws = sample_tokens(logits[rows], temps, ks, ps, mps, seeds, torch.arange(40))
+    assert len(set(draws.tolist())) > 5
+    other = sample_tokens(logits[rows], temps, ks, ps, mps, seeds + 1, torch.arange(40))
+    assert not torch.equal(draws, other)
+
+
+def test_uniform_bits_are_uniform():
+    k1, k2 = reference_sampling.row_keys(torch.tensor(123), torch.tensor(7))
+    bits = reference_sampling.uniform_bits(k1, k2, torch.arange(1 << 16))
+    assert int(bits.min()) >= 0 and int(bits.max()) < 2**32
+    counts = torch.bincount((bits >> 28).long(), minlength=16).double()
+    assert float(((counts - 4096) ** 2 / 4096).sum()) < chi2.ppf(1 - 1e-4, 15)
+
+
+def test_validation():
+    logits = torch.zeros(2, 10)
+    params = list(_params(2, 1.0))
+    with pytest.raises(ValueError, match="top_p"):
+        sample_tokens(logits, params[0], params[1], params[2][:1], *params[3:])
+    with pytest.raises(TypeError, match="seed"):
+        sample_tokens(logits, *params[:4], params[4].float(), params[5])
+    with pytest.raises(ValueError, match="logits"):
+        sample_tokens(logits[0], *params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,vocab,dtype", [(1, 32000, torch.float32), (64, 128256, torch.bfloat16),
+                                              (256, 151936, torch.float32)])
+def test_gpu_triton_matches_reference(monkeypatch, rows, vocab, dtype):
+    logits, params = _mixed(rows, vocab, device="cuda", dtype=dtype, gen_seed=rows)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    tri = sample_tokens(logits, *params)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    ref = sample_tokens(logits, *params)
+    assert torch.equal(tri.cpu(), ref.cpu()), (tri != ref).nonzero()
