@@ -19,6 +19,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, Generat
 from ..attention import on_prepare, prepare_model
 from ..engine import Engine, SamplingParams
 from ..runner import uncompile_submodules
+from .criteria import per_row_criteria
 
 __all__ = ["enable", "disable", "PagedGenerationMixin"]
 
@@ -175,8 +176,6 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         if kwargs.get(name) is not None:
             raise ValueError(f"`{name}` is not supported with cache_implementation='paged'")
         kwargs.pop(name, None)
-    if stopping_criteria:
-        raise ValueError("`stopping_criteria` is not supported with cache_implementation='paged'; use stop_strings")
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
@@ -223,6 +222,16 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             row_params.append(p if was_padded else params)
     else:
         row_params = params
+    if stopping_criteria:
+        if (config.num_beams or 1) > 1 or params.num_return_sequences > 1:
+            raise ValueError("`stopping_criteria` with cache_implementation='paged' needs num_beams=1 and "
+                             "num_return_sequences=1 (it is evaluated per row)")
+        base = row_params if isinstance(row_params, list) else [params] * len(rows)
+        row_params = []
+        for p, crit in zip(base, per_row_criteria(stopping_criteria, input_ids, [len(r) for r in rows])):
+            p = copy.copy(p)
+            p.stopping_criteria = (crit,)
+            row_params.append(p)
     engine = get_engine(model, tokenizer=tokenizer)
     if params.stop_strings and engine.tokenizer is None:
         raise ValueError("stop_strings needs tokenizer=... in generate() (as in transformers)")
