@@ -11,6 +11,7 @@ falls back to exact SDPA whenever no `PagedCache` is in use.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from transformers import GenerationConfig
@@ -24,6 +25,7 @@ from .criteria import per_row_criteria
 __all__ = ["enable", "disable", "PagedGenerationMixin"]
 
 _PAGED = "paged"
+logger = logging.getLogger(__name__)
 
 # GenerationConfig fields the paged path honours; any other field that differs from its default raises.
 _HONOURED = {
@@ -257,7 +259,9 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         streamer.end()
         results = [final]
     else:
+        before = engine.prefix_cache_stats().hit_tokens
         results = engine.generate(rows, row_params)
+        _log_sharing(engine, rows, before)
     for result in results:
         if result.error is not None:
             raise RuntimeError(f"request {result.request_id} failed: {result.error}") from result.error
@@ -280,6 +284,18 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             for t in range(new_len)
         )
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+def _log_sharing(engine, rows: list[list[int]], hits_before: int) -> None:
+    """Identical rows (TRL repeats each prompt `num_generations` times) share their prompt's full blocks through
+    the prefix cache: say how many prefill tokens that saved."""
+    distinct = len({tuple(r) for r in rows})
+    if distinct == len(rows) or not logger.isEnabledFor(logging.INFO):
+        return
+    saved = engine.prefix_cache_stats().hit_tokens - hits_before
+    total = sum(len(r) for r in rows)
+    logger.info("generate: %d rows, %d distinct prompts; prefix cache served %d of %d prompt tokens (%.0f%%)",
+                len(rows), distinct, saved, total, 100.0 * saved / max(total, 1))
 
 
 def _sequences(input_ids: torch.Tensor, results, n: int, fill: int):
