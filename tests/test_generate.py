@@ -401,8 +401,7 @@ def _bad_cases(batch):
         "greedy_num_return_sequences": (dict(num_return_sequences=2), ValueError, "num_return_sequences"),
         "mask_shape": (dict(attention_mask=mask[:, 1:]), ValueError, "attention_mask"),
         "past_key_values_and_paged": (dict(past_key_values=object()), ValueError, "past_key_values"),
-        "stopping_criteria": (dict(stopping_criteria=[lambda ids, scores, **kw: False]), ValueError,
-                              "stopping_criteria"),
+        "stopping_criteria_not_callable": (dict(stopping_criteria=[3]), TypeError, "stopping_criteria"),
         "stop_strings_without_tokenizer": (dict(stop_strings=["x"]), ValueError, "tokenizer"),
     }
 

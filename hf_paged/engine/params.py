@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .criteria import as_criteria
+
 __all__ = ["SamplingParams", "validate_beam_params"]
 
 
@@ -50,6 +52,8 @@ def validate_beam_params(p) -> None:
         )
     if p.stop_strings:
         raise ValueError("stop_strings is not supported with num_beams > 1")
+    if p.stopping_criteria:
+        raise ValueError("stopping_criteria is not supported with num_beams > 1")
 
 
 
@@ -75,6 +79,8 @@ class SamplingParams:
     num_beams: int = 1  # > 1: beam search (hf_paged.engine.beam), transformers' arithmetic
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # callables (input_ids [1, len], scores) -> bool asked per sequence after each token (hf_paged.engine.criteria)
+    stopping_criteria: tuple = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,6 +88,7 @@ class SamplingParams:
         if isinstance(self.stop_strings, str):
             self.stop_strings = (self.stop_strings,)
         self.stop_strings = tuple(self.stop_strings or ())
+        self.stopping_criteria = as_criteria(self.stopping_criteria)
         self.validate()
 
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..core import SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
+from .criteria import criteria_hit
 from .device_sampling import offset
 from .params import SamplingParams
 
@@ -146,6 +147,8 @@ class TokenUpdates:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
         elif p.stop_strings and self._hits_stop_string(seq, p):
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "stop_string"
+        elif p.stopping_criteria and criteria_hit(token_ids, p.stopping_criteria):
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "stopping_criteria"
 
     def _hits_stop_string(self, seq: Sequence, p: SamplingParams) -> bool:
         window = max(len(s) for s in p.stop_strings) + 8

@@ -11,6 +11,7 @@ falls back to exact SDPA whenever no `PagedCache` is in use.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from transformers import GenerationConfig
@@ -19,10 +20,12 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, Generat
 from ..attention import on_prepare, prepare_model
 from ..engine import Engine, SamplingParams
 from ..runner import uncompile_submodules
+from .criteria import per_row_criteria
 
 __all__ = ["enable", "disable", "PagedGenerationMixin"]
 
 _PAGED = "paged"
+logger = logging.getLogger(__name__)
 
 # GenerationConfig fields the paged path honours; any other field that differs from its default raises.
 _HONOURED = {
@@ -185,8 +188,6 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         if kwargs.get(name) is not None:
             raise ValueError(f"`{name}` is not supported with cache_implementation='paged'")
         kwargs.pop(name, None)
-    if stopping_criteria:
-        raise ValueError("`stopping_criteria` is not supported with cache_implementation='paged'; use stop_strings")
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
@@ -233,6 +234,16 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             row_params.append(p if was_padded else params)
     else:
         row_params = params
+    if stopping_criteria:
+        if (config.num_beams or 1) > 1 or params.num_return_sequences > 1:
+            raise ValueError("`stopping_criteria` with cache_implementation='paged' needs num_beams=1 and "
+                             "num_return_sequences=1 (it is evaluated per row)")
+        base = row_params if isinstance(row_params, list) else [params] * len(rows)
+        row_params = []
+        for p, crit in zip(base, per_row_criteria(stopping_criteria, input_ids, [len(r) for r in rows])):
+            p = copy.copy(p)
+            p.stopping_criteria = (crit,)
+            row_params.append(p)
     engine = get_engine(model, tokenizer=tokenizer)
     if params.stop_strings and engine.tokenizer is None:
         raise ValueError("stop_strings needs tokenizer=... in generate() (as in transformers)")
@@ -258,7 +269,9 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         streamer.end()
         results = [final]
     else:
+        before = engine.prefix_cache_stats().hit_tokens
         results = engine.generate(rows, row_params)
+        _log_sharing(engine, rows, before)
     for result in results:
         if result.error is not None:
             raise RuntimeError(f"request {result.request_id} failed: {result.error}") from result.error
@@ -281,6 +294,18 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
             for t in range(new_len)
         )
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+def _log_sharing(engine, rows: list[list[int]], hits_before: int) -> None:
+    """Identical rows (TRL repeats each prompt `num_generations` times) share their prompt's full blocks through
+    the prefix cache: say how many prefill tokens that saved."""
+    distinct = len({tuple(r) for r in rows})
+    if distinct == len(rows) or not logger.isEnabledFor(logging.INFO):
+        return
+    saved = engine.prefix_cache_stats().hit_tokens - hits_before
+    total = sum(len(r) for r in rows)
+    logger.info("generate: %d rows, %d distinct prompts; prefix cache served %d of %d prompt tokens (%.0f%%)",
+                len(rows), distinct, saved, total, 100.0 * saved / max(total, 1))
 
 
 def _sequences(input_ids: torch.Tensor, results, n: int, fill: int):
