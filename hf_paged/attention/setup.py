@@ -31,6 +31,7 @@ def prepare_model(model):
     register()
     text_config = model.config.get_text_config(decoder=True)
     if ATTENTION_NAME not in (model.config._attn_implementation, text_config._attn_implementation):
+        model._hf_paged_previous_attn = model.config._attn_implementation  # what `hf_paged.disable` restores
         model.set_attn_implementation(ATTENTION_NAME)
     if text_config._attn_implementation != ATTENTION_NAME:
         # composite models: the switch must reach the decoder (a vision tower may keep its own implementation)

@@ -387,8 +387,11 @@ def enable(model, **engine_kwargs):
     return model
 
 
-def disable(model, attn_implementation: str = "sdpa"):
-    """Undo `enable`: original class, `attn_implementation`, engine released, compiled submodules uncompiled."""
+def disable(model, attn_implementation: str | None = None):
+    """Undo `enable`: original class, the attention implementation it had before (or `attn_implementation`), engine
+    released, compiled submodules uncompiled."""
+    if attn_implementation is None:
+        attn_implementation = getattr(model, "_hf_paged_previous_attn", None) or "sdpa"
     base = getattr(type(model), "_hf_paged_base", None)
     if base is not None:
         model.__class__ = base
