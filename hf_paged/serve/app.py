@@ -89,7 +89,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     def new_generation(body, prompts: list[list[int]], logprobs: int | None) -> Generation:
         gen = Generation(bridge, tokenizer, metrics, prompts, n=body.n, temperature=body.temperature,
                          top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop or [], seed=body.seed,
-                         logprobs=logprobs)
+                         logprobs=logprobs, ignore_eos=body.ignore_eos)
         gen.start()
         return gen
 

@@ -51,7 +51,7 @@ class Generation:
 
     def __init__(self, bridge: EngineBridge, tokenizer, metrics: ServerMetrics, prompts: list[list[int]], *, n: int,
                  temperature: float, top_p: float, max_tokens: int | None, stop: list[str], seed: int | None,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, ignore_eos: bool = False) -> None:
         self.bridge, self.tokenizer, self.metrics = bridge, tokenizer, metrics
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
@@ -77,7 +77,8 @@ class Generation:
                                f"(the model's context / the KV pool)", param="prompt", code="context_length_exceeded")
             kwargs = dict(max_new_tokens=room if max_tokens is None else max_tokens,
                           do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
-                          seed=seed, stop_strings=tuple(stop), logprobs=logprobs)
+                          seed=seed, stop_strings=tuple(stop), logprobs=logprobs,
+                          ignore_eos=ignore_eos)
             if sample and n > 1:
                 self._specs.append((f"{self.id}-{i}", ids, SamplingParams(num_return_sequences=n, **kwargs), i * n))
             else:

@@ -60,6 +60,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever comes (benchmarks)
 
     @field_validator("stop")
     @classmethod
