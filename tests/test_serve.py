@@ -144,9 +144,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=60) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
+        lines = response.iter_lines()  # kept alive: a dropped iterator closes the stream (that is the disconnect)
+        for line in lines:
             if line.startswith("data: {"):
                 break
+        assert _metric(server, "hf_paged_kv_blocks_used") > 0
+        assert _metric(server, "hf_paged_num_requests_running") == 1
     deadline = time.monotonic() + 20  # 900 tokens take minutes: an abort, not a finish, frees them now
     while _metric(server, "hf_paged_kv_blocks_used") > 0 or _metric(server, "hf_paged_num_requests_running") > 0:
         assert time.monotonic() < deadline, "the disconnected request still holds blocks"
