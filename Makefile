@@ -12,7 +12,7 @@ PIP     := $(PY) -m pip
 # pip takes this version as a CPU build from local disk. Never leave it unpinned:
 # a bare `torch` (or any range admitting newer releases) pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= test,demo,lm-eval,trl
+EXTRAS     ?= test,demo,serve,lm-eval,trl
 STAMP      := $(VENV)/.hf_paged-installed
 TORCH_PIN  := $(VENV)/.hf_paged-torch-pin.txt
 # setuptools' editable install maps only the packages it found; if hf_paged/__init__.py did not

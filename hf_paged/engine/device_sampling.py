@@ -31,9 +31,9 @@ def device_params(params: SamplingParams, seed: int) -> tuple[float, int, float,
     """(temperature, top_k, top_p, min_p, seed) of a request whose picks can stay on the device, else None.
 
     Greedy requests have temperature 0. Requests that need host-side logits processing (repetition penalty, user
-    logits processors, `min_new_tokens`), scores, or beams return None.
+    logits processors, `min_new_tokens`), scores, logprobs, or beams return None.
     """
-    if params.num_beams > 1 or params.needs_processing or params.output_scores:
+    if params.num_beams > 1 or params.needs_processing or params.output_scores or params.logprobs is not None:
         return None
     if not params.do_sample:
         return (0.0, 0, 1.0, 0.0, seed)

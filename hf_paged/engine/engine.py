@@ -370,6 +370,16 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime,
     def kv_stats(self):
         return self.block_manager.stats()
 
+    def queue_stats(self) -> dict:
+        """Request queues, KV pool usage, preemptions and prefix-cache hit rate now (for a server's metrics)."""
+        with self._control():
+            sched, pool = self.scheduler, self.block_manager.stats()
+            return {"waiting": len(sched.waiting), "running": len(sched.running), "swapped": len(sched.swapped),
+                    "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.used_blocks,
+                    "preemptions": sum(sched.num_preemptions.values()),
+                    "prefix_cache_hit_rate": self.block_manager.prefix_cache_stats().hit_rate,
+                    "steps": self.stats["steps"]}
+
     def prefix_cache_stats(self):
         """Prefix-cache hits, saved prefill tokens and cached blocks (`hf_paged.core.PrefixCacheStats`)."""
         return self.block_manager.prefix_cache_stats()

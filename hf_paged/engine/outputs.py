@@ -23,6 +23,9 @@ class CompletionOutput:
     text: str | None = None
     scores: list[torch.Tensor] | None = None
     score: float | None = None  # beam search: the hypothesis' score (transformers' `sequences_scores`)
+    # `SamplingParams.logprobs`: per output token, (its log-probability, [(token id, log-probability)] of the top
+    # `logprobs` tokens), from the model's raw next-token distribution (before temperature / top-p)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -76,7 +79,9 @@ class Outputs:
             beam_done = finished and getattr(group.params, "num_beams", 1) > 1 and reason in ("eos", "length")
             score = seq.cumulative_logprob if beam_done else None
             scores = group.data.get(seq.seq_id)
-            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score))
+            logprobs = group.data.get(("logprobs", seq.seq_id))
+            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score,
+                                            None if logprobs is None else list(logprobs)))
         prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.perf_counter()

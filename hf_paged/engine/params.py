@@ -81,6 +81,7 @@ class SamplingParams:
     early_stopping: bool | str = False
     # callables (input_ids [1, len], scores) -> bool asked per sequence after each token (hf_paged.engine.criteria)
     stopping_criteria: tuple = ()
+    logprobs: int | None = None  # report the chosen token's log-probability and this many top alternatives
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -126,6 +127,10 @@ class SamplingParams:
             raise ValueError(
                 "num_return_sequences > 1 needs do_sample=True (greedy would return identical copies) or num_beams"
             )
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and self.num_beams > 1:
+            raise ValueError("logprobs is not supported with num_beams > 1")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TypeError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
 

@@ -75,7 +75,7 @@ class TokenUpdates:
             else:
                 picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
             tokens, scores = self.sampler(picked, params, histories, num_out, keys)
-            self._append_picks(owners, self._share(tokens).tolist(), scores, advanced)
+            self._append_picks(owners, self._share(tokens).tolist(), scores, advanced, picked)
         if beam_entries:
             for group in self.beam_search.step(beam_entries, logits):
                 advanced.setdefault(id(group), group)
@@ -93,8 +93,11 @@ class TokenUpdates:
         offsets = [offset(item.seq) for item in scheduled] if any(spec[0] for spec in specs) else []
         return self.picker.pick(logits, specs, offsets)
 
-    def _append_picks(self, owners, tokens: list[int], scores, advanced: dict) -> None:
-        """Append each picked token to its sequence; the 2nd.. picks of one item are new parallel samples (forks)."""
+    def _append_picks(self, owners, tokens: list[int], scores, advanced: dict, logits=None) -> None:
+        """Append each picked token to its sequence; the 2nd.. picks of one item are new parallel samples (forks).
+
+        `logits`: the rows the tokens were picked from (one per pick); requests asking for `logprobs` record theirs.
+        """
         forks: dict[int, int] = {}
         for j, (item, token) in enumerate(zip(owners, tokens)):
             seq = item.seq
@@ -104,6 +107,9 @@ class TokenUpdates:
             seq.token_ids.append(int(token))
             if scores is not None and item.group.params.output_scores:
                 item.group.data.setdefault(seq.seq_id, []).append(scores[j].detach().to("cpu"))
+            if logits is not None and item.group.params.logprobs is not None:
+                item.group.data.setdefault(("logprobs", seq.seq_id), []).append(
+                    _token_logprobs(logits[j], int(token), item.group.params.logprobs))
             self._check_stop(seq, item.group.params)
             advanced.setdefault(id(item.group), item.group)
         for item in owners:
@@ -154,3 +160,13 @@ class TokenUpdates:
         window = max(len(s) for s in p.stop_strings) + 8
         text = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
         return any(s in text for s in p.stop_strings)
+
+
+def _token_logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under the raw distribution of `row`, and the `top` most likely tokens'."""
+    logprobs = row.float().log_softmax(-1)
+    alternatives = []
+    if top:
+        values, ids = logprobs.topk(top)
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(logprobs[token]), alternatives

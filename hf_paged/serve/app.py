@@ -1,0 +1,206 @@
+"""The FastAPI app: OpenAI's completions and chat completions (whole or streamed), models, health and metrics.
+
+`build_app(engine, tokenizer)` is all an embedding program needs (serve it with uvicorn or any ASGI server); the
+engine steps in the app's background thread (`EngineBridge`) from the moment the app is built, and the app's
+lifespan end (server shutdown) closes it: in-flight requests are aborted and the KV pool goes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..engine import Engine
+from .bridge import EngineBridge, RequestFailed
+from .generation import Generation
+from .metrics import ServerMetrics
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from .stream import DONE, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs, sse
+
+__all__ = ["build_app"]
+
+
+def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, api_key: str | None = None,
+              shutdown_grace: float = 5.0) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` (its tokenizer unless `tokenizer` is given).
+
+    `model_name`: the id clients pass as `model` (default: the model's `name_or_path`). `api_key`: when set, every
+    `/v1` route needs `Authorization: Bearer <api_key>` (401 otherwise). `shutdown_grace`: seconds in-flight requests
+    may still run when the app shuts down before they are aborted.
+    """
+    tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("build_app needs a tokenizer: pass tokenizer= or build the engine with one")
+    if engine.tokenizer is None:
+        engine.tokenizer = tokenizer  # stop strings are matched on detokenized text by the engine too
+    name = model_name or str(getattr(engine.model, "name_or_path", "") or "hf-paged")
+    bridge = EngineBridge(engine)
+    metrics = ServerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await asyncio.to_thread(bridge.shutdown, shutdown_grace)
+
+    app = FastAPI(title="hf-paged", lifespan=lifespan)
+    app.state.bridge, app.state.metrics, app.state.model_name = bridge, metrics, name
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"malformed JSON body: {first.get('msg', '')}", "invalid_request_error",
+                                           None, "invalid_json"), status_code=400)
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid body"))
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request, error: HTTPException):
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error", None, str(error.status_code)),
+                            status_code=error.status_code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                error = ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != name:
+            raise ApiError(f"the model {requested!r} does not exist; this server serves {name!r}", status=404,
+                           param="model", code="model_not_found")
+
+    def new_generation(body, prompts: list[list[int]], logprobs: int | None) -> Generation:
+        gen = Generation(bridge, tokenizer, metrics, prompts, n=body.n, temperature=body.temperature,
+                         top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop or [], seed=body.seed,
+                         logprobs=logprobs, ignore_eos=body.ignore_eos)
+        gen.start()
+        return gen
+
+    @app.get("/health")
+    async def health():
+        if not bridge.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        stats = await asyncio.to_thread(engine.queue_stats)
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "hf-paged", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
+                   for p in body.prompts()]
+        gen = new_generation(body, prompts, body.logprobs)
+        if body.stream:
+            return _sse_response(gen, name, body.include_usage, chat=False)
+        entries = await _run_whole(gen, request)
+        choices = []
+        for index, (text, logprobs, reason) in enumerate(entries):
+            lp = completion_logprobs(tokenizer, logprobs, 0) if body.logprobs is not None else None
+            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
+        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": name,
+                "choices": choices, "usage": gen.usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
+        try:
+            messages = [m.for_template() for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # noqa: BLE001 - a template that refuses these messages
+            raise ApiError(f"the chat template refused the messages: {error}", param="messages") from None
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        gen = new_generation(body, [prompt], body.num_logprobs)
+        if body.stream:
+            return _sse_response(gen, name, body.include_usage, chat=True)
+        entries = await _run_whole(gen, request)
+        choices = []
+        for index, (text_out, logprobs, reason) in enumerate(entries):
+            lp = chat_logprobs(tokenizer, logprobs) if body.logprobs else None
+            choices.append({"index": index, "message": {"role": "assistant", "content": text_out}, "logprobs": lp,
+                            "finish_reason": reason})
+        return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created, "model": name,
+                "choices": choices, "usage": gen.usage}
+
+    return app
+
+
+async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list, str | None]]:
+    """Run a request to the end; (text, logprob entries, finish reason) per choice. A client that disconnects
+    aborts it (checked while waiting)."""
+    texts = [""] * len(gen.choices)
+    logprobs: list[list] = [[] for _ in gen.choices]
+    reasons: list[str | None] = [None] * len(gen.choices)
+
+    async def consume():
+        async for deltas in gen.events():
+            for d in deltas:
+                texts[d.index] += d.text
+                logprobs[d.index].extend(d.logprobs)
+                reasons[d.index] = d.finish_reason or reasons[d.index]
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                gen.abort()
+                raise ApiError("client disconnected", status=499, code="client_closed")
+        task.result()
+    except RequestFailed as error:
+        raise ApiError(str(error), status=500) from None
+    finally:
+        if not task.done():
+            task.cancel()
+        gen.abort()
+    return list(zip(texts, logprobs, reasons))
+
+
+def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: bool) -> StreamingResponse:
+    async def body():
+        state: dict | set = set() if chat else {}
+        try:
+            async for deltas in gen.events():
+                chunk = chat_chunk(gen, model, deltas, state) if chat else completion_chunk(gen, model, deltas, state)
+                yield sse(chunk)
+            if include_usage:
+                kind = "chat.completion.chunk" if chat else "text_completion"
+                prefix = "chatcmpl" if chat else "cmpl"
+                yield sse({"id": f"{prefix}-{gen.id}", "object": kind, "created": gen.created, "model": model,
+                           "choices": [], "usage": gen.usage})
+        except RequestFailed as error:
+            yield sse(ApiError(str(error), status=500).body())
+        finally:
+            gen.abort()  # the client went away (the task is cancelled) or we are done: free the blocks now
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

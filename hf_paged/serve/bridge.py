@@ -1,0 +1,138 @@
+"""The engine in one background thread, and its outputs delivered to asyncio without blocking the event loop.
+
+`EngineBridge.submit` registers an asyncio queue for a request id, then adds the request (the engine's control
+calls are thread-safe and fair: they go in between steps). The stepping thread runs `engine.step()` while anything
+is unfinished and hands each `RequestOutput` to its queue with `loop.call_soon_threadsafe`; it sleeps on an event
+when idle. `abort` frees the request's blocks at once. A step that fails fails its own requests (the engine marks
+them with an error); an error escaping `step()` itself fails every request in flight, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from ..engine import Engine, RequestOutput, SamplingParams
+
+__all__ = ["EngineBridge", "RequestFailed"]
+
+log = logging.getLogger("hf_paged.serve")
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed a request (its step raised); answered with 500."""
+
+
+class EngineBridge:
+    """Owns the stepping thread of one `Engine`; every method but `shutdown` is safe to call from the event loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event-loop side
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Add a request; its outputs arrive on `queue` (a new one if None; several requests may share one), the
+        last one with `finished`. Raises the engine's ValueError / TypeError for a request it refuses."""
+        if not self._accepting:
+            raise RuntimeError("the server is shutting down")
+        queue = asyncio.Queue() if queue is None else queue
+        with self._lock:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(prompt_ids, request_id=request_id, params=params)
+        except BaseException:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone, stop string seen): its blocks are freed now; nothing more is delivered."""
+        with self._lock:
+            known = self._queues.pop(request_id, None) is not None
+        if known:
+            self.engine.abort(request_id)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ stepping thread
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+        if target is not None:
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            pending, self._queues = self._queues, {}
+        for request_id, (loop, queue) in pending.items():
+            self.engine.abort(request_id)
+            out = RequestOutput(request_id, [], [], True, error=error)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:
+                pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if self._stopping and not engine.has_unfinished():
+                break
+            if not engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                for out in self._collect():  # aborted requests are reported outside steps
+                    self._deliver(out)
+                continue
+            try:
+                outs = engine.step()
+            except Exception as error:  # noqa: BLE001 - the server must keep serving
+                log.exception("engine step failed outside its requests")
+                self._fail_all(error)
+                continue
+            for out in outs:
+                self._deliver(out)
+        for out in self._collect():
+            self._deliver(out)
+
+    def _collect(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception:  # noqa: BLE001
+            return []
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, grace: float = 5.0) -> None:
+        """Refuse new requests, let those in flight finish for up to `grace` seconds, abort the rest, stop the
+        thread and close the engine (its KV pool and graphs go back at once)."""
+        self._accepting = False
+        deadline = time.monotonic() + grace
+        while self.engine.has_unfinished() and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        self.engine.close()  # aborts what is left; the thread reports those outputs, then exits
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self._fail_all(RequestFailed("the server shut down"))

@@ -1,0 +1,108 @@
+"""`hf-paged serve MODEL`: load a local transformers model directory (or a GGUF file), build the engine, serve it.
+
+SIGINT / SIGTERM shut down cleanly: uvicorn stops accepting connections and lets in-flight requests run for
+`--shutdown-grace` seconds, then the app's lifespan end aborts what is left and closes the engine (the KV pool goes
+back); the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from ..engine import Engine
+from ..integrations.gguf import load_gguf
+from .app import build_app
+
+__all__ = ["main", "serve_main", "parser"]
+
+_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server on hf-paged's engine")
+    p.add_argument("model", help="a local transformers model directory (or the directory / path of --gguf-file)")
+    p.add_argument("--gguf-file", default=None, help="load this GGUF file (in MODEL's directory, or a path)")
+    p.add_argument("--served-model-name", default=None, help="the id clients pass as `model` (default: MODEL)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu ... (default: cuda if available)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $HF_PAGED_API_KEY)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default: sized from free GPU memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped blocks")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--no-warm-up", action="store_true", help="skip compiling kernels / capturing graphs up front")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def load(args) -> tuple[object, object]:
+    """(model, tokenizer) from the command line's model arguments."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.gguf_file is not None or str(args.model).endswith(".gguf"):
+        model, tokenizer = load_gguf(args.model, args.gguf_file, dtype=dtype, device=device)
+    else:
+        if not os.path.isdir(args.model):
+            raise SystemExit(f"hf-paged serve: MODEL must be a local model directory, got {args.model!r}")
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+        model = model.to(device).eval()
+    return model, tokenizer
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model, tokenizer = load(args)
+    engine = Engine(
+        model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
+        use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
+        compile_decode=args.compile_decode,
+    )
+    if not args.no_warm_up and engine.device.type == "cuda":
+        engine.warm_up()
+    name = args.served_model_name or args.model
+    app = build_app(engine, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)), access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run()  # handles SIGINT/SIGTERM; returns after the lifespan shutdown closed the engine
+    except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down cleanly
+        pass
+    return 0 if engine.closed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `hf-paged` console script: `hf-paged serve MODEL ...`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: hf-paged serve MODEL [options]   (hf-paged serve --help)", file=sys.stderr)
+        return 2
+    return serve_main(argv[1:])

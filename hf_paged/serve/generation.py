@@ -1,0 +1,188 @@
+"""One API request as engine requests: sampling parameters, choices, text deltas, logprobs, usage and latencies.
+
+A prompt with `n` choices is one engine request with `num_return_sequences=n` when sampling (the samples share the
+prompt's KV blocks), or `n` engine requests when greedy (the engine refuses identical greedy copies; the prefix cache
+shares their prompt). `Generation.events()` yields, after each engine step that advanced any choice, the list of
+`ChoiceDelta`s, so the same code serves streamed and whole responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..engine import SamplingParams
+from .bridge import EngineBridge, RequestFailed
+from .metrics import ServerMetrics
+from .protocol import ApiError
+from .stops import TextTracker
+
+__all__ = ["ChoiceDelta", "Generation", "finish_reason"]
+
+_FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    return None if engine_reason is None else _FINISH.get(engine_reason, engine_reason)
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]  # (token, logprob, top alternatives) per new token
+    finish_reason: str | None
+
+
+@dataclass
+class _Choice:
+    tracker: TextTracker
+    finish_reason: str | None = None
+    logprobs_sent: int = 0
+    last_time: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class Generation:
+    """The engine requests of one API request and the state of its choices."""
+
+    def __init__(self, bridge: EngineBridge, tokenizer, metrics: ServerMetrics, prompts: list[list[int]], *, n: int,
+                 temperature: float, top_p: float, max_tokens: int | None, stop: list[str], seed: int | None,
+                 logprobs: int | None, ignore_eos: bool = False) -> None:
+        self.bridge, self.tokenizer, self.metrics = bridge, tokenizer, metrics
+        self.id = uuid.uuid4().hex
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.prompts = prompts
+        self.n = n
+        self.stop = stop
+        self.logprobs = logprobs
+        self.choices = [_Choice(TextTracker(tokenizer, stop)) for _ in range(n * len(prompts))]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._base: dict[str, int] = {}  # engine request id -> index of its first choice
+        self._open: set[str] = set()
+        self._first_token_seen = False
+        engine = bridge.engine
+        sample = temperature > 0
+        pool_tokens = engine.block_manager.num_blocks * engine.cache.block_size
+        self._specs = []
+        for i, ids in enumerate(prompts):
+            limit = pool_tokens if engine.max_model_len is None else min(pool_tokens, engine.max_model_len)
+            room = limit - len(ids)
+            if room < 1:
+                raise ApiError(f"the prompt has {len(ids)} tokens; this server takes at most {limit - 1} "
+                               f"(the model's context / the KV pool)", param="prompt", code="context_length_exceeded")
+            kwargs = dict(max_new_tokens=room if max_tokens is None else max_tokens,
+                          do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
+                          seed=seed, stop_strings=tuple(stop), logprobs=logprobs,
+                          ignore_eos=ignore_eos)
+            if sample and n > 1:
+                self._specs.append((f"{self.id}-{i}", ids, SamplingParams(num_return_sequences=n, **kwargs), i * n))
+            else:
+                for j in range(n):
+                    self._specs.append((f"{self.id}-{i}-{j}", ids, SamplingParams(**kwargs), i * n + j))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
+
+    def start(self) -> None:
+        """Submit every engine request (all or none: a refused one aborts those already in)."""
+        try:
+            for request_id, ids, params, base in self._specs:
+                self.bridge.submit(request_id, ids, params, self.queue)
+                self._base[request_id] = base
+                self._open.add(request_id)
+        except (ValueError, TypeError) as error:
+            self.abort()
+            param = "prompt" if "prompt" in str(error) else None
+            raise ApiError(str(error), param=param) from None
+        except RuntimeError as error:  # shutting down
+            self.abort()
+            raise ApiError(str(error), status=503, code="unavailable") from None
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def abort(self) -> None:
+        """Abort every engine request still running (client gone): their blocks are freed now."""
+        for request_id in list(self._open):
+            self.bridge.abort(request_id)
+        self._open.clear()
+
+    async def events(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """The choices' deltas after each engine step, until every choice is finished. Raises `RequestFailed`."""
+        try:
+            while self._open:
+                out = await self.queue.get()
+                if out.error is not None:
+                    raise RequestFailed(f"the engine failed this request: {type(out.error).__name__}: {out.error}")
+                deltas = self._advance(out)
+                if out.finished:
+                    self._open.discard(out.request_id)
+                if deltas:
+                    yield deltas
+        finally:
+            self.abort()
+        end = time.perf_counter()
+        self.metrics.e2e.observe(end - self.arrival)
+        for c in self.choices:
+            self.metrics.requests.labels(c.finish_reason or "abort").inc()
+        self.metrics.generation_tokens.inc(self.completion_tokens)
+
+    def _advance(self, out) -> list[ChoiceDelta]:
+        now = time.perf_counter()
+        base = self._base.get(out.request_id)
+        if base is None:
+            return []
+        deltas = []
+        for completion in out.outputs:
+            choice = self.choices[base + completion.index]
+            if choice.finish_reason is not None:
+                continue
+            new = len(completion.token_ids) - len(choice.tokens)
+            if new > 0:
+                if not self._first_token_seen:
+                    self._first_token_seen = True
+                    self.metrics.ttft.observe(now - self.arrival)
+                if choice.last_time is not None:
+                    for _ in range(new):
+                        self.metrics.itl.observe((now - choice.last_time) / new)
+                choice.last_time = now
+            choice.tokens = list(completion.token_ids)
+            reason = finish_reason(completion.finish_reason)
+            text = choice.tracker.update(choice.tokens, reason is not None)
+            if choice.tracker.stopped:
+                reason = "stop"
+            logprobs = []
+            if completion.logprobs is not None:
+                fresh = completion.logprobs[choice.logprobs_sent:]
+                logprobs = [(tok, lp, top) for tok, (lp, top) in
+                            zip(choice.tokens[choice.logprobs_sent:], fresh)]
+                choice.logprobs_sent += len(fresh)
+            choice.finish_reason = reason
+            if text or logprobs or reason is not None:
+                deltas.append(ChoiceDelta(base + completion.index, text, logprobs, reason))
+        if out.request_id in self._open and not out.finished:  # a stop string the engine has not seen yet
+            ids = range(base, base + len(out.outputs))
+            if all(self.choices[i].finish_reason is not None for i in ids) and len(out.outputs) == self._width(
+                    out.request_id):
+                self.bridge.abort(out.request_id)
+                self._open.discard(out.request_id)
+        return deltas
+
+    def _width(self, request_id: str) -> int:
+        for rid, _, params, _ in self._specs:
+            if rid == request_id:
+                return params.num_return_sequences
+        return 1
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

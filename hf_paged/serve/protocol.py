@@ -1,0 +1,181 @@
+"""The OpenAI request bodies the server accepts, validated by pydantic, and the OpenAI-style error they map to.
+
+Unknown fields are refused (a silently ignored parameter would change what a client gets without telling it);
+fields OpenAI defines but hf-paged does not implement are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions",
+           "error_body", "MAX_N"]
+
+MAX_N = 16  # choices per request (each is a sequence of the engine); more is refused with 400
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with `status` (400 invalid request, 401 key, 500 engine failure)."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 404: "not_found"}.get(status,
+                                                                                                  "internal_error")
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error"}.get(
+            self.status, "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever comes (benchmarks)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value):
+        if value != 0.0:
+            raise ValueError("only 0 is supported (presence/frequency penalties are not implemented)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], list) and any(not p for p in value):
+            raise ValueError("token-id prompts must not be empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must be equal to n (or left out)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts (a single prompt is a batch of one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... go to the chat template untouched
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        content = self.content
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: text parts only
+            if any(part.get("type") != "text" for part in content):
+                raise ValueError("only text content parts are supported")
+            content = "".join(str(part.get("text", "")) for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,180 @@
+"""The server in process (httpx ASGITransport) on a tiny random llama with a byte-level tokenizer: request
+validation (400 JSON errors), stop-string truncation and hold-back, logprobs, n, streaming, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged.serve import build_app  # noqa: E402
+from hf_paged.serve.stops import TextTracker, find_stop, held_back  # noqa: E402
+from hf_paged.testing import tiny_model  # noqa: E402
+
+SPECIAL = ["<pad>", "<s>", "</s>"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Ids 0-2 special, then one token per byte (no merges): any text round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    out.add_special_tokens({"additional_special_tokens": []})
+    out.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok))
+    engine = hf_paged.Engine(model, tok, num_blocks=24, block_size=4, max_num_seqs=8)
+    app = build_app(engine, model_name="tiny", api_key="sekret")
+    yield app, engine, tok
+    app.state.bridge.shutdown(0)
+
+
+def call(app, method, path, body=None, *, key="sekret", raw=None):
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            if raw is not None:
+                headers["content-type"] = "application/json"
+                return await client.request(method, path, content=raw, headers=headers)
+            return await client.request(method, path, json=body, headers=headers)
+
+    return asyncio.run(go())
+
+
+def test_stop_string_helpers():
+    assert find_stop("hello world", ["wor", "lo"]) == 3
+    assert find_stop("hello", ["x"]) is None
+    assert held_back("abc wo", ["world"]) == 2  # "wo" may become "world"
+    assert held_back("abc", ["world"]) == 0
+    assert held_back("ab\ufffd", []) == 1
+
+
+class _CharTok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_tracker_holds_back_and_truncates():
+    t = TextTracker(_CharTok(), ["END"])
+    assert t.update([ord(c) for c in "ab"], False) == "ab"
+    assert t.update([ord(c) for c in "abxE"], False) == "x"  # "E" held back
+    assert t.update([ord(c) for c in "abxEN"], False) == ""
+    assert t.update([ord(c) for c in "abxENDzz"], False) == ""  # the stop string and what follows are dropped
+    assert t.stopped and t.sent == "abx"
+    t2 = TextTracker(_CharTok(), ["END"])
+    assert t2.update([ord(c) for c in "abE"], True) == "abE"  # finished: nothing is held back
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "n": 99}, "n"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+    ({"prompt": "hi", "bogus": 1}, "bogus"),
+    ({"prompt": []}, "prompt"),
+    ({}, "prompt"),
+])
+def test_bad_completion_requests(served, body, param):
+    app, _, _ = served
+    r = call(app, "POST", "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param) and err["message"]
+
+
+def test_malformed_json_auth_and_model(served):
+    app, engine, _ = served
+    r = call(app, "POST", "/v1/completions", raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert call(app, "GET", "/v1/models", key=None).status_code == 401
+    assert call(app, "GET", "/v1/models", key="wrong").status_code == 401
+    assert call(app, "GET", "/v1/models").json()["data"][0]["id"] == "tiny"
+    assert call(app, "GET", "/health", key=None).json() == {"status": "ok"}
+    r = call(app, "POST", "/v1/completions", {"prompt": "hi", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    too_long = "x" * (engine.block_manager.num_blocks * 4 + 1)
+    r = call(app, "POST", "/v1/completions", {"prompt": too_long, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = call(app, "POST", "/v1/completions", {"prompt": [10**6], "max_tokens": 2})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    r = call(app, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_greedy_completion_matches_engine_and_stop_truncates(served):
+    app, engine, tok = served
+    r = call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tok("hello")["input_ids"]
+    ref = hf_paged.Engine(engine.model, tok, num_blocks=24, block_size=4).generate([ids], max_new_tokens=12)[0]
+    ref_text = tok.decode(ref.outputs[0].token_ids, skip_special_tokens=True)
+    assert body["choices"][0]["text"] == ref_text
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
+    # stop on a piece of the greedy text: output truncated right before it, finish_reason "stop"
+    stop = ref_text[3:5]
+    assert stop and ref_text.find(stop) >= 1
+    r = call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 12, "temperature": 0,
+                                                  "stop": stop})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == ref_text[: ref_text.find(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_stream_n_logprobs_and_metrics(served):
+    app, engine, _ = served
+    body = {"prompt": "abc", "max_tokens": 5, "temperature": 0.8, "seed": 3, "n": 2, "stream": True, "logprobs": 2,
+            "stream_options": {"include_usage": True}}
+    r = call(app, "POST", "/v1/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, finish, lps = {0: "", 1: ""}, {}, {0: [], 1: []}
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["text"]
+            lps[ch["index"]] += ch["logprobs"]["token_logprobs"]
+            assert all(len(top) <= 2 for top in ch["logprobs"]["top_logprobs"])
+            finish[ch["index"]] = ch["finish_reason"] or finish.get(ch["index"])
+    assert chunks[-1]["usage"]["completion_tokens"] == 10 and chunks[-1]["choices"] == []
+    assert finish == {0: "length", 1: "length"} and len(lps[0]) == len(lps[1]) == 5
+    assert all(lp <= 0 for lp in lps[0] + lps[1])
+    whole = call(app, "POST", "/v1/completions", {**body, "stream": False, "stream_options": None}).json()
+    assert [c["text"] for c in whole["choices"]] == [texts[0], texts[1]]  # seeded: the same samples
+    metrics = call(app, "GET", "/metrics", key=None).text
+    assert "hf_paged_time_to_first_token_seconds_count" in metrics
+    assert "hf_paged_kv_blocks_used 0.0" in metrics  # everything finished: no block held
+
+
+def test_chat_logprobs(served):
+    app, _, _ = served
+    r = call(app, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                   "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == 3
+    assert all(len(e["top_logprobs"]) == 1 for e in choice["logprobs"]["content"])
