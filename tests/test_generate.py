@@ -441,15 +441,14 @@ def test_request_that_can_never_fit_the_pool_raises():
 
 def test_enable_refuses_unsupported_config():
     config = AutoConfig.for_model(
-        "gemma2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16,
+        "gemma", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, use_bidirectional_attention=True,
     )
-    assert config.attn_logit_softcapping is not None  # Gemma 2 soft-caps its attention logits
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError) as info:
         hf_paged.enable(model)
     message = str(info.value)
-    assert "soft-capping" in message and "'softcap'" in message
+    assert "bidirectional" in message and "'non_causal'" in message
     assert not hasattr(type(model), "_hf_paged_base")  # nothing was changed
     assert model.config._attn_implementation != hf_paged.ATTENTION_NAME
 

@@ -9,7 +9,14 @@ import torch
 from transformers import DynamicCache, Gemma2Config, T5Config
 
 from hf_paged import testing
-from hf_paged.integrations.support import HANDLED_FEATURES, SUPPORTED_MODEL_TYPES, check_supported, describe_support
+from hf_paged.attention import support
+from hf_paged.attention.support import (
+    HANDLED_FEATURES,
+    SUPPORTED_MODEL_TYPES,
+    check_supported,
+    describe_support,
+    model_features,
+)
 from hf_paged.testing import FAMILIES, tiny_batch, tiny_config, tiny_model
 
 EXPECTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
@@ -123,7 +130,8 @@ def test_check_supported_accepts_tiny(family):
     check_supported(tiny_model(family))
 
 
-def test_check_supported_refuses_softcapping():
+def test_check_supported_reports_and_accepts_softcapping():
+    """Soft-capping is a kernel option since issue 15: the gate names it as a feature and accepts it."""
     cfg = Gemma2Config(
         vocab_size=256,
         hidden_size=64,
@@ -133,25 +141,32 @@ def test_check_supported_refuses_softcapping():
         num_key_value_heads=2,
         head_dim=16,
     )
-    msg = _refused(cfg, "softcap", "sliding_window")
-    assert "soft-capping" in msg and "gemma2" in msg
-    # soft-capping on an otherwise accepted family is refused too
+    features = model_features(cfg)
+    assert "attn_logit_softcapping=50.0" in features["softcap"] and "sliding_window" in features
+    check_supported(cfg)
     cfg = tiny_config("llama")
     cfg.attn_logit_softcapping = 50.0
-    assert "attn_logit_softcapping" in _refused(cfg, "softcap")
+    check_supported(cfg)
+    # ... but only what HANDLED_FEATURES lists is accepted: without it the same config is refused, naming it
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(support, "HANDLED_FEATURES", support.HANDLED_FEATURES - {"softcap"})
+        assert "soft-capping" in _refused(cfg, "softcap")
 
 
-def test_check_supported_refuses_sliding_window():
-    _refused(tiny_config("mistral", sliding_window=64), "sliding_window")
-    _refused(tiny_config("phi3", sliding_window=64), "sliding_window")
+def test_check_supported_reports_sliding_windows():
+    """Per-layer windows are read from the config (which layers, how long) and accepted."""
+    assert "all layers" in model_features(tiny_config("mistral", sliding_window=64))["sliding_window"]
     # Qwen2: layers >= max_window_layers use the window when use_sliding_window=True
-    _refused(tiny_config("qwen2", use_sliding_window=True, max_window_layers=1), "sliding_window")
-    _refused(tiny_config("qwen3", use_sliding_window=True, max_window_layers=0), "sliding_window")
+    assert model_features(tiny_config("qwen2", use_sliding_window=True, max_window_layers=1))["sliding_window"]
+    check_supported(tiny_config("qwen3", use_sliding_window=True, max_window_layers=0))
     # ... and no layer does when max_window_layers >= num_hidden_layers: transformers applies no window at all
-    check_supported(tiny_config("qwen2", use_sliding_window=True, max_window_layers=2))
-    # a window as long as the context is still refused, with a hint
-    msg = _refused(tiny_config("phi3", sliding_window=4096, max_position_embeddings=512), "sliding_window")
-    assert "sliding_window = None" in msg
+    assert "sliding_window" not in model_features(tiny_config("qwen2", use_sliding_window=True, max_window_layers=2))
+    # a window as long as the context is reported with a hint
+    note = model_features(tiny_config("phi3", sliding_window=4096, max_position_embeddings=512))["sliding_window"]
+    assert "sliding_window = None" in note
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(support, "HANDLED_FEATURES", support.HANDLED_FEATURES - {"sliding_window"})
+        _refused(tiny_config("phi3", sliding_window=64), "sliding_window")
 
 
 def test_check_supported_refuses_other_architectures():

@@ -120,8 +120,10 @@ class Requests:
 
     def has_unfinished(self) -> bool:
         """Requests still running or waiting, or finished outputs not yet returned by `step()` (those a `generate()`
-        call on a shared engine finished for other callers)."""
-        return self.scheduler.has_unfinished() or bool(self._handed_back)
+        call on a shared engine finished for other callers). Reports of aborted requests do not count (as before a
+        `generate()` stepped them): the next `step()` still returns them, but nothing is left to wait for."""
+        return self.scheduler.has_unfinished() or any(
+            any(c.finish_reason != "abort" for c in out.outputs) for out in self._handed_back)
 
     def close(self) -> None:
         """Stop serving: abort every unfinished request (its blocks are freed now) and refuse new ones.
