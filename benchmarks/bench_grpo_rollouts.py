@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import build_model  # noqa: E402
+from roofline import copy_bandwidth, decode_bound_s  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
@@ -127,15 +128,23 @@ def main() -> None:
             results[system] = {"system": system, "error": f"{type(error).__name__}: {error}"}
         print(system, {k: v for k, v in results[system].items() if k != "outputs"}, flush=True)
     ref = results.get("dynamic", {}).get("outputs")
+    bound = None
+    if device == "cuda":  # the least one rollout step can take: weights + every row's KV read per decode step
+        meta = build_model(args.model, "meta", getattr(torch, args.dtype))
+        rows = [(p, args.new_tokens) for p in prompts for _ in range(args.generations)]
+        kv = hf_paged.cache.kv_bytes_per_token(meta.config, getattr(torch, args.dtype))
+        weights = sum(p.numel() * p.element_size() for p in meta.parameters())  # (meta tensors: no data_ptr)
+        bound = decode_bound_s(rows, weights, kv, copy_bandwidth())
+        print(f"decode bound per rollout step: {bound:.2f} s")
     print(f"\n{args.prompts} prompts x {args.generations} generations x {args.new_tokens} tokens, {args.model} "
           f"{args.dtype} on {device}")
-    print("| system | s / rollout step | tokens/s | x dynamic | x generate_batch | rows == dynamic |")
-    print("|---|---|---|---|---|---|")
+    print("| system | s / rollout step | tokens/s | x dynamic | x generate_batch | rows == dynamic | bound / run |")
+    print("|---|---|---|---|---|---|---|")
     base = results.get("dynamic", {}).get("mean_step_s")
     cb = results.get("generate_batch", {}).get("mean_step_s")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | error: {r['error'][:80]} | | | | |")
+            print(f"| {name} | error: {r['error'][:80]} | | | | | |")
             continue
         same = ""
         if ref is not None:
@@ -144,12 +153,13 @@ def main() -> None:
             r["rows_equal_dynamic"] = same
         x_base = f"{base / r['mean_step_s']:.2f}" if base else ""
         x_cb = f"{cb / r['mean_step_s']:.2f}" if cb else ""
-        print(f"| {name} | {r['mean_step_s']:.2f} | {r['tokens_per_s']:.0f} | {x_base} | {x_cb} | {same} |")
+        frac = f"{bound / r['mean_step_s']:.0%}" if bound else ""
+        print(f"| {name} | {r['mean_step_s']:.2f} | {r['tokens_per_s']:.0f} | {x_base} | {x_cb} | {same} | {frac} |")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         slim = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
-        (out / "grpo_rollouts.json").write_text(json.dumps({"args": vars(args), "results": slim}, indent=2))
+        (out / "grpo_rollouts.json").write_text(json.dumps({"args": vars(args), "bound_s": bound, "results": slim}, indent=2))
         try:
             import matplotlib
 
