@@ -103,6 +103,23 @@ def run_system(system: str, args, prompts, device) -> dict:
             "tokens_per_s": tokens / (sum(times) / len(times)), "outputs": outputs, **extra}
 
 
+def float32_agreement(args, prompts, device) -> str:
+    """TRL's call with hf-paged vs on the plain model, on a float32 copy (bf16 greedy on a random model flips on
+    rounding): 8 prompts x `generations` rows, 32 new tokens, a rollout, an optimizer step, then the compared rollout
+    (so K/V cached under the old weights would show). How many rows are equal."""
+    rows = [p for p in prompts[:8] for _ in range(args.generations)]
+    torch.manual_seed(0)
+    model = build_model(args.model, device, torch.float32)
+    hf_paged.enable(model, kv_cache_memory=args.kv_cache_memory)
+    rollout("paged", model, rows, 32)
+    optimizer_step(model, 0)
+    got = rollout("paged", model, rows, 32)
+    hf_paged.disable(model)
+    ref = rollout("dynamic", model, rows, 32)
+    del model
+    return f"{sum(a == b for a, b in zip(got, ref))}/{len(rows)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
@@ -114,6 +131,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--systems", default="paged,dynamic,generate_batch")
     parser.add_argument("--kv-cache-memory", default="20GiB")
+    parser.add_argument("--agreement", type=int, default=1, help="1: also compare greedy rows in float32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,13 +139,17 @@ def main() -> None:
     vocab = build_model(args.model, "meta", torch.float32).config.vocab_size
     prompts = make_prompts(args.prompts, lo, hi, vocab, seed=0)
     results = {}
-    for system in args.systems.split(","):
+    for system in [s for s in args.systems.split(",") if s]:
         try:
             results[system] = run_system(system, args, prompts, device)
         except Exception as error:  # one failing system must not lose the others' figures
             results[system] = {"system": system, "error": f"{type(error).__name__}: {error}"}
         print(system, {k: v for k, v in results[system].items() if k != "outputs"}, flush=True)
     ref = results.get("dynamic", {}).get("outputs")
+    agreement = None
+    if args.agreement:
+        agreement = float32_agreement(args, prompts, device)
+        print(f"float32 greedy after an optimizer step: paged rows == dynamic {agreement}")
     bound = None
     if device == "cuda":  # the least one rollout step can take: weights + every row's KV read per decode step
         meta = build_model(args.model, "meta", getattr(torch, args.dtype))
@@ -159,7 +181,8 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         slim = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
-        (out / "grpo_rollouts.json").write_text(json.dumps({"args": vars(args), "bound_s": bound, "results": slim}, indent=2))
+        (out / "grpo_rollouts.json").write_text(json.dumps({"args": vars(args), "bound_s": bound, "float32_agreement": agreement,
+                                                            "results": slim}, indent=2))
         try:
             import matplotlib
 

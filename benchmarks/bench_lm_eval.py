@@ -110,6 +110,17 @@ def run_engine(model, tokenizer, requests, args) -> list[list[int]]:
     return [list(r.outputs[0].token_ids) for r in engine.generate(requests, params, use_tqdm=False)]
 
 
+def float32_agreement(args, tokenizer, requests, vocab: int, device: str) -> str:
+    """hf batches vs the hf-paged engine on a float32 copy of the model: how many greedy texts are equal."""
+    small = argparse.Namespace(**{**vars(args), "dtype": "float32", "max_gen_toks": 32})
+    model = build(small, vocab, device)
+    ref = run_hf_batches(model, tokenizer, requests, small, paged=False)
+    hf_paged.enable(model, kv_cache_memory=args.kv_cache_memory)
+    got = run_engine(model, tokenizer, requests, small)
+    same = sum(cut(tokenizer.decode(a)) == cut(tokenizer.decode(b)) for a, b in zip(got, ref))
+    return f"{same}/{len(requests)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
@@ -121,6 +132,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="lm-eval's --batch_size for the hf backend")
     parser.add_argument("--systems", default="hf-paged,hf+paged,hf")
     parser.add_argument("--kv-cache-memory", default="20GiB")
+    parser.add_argument("--agreement", type=int, default=48,
+                        help="then this many requests (32 new tokens) in float32: hf vs hf-paged greedy texts; "
+                             "bf16 greedy on a random model flips on rounding, float32 shows whether they agree")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,7 +146,7 @@ def main() -> None:
     requests = make_requests(args.requests, lo, hi, vocab, tokenizer.pad_token_id, seed=0)
     model = build(args, vocab, device)
     results: dict[str, dict] = {}
-    for system in args.systems.split(","):
+    for system in [s for s in args.systems.split(",") if s]:
         if system in ("hf-paged", "hf+paged"):
             hf_paged.enable(model, kv_cache_memory=args.kv_cache_memory)
         else:
@@ -180,11 +194,19 @@ def main() -> None:
         frac = f"{bound / r['seconds']:.0%}" if bound else ""
         print(f"| {name} | {r['seconds']:.2f} | {r['kept_tokens'] / r['seconds']:.0f} | {x} | {same} | "
               f"{bound or float('nan'):.2f} | {frac} |")
+    agreement = None
+    if args.agreement:
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        agreement = float32_agreement(args, tokenizer, requests[: args.agreement], vocab, device)
+        print(f"float32 greedy, {args.agreement} requests x 32 tokens: hf-paged texts == hf {agreement}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         slim = {k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "kept")} for k, v in results.items()}
-        (out / "lm_eval.json").write_text(json.dumps({"args": vars(args), "bound_s": bound, "results": slim},
+        (out / "lm_eval.json").write_text(json.dumps({"args": vars(args), "bound_s": bound,
+                                                      "float32_agreement": agreement, "results": slim},
                                                      indent=2))
         try:
             import matplotlib

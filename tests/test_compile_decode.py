@@ -124,7 +124,9 @@ def test_two_compiled_engines_stepping_in_two_threads_keep_their_own_caches():
     results: list = [None, None]
 
     def serve(i: int) -> None:
-        results[i] = [r.outputs[0].token_ids for r in engines[i].generate(prompt_sets[i], max_new_tokens=10)]
+        outs = engines[i].generate(prompt_sets[i], max_new_tokens=10)
+        errors = [(r.outputs[0].finish_reason, repr(r.error)) for r in outs if r.error is not None]
+        results[i] = errors or [r.outputs[0].token_ids for r in outs]  # a failed step shows its error here
 
     threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
     for thread in threads:

@@ -19,12 +19,19 @@ CPU tests cover the decode path of the GPU token for token) or "eager".
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
+
+# Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
+# corrupt its caches. A runner's first call of each shape kind (one row / a symbolic batch) holds this lock; the
+# calls after it run the compiled code without it.
+_COMPILE_LOCK = threading.Lock()
 
 __all__ = ["ModelRunner"]
 
@@ -264,12 +271,19 @@ class ModelRunner:
             return self._forward(ids, pos)
         if self._compiled is None:
             self._compiled = torch.compile(self._forward)
+            self._compiled_kinds: set[bool] = set()
         if batch >= 2:
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
+        kind = batch >= 2
         try:
             with active_cache(self.cache):
-                return self._compiled(ids, pos)
+                if kind in self._compiled_kinds:
+                    return self._compiled(ids, pos)
+                with _COMPILE_LOCK:
+                    logits = self._compiled(ids, pos)
+                self._compiled_kinds.add(kind)
+                return logits
         finally:
             self.cache._engine_step_pending = False
 
