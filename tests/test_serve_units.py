@@ -85,6 +85,38 @@ def test_text_tracker_holds_back_and_truncates():
     assert t2.update([ord(c) for c in "abE"], True) == "abE"  # finished: nothing is held back
 
 
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece-style pieces ("\u2581" marks a space; a decode drops the leading one), as Llama / Mistral's."""
+    pieces = ["<pad>", "<s>", "</s>"] + [p + c for c in "abcEND\u00e9" for p in ("", "\u2581")]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, metaspace_tokenizer])
+@pytest.mark.parametrize("stops", [[], ["END"], ["\u00e9a"]])
+def test_incremental_text_equals_the_full_decode(make, stops):
+    """The deltas, token by token (and in uneven chunks), add up to the full decode cut at the first stop string;
+    nothing sent is ever taken back (random bytes: ByteLevel splits multi-byte characters across tokens)."""
+    import random
+
+    tok = make()
+    rng = random.Random(len(stops))
+    for trial in range(30):
+        ids = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 40))]
+        full = tok.decode(ids, skip_special_tokens=True)
+        cut = find_stop(full, stops) if stops else None
+        expected = full if cut is None else full[:cut]
+        tracker, sent, n = TextTracker(tok, stops), "", 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.choice((1, 1, 1, 2, 5)))
+            delta = tracker.update(ids[:n], n == len(ids))
+            sent += delta
+            assert expected.startswith(sent), (trial, ids, n)  # nothing sent is ever taken back
+        assert sent == expected, (trial, ids)
+        assert tracker.stopped == (cut is not None)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),

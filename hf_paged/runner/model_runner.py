@@ -328,12 +328,13 @@ class ModelRunner:
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
 
-        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step, so a
-        few query lengths are run. Nothing is written (slot -1) and every table points at block 0.
+        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step: every
+        power of two up to 512 is run, so each tile the kernel can pick is compiled (a missed one cost a serving
+        step about a second of JIT). Nothing is written (slot -1) and every table points at block 0.
         """
         cache = self.cache
         with torch.inference_mode():
-            for q_len in (2, 8, 64, 256):
+            for q_len in [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_tokens)]:
                 num_seqs = max(1, min(4, max_tokens // q_len))
                 tokens = num_seqs * q_len
                 table = [0] * -(-q_len // self.block_size)  # every position reads block 0

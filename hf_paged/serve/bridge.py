@@ -21,6 +21,11 @@ __all__ = ["EngineBridge", "RequestFailed"]
 log = logging.getLogger("hf_paged.serve")
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class RequestFailed(RuntimeError):
     """The engine failed a request (its step raised); answered with 500."""
 
@@ -74,13 +79,19 @@ class EngineBridge:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------------ stepping thread
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their queues: one wake-up of each event loop per step, not one per request
+        (with a hundred streams, per-output wake-ups kept the loop busy and took the GIL from the stepping thread)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            target = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
-        if target is not None:
-            loop, queue = target
+            for out in outs:
+                target = (self._queues.pop(out.request_id, None) if out.finished
+                          else self._queues.get(out.request_id))
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], out))
+        for loop, items in batches.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
                 pass
 
@@ -103,8 +114,7 @@ class EngineBridge:
             if not engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
-                for out in self._collect():  # aborted requests are reported outside steps
-                    self._deliver(out)
+                self._deliver(self._collect())  # aborted requests are reported outside steps
                 continue
             try:
                 outs = engine.step()
@@ -112,10 +122,8 @@ class EngineBridge:
                 log.exception("engine step failed outside its requests")
                 self._fail_all(error)
                 continue
-            for out in outs:
-                self._deliver(out)
-        for out in self._collect():
-            self._deliver(out)
+            self._deliver(outs)
+        self._deliver(self._collect())
 
     def _collect(self) -> list[RequestOutput]:
         try:

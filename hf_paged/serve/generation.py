@@ -119,14 +119,15 @@ class Generation:
         """The choices' deltas after each engine step, until every choice is finished. Raises `RequestFailed`."""
         try:
             while self._open:
-                out = await self.queue.get()
-                if out.error is not None:
-                    raise RequestFailed(f"the engine failed this request: {type(out.error).__name__}: {out.error}")
-                deltas = self._advance(out)
-                if out.finished:
-                    self._open.discard(out.request_id)
-                if deltas:
-                    yield deltas
+                for out in await self._latest():
+                    if out.error is not None:
+                        raise RequestFailed(
+                            f"the engine failed this request: {type(out.error).__name__}: {out.error}")
+                    deltas = self._advance(out)
+                    if out.finished:
+                        self._open.discard(out.request_id)
+                    if deltas:
+                        yield deltas
         finally:
             self.abort()
         end = time.perf_counter()
@@ -134,6 +135,20 @@ class Generation:
         for c in self.choices:
             self.metrics.requests.labels(c.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(self.completion_tokens)
+
+    async def _latest(self) -> list:
+        """Wait for outputs; return the newest of each engine request queued so far. Outputs are cumulative, so
+        when the client reads slower than the engine steps, the steps in between merge into one chunk instead of
+        piling up (the stream then carries several tokens per event, as vLLM's does)."""
+        latest = {}
+        out = await self.queue.get()
+        latest[out.request_id] = out
+        while not self.queue.empty():
+            out = self.queue.get_nowait()
+            if out.error is not None:
+                return [out]
+            latest[out.request_id] = out
+        return list(latest.values())
 
     def _advance(self, out) -> list[ChoiceDelta]:
         now = time.perf_counter()

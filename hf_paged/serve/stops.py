@@ -35,21 +35,54 @@ class TextTracker:
 
     `stopped` becomes True once a stop string appeared: the text then ends before it, and the choice is over
     (its finish reason is "stop") even if the engine has not noticed yet.
+
+    Detokenization is incremental, so a step costs the same at token 10 and at token 10,000 (decoding the whole list
+    every step made a stream quadratic, and on a busy server the event loop, not the GPU, set the pace): the new
+    text is the decode of a short window `[prefix, end)` minus the decode of `[prefix, read)`, taken once it no longer
+    ends in an incomplete character. The window restarts at the last token read, so a tokenizer's leading-space or
+    byte-merging rules see the same context as in a full decode. Stop strings are searched only in the text that can
+    contain a new one (from just before what was already read).
     """
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self._longest_stop = max((len(s) for s in stops), default=0)
+        self.text = ""  # the decoded text of the tokens read so far
         self.sent = ""
         self.num_tokens = 0
         self.stopped = False
+        self._prefix = 0  # token index where the decode window starts
+        self._read = 0  # tokens whose text is in `self.text`
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _advance(self, token_ids: list[int], finished: bool) -> None:
+        """Append the text of `token_ids[self._read:]` to `self.text` (all of it when finished; else up to the last
+        complete character)."""
+        if len(token_ids) <= self._read:
+            return
+        before = self._decode(token_ids[self._prefix:self._read])
+        after = self._decode(token_ids[self._prefix:])
+        if len(after) > len(before) and after.startswith(before) and (finished or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(token_ids)
+        elif finished and not after.startswith(before):  # a tokenizer that rewrites earlier text: decode it all
+            self.text = self._decode(token_ids)
+            self._prefix = self._read = len(token_ids)
 
     def update(self, token_ids: list[int], finished: bool) -> str:
         if self.stopped:
             return ""
         self.num_tokens = len(token_ids)
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = find_stop(text, self.stops) if self.stops else None
+        start = max(0, len(self.text) - self._longest_stop + 1)
+        self._advance(token_ids, finished)
+        text = self.text
+        cut = None
+        if self.stops:
+            hit = find_stop(text[start:], self.stops)
+            cut = None if hit is None else start + hit
         if cut is not None:
             text, self.stopped, finished = text[:cut], True, True
         end = len(text) if finished else len(text) - held_back(text, self.stops)
