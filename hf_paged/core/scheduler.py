@@ -312,7 +312,7 @@ class Scheduler:
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
-            match = bm.match_prefix(seq.token_ids)
+            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix)
             if match.pending and self.running:
                 return None, None
             matches[seq.seq_id] = match
