@@ -272,7 +272,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                     phase = "forward"
                     with torch.inference_mode():
                         score_rows = self._score_rows(sched)
-                        logits, samplers = self.runner.execute(sched, extra_rows=score_rows)
+                        if score_rows:
+                            logits, samplers = self.runner.execute(sched, extra_rows=score_rows)
+                        else:
+                            logits, samplers = self.runner.execute(sched)
                         phase = "sample"
                         scored: list[SequenceGroup] = []
                         rest = sched
