@@ -201,3 +201,21 @@ def test_command_line_help():
     run = subprocess.run([sys.executable, "-m", "hf_paged.lm_eval", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and "--model_args" in run.stdout
+
+
+def test_requests_the_engine_cannot_hold_fall_back_to_hflm(plain_lm, paged_lm, monkeypatch):
+    """Routing: requests failing the engine's capacity check go to HFLM's forwards; answers stay in input order."""
+    context = paged_lm.tok_encode("Pick a color:")
+    requests = [(("c", cont), context, paged_lm.tok_encode(cont)) for cont in (" red", " a deep blue", " green")]
+    too_long = len(context) + len(requests[1][2])
+    monkeypatch.setattr(HFPagedLM, "_engine_can_score", staticmethod(lambda engine, n: n != too_long))
+    before = paged_lm.engine_loglikelihood_requests
+    _assert_close(paged_lm._loglikelihood_tokens(requests), plain_lm._loglikelihood_tokens(requests))
+    assert paged_lm.engine_loglikelihood_requests - before == 2
+
+
+def test_engine_capacity_check(paged_lm):
+    engine = paged_lm.engine
+    capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
+    assert HFPagedLM._engine_can_score(engine, capacity + 1)  # scoring-only: the last token is not computed
+    assert not HFPagedLM._engine_can_score(engine, capacity + 2)
