@@ -46,12 +46,14 @@ class PrefixCaching:
             chunks.append(chunk)
         return keys, chunks
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None) -> PrefixMatch:
         """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
 
         Walks the chain of full blocks, stopping at the first block that is not cached with exactly these tokens
         after exactly the prefix matched so far. At most ``(len(token_ids) - 1) // block_size`` blocks are used, so
-        at least one token (the last) is left to compute. Without prefix caching: an empty match.
+        at least one token (the last) is left to compute; ``max_cached_tokens`` lowers that bound (whole blocks
+        within it), for a sequence that needs the logits of the positions after it. Without prefix caching: an
+        empty match.
         """
         n = len(token_ids)
         if not self.enable_prefix_caching or n <= 0:
@@ -59,6 +61,8 @@ class PrefixCaching:
         gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
         keys, chunks = self._chain_keys(token_ids, n >> self._shift)
         usable = (n - 1) >> self._shift
+        if max_cached_tokens is not None:
+            usable = min(usable, _as_int("max_cached_tokens", max_cached_tokens, 0) >> self._shift)
         blocks: list[int] = []
         entries: list[int] = []
         parent = ROOT_ENTRY

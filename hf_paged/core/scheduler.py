@@ -16,7 +16,8 @@ Prefix caching (when the block manager has it on): at the start of every `schedu
 step's forward filled are keyed (`BlockManager.commit`), and so are a sequence's blocks before it is preempted or
 freed. A waiting sequence is admitted with its longest cached whole-block prefix mapped by reference
 (`BlockManager.allocate_prefix`): `num_computed` starts past it and only the rest is scheduled (at least the last
-token). If the block right after a waiting group's cached prefix is being computed this very step by a running
+token; a group's `max_cached_prefix` caps the prefix when it needs the logits of later positions). If the block
+right after a waiting group's cached prefix is being computed this very step by a running
 sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses for a step so that
 the group hits it instead of computing it a second time.
 """
@@ -312,7 +313,7 @@ class Scheduler:
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
-            match = bm.match_prefix(seq.token_ids)
+            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix)
             if match.pending and self.running:
                 return None, None
             matches[seq.seq_id] = match

@@ -87,6 +87,9 @@ class SequenceGroup:
     width: int = 1  # sequences it forks into after the prompt (parallel samples, beams)
     plain: bool = False  # engine hint: one greedy sequence, no logits processing, no scores (its token is the argmax)
     metrics: dict = field(default_factory=dict)  # engine timestamps (perf_counter): arrival, first token, finished
+    # the prefix cache may serve at most this many leading tokens at admission (None: no limit); the positions from
+    # here on must be computed because their logits are wanted (prompt log-probabilities)
+    max_cached_prefix: int | None = None
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]

@@ -28,6 +28,7 @@ from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
+from .prompt_logprobs import PromptLogprobs
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
 from .updates import TokenUpdates
@@ -47,7 +48,7 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime, Outputs):
+class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandling, KVLifetime, Outputs):
     """A continuous-batching server loop around a transformers causal LM.
 
     Args:
@@ -84,7 +85,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime,
     off by default there (`use_cuda_graph=True` asks for them).
 
     The class is the step loop and the set-up; its other jobs are mixins, one file each: `Requests` (adding, aborting,
-    closing, the fair lock), `PipelinedDecode`, `TokenUpdates` (sampling, forks, stops), `FaultHandling`, `Outputs`.
+    closing, the fair lock), `PipelinedDecode`, `TokenUpdates` (sampling, forks, stops), `PromptLogprobs` (scoring
+    prompt tokens during the prefill), `FaultHandling`, `Outputs`.
     """
 
     def __init__(
@@ -269,12 +271,22 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, FaultHandling, KVLifetime,
                     track_sharing(self.stats, *self.block_manager.usage())
                     phase = "forward"
                     with torch.inference_mode():
-                        logits, _ = self.runner.execute(sched)
-                        phase = "sample"
-                        if finished_only and self._can_pipeline(sched, logits):
-                            current = self._launch(sched, logits)
+                        score_rows = self._score_rows(sched)
+                        if score_rows:
+                            logits, samplers = self.runner.execute(sched, extra_rows=score_rows)
                         else:
-                            advanced = self._sample_and_update(sched, logits)
+                            logits, samplers = self.runner.execute(sched)
+                        phase = "sample"
+                        scored: list[SequenceGroup] = []
+                        rest = sched
+                        if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
+                            logits = self._record_prompt_logprobs(sched, score_rows, logits, len(samplers))
+                            rest, logits, scored = self._finish_scoring_only(sched, logits)
+                        if finished_only and self._can_pipeline(rest, logits):
+                            current = self._launch(rest, logits)
+                        else:
+                            advanced = self._sample_and_update(rest, logits) if rest.scheduled else []
+                            advanced += scored
                 except Exception as error:  # a failing step fails its own requests only
                     advanced = self._fail(sched, error, phase)
                 except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import SequenceGroup, SequenceStatus
+from .prompt_logprobs import PROMPT_SCORING
 
 __all__ = ["CompletionOutput", "Outputs", "RequestOutput"]
 
@@ -40,6 +41,9 @@ class RequestOutput:
     error: BaseException | None = None
     # perf_counter() timestamps: arrival_time, first_token_time (first output token on the host), finished_time
     metrics: dict = field(default_factory=dict)
+    # `SamplingParams.prompt_logprobs_start`: per prompt token from that index on, (its log-probability given the
+    # tokens before it, whether it is the most likely token there), float32 log-softmax of the raw logits
+    prompt_logprobs: list[tuple[float, bool]] | None = None
 
 
 class Outputs:
@@ -82,8 +86,9 @@ class Outputs:
             logprobs = group.data.get(("logprobs", seq.seq_id))
             outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score,
                                             None if logprobs is None else list(logprobs)))
-        prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len]
+        scoring = group.data.get(PROMPT_SCORING)
+        prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len] if scoring is None else list(scoring.prompt)
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.perf_counter()
         return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error,
-                             dict(group.metrics))
+                             dict(group.metrics), None if scoring is None else list(scoring.values))

@@ -14,7 +14,7 @@ import torch
 
 from .criteria import as_criteria
 
-__all__ = ["SamplingParams", "validate_beam_params"]
+__all__ = ["SamplingParams", "validate_beam_params", "validate_prompt_logprobs"]
 
 
 def _as_token_list(value, name: str) -> tuple[int, ...]:
@@ -56,6 +56,19 @@ def validate_beam_params(p) -> None:
         raise ValueError("stopping_criteria is not supported with num_beams > 1")
 
 
+def validate_prompt_logprobs(p) -> None:
+    """Check `prompt_logprobs_start` (its upper bound, the prompt length, is checked by `Engine.add_request`)."""
+    start = p.prompt_logprobs_start
+    if start is None:
+        return
+    if not isinstance(start, int) or isinstance(start, bool) or start < 1:
+        raise ValueError(f"prompt_logprobs_start must be None or an int >= 1 (token 0 has no context to score it "
+                         f"from), got {start!r}")
+    if p.num_beams > 1:
+        raise ValueError("prompt_logprobs_start is not supported with num_beams > 1")
+    if p.max_new_tokens == 0 and p.num_return_sequences > 1:
+        raise ValueError("max_new_tokens=0 (scoring only) generates nothing: num_return_sequences must be 1")
+
 
 @dataclass
 class SamplingParams:
@@ -82,6 +95,10 @@ class SamplingParams:
     # callables (input_ids [1, len], scores) -> bool asked per sequence after each token (hf_paged.engine.criteria)
     stopping_criteria: tuple = ()
     logprobs: int | None = None  # report the chosen token's log-probability and this many top alternatives
+    # score the prompt from this token on: `RequestOutput.prompt_logprobs` gets (log-probability, is argmax) of each
+    # prompt token from this index on (index >= 1: token 0 has no context). With max_new_tokens=0 the request only
+    # scores: the last prompt token is not computed, nothing is generated (hf_paged.engine.prompt_logprobs)
+    prompt_logprobs_start: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,8 +119,9 @@ class SamplingParams:
 
         if not is_int(self.max_new_tokens):
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.prompt_logprobs_start is None):
+            raise ValueError(f"max_new_tokens must be positive (0 only to score a prompt with "
+                             f"prompt_logprobs_start), got {self.max_new_tokens}")
         if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be a non-negative int, got {self.min_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
@@ -131,6 +149,7 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
         if self.logprobs is not None and self.num_beams > 1:
             raise ValueError("logprobs is not supported with num_beams > 1")
+        validate_prompt_logprobs(self)
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TypeError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
 

@@ -12,6 +12,7 @@ import torch
 from ..core import Sequence, SequenceGroup, SequenceStatus
 from .device_sampling import device_params
 from .params import SamplingParams
+from .prompt_logprobs import start_scoring
 
 __all__ = ["EngineClosedError", "Requests"]
 
@@ -69,6 +70,9 @@ class Requests:
             eos = getattr(self.model.generation_config, "eos_token_id", None)
             params.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos or ())
         token_ids = self._normalize_prompt(prompt)
+        scored_prompt = token_ids
+        if params.prompt_logprobs_start is not None:
+            token_ids = _prompt_to_compute(token_ids, params)
         total = len(token_ids) + params.max_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(
@@ -101,6 +105,8 @@ class Requests:
             group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width,
                                   plain=spec is not None and params.num_return_sequences == 1)
             group.data["device_params"] = spec
+            if params.prompt_logprobs_start is not None:
+                start_scoring(group, scored_prompt, params.prompt_logprobs_start)
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)
@@ -173,3 +179,13 @@ class Requests:
             yield
         finally:
             self._lock.release()
+
+
+def _prompt_to_compute(token_ids: list[int], params: SamplingParams) -> list[int]:
+    """The tokens a prompt-scoring request computes: all of them, or all but the last when it only scores
+    (`max_new_tokens=0`: the last token is a target, its K/V never needed). Checks `prompt_logprobs_start`."""
+    start = params.prompt_logprobs_start
+    if not start < len(token_ids):
+        raise ValueError(f"prompt_logprobs_start must be in [1, len(prompt) - 1] = [1, {len(token_ids) - 1}] "
+                         f"(the index of the first prompt token to score), got {start}")
+    return token_ids[:-1] if params.max_new_tokens == 0 else token_ids

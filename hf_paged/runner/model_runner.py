@@ -128,36 +128,45 @@ class ModelRunner:
         cache._copy_blocks(sched.copies)
 
     # ------------------------------------------------------------------ forward
-    def execute(self, sched: SchedulerOutput, input_tokens=None) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, sched: SchedulerOutput, input_tokens=None,
+                extra_rows: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`).
 
         `input_tokens = (tokens, rows)`: the step's input token ids are `tokens[rows]`, gathered on the device (the
         previous step's argmax, not yet on the host: a pipelined decode step). Static decode path only.
+
+        `extra_rows`: (index in `sched.scheduled`, offset in its chunk, count) of further positions whose logits are
+        wanted (prompt log-probabilities); their rows follow the `S` sampling rows, in order. Such steps run eagerly.
         """
         if sched.preempted or sched.swap_in or sched.swap_out:
             self.invalidate_tables()  # tables were rebuilt or moved: a row's (length, last block) proves nothing
-        if self.static_eligible(sched):
+        if not extra_rows and self.static_eligible(sched):
             self.last_static = True
             return self._execute_static(sched, input_tokens)
         if input_tokens is not None:
             raise ValueError("input_tokens needs a decode step on the static path")
         self.last_static = False
-        return self._execute_eager(sched)
+        return self._execute_eager(sched, extra_rows)
 
     def static_eligible(self, sched: SchedulerOutput) -> bool:
-        """Whether `execute` runs this step on the static decode buffers (CUDA graph, or "static" on the CPU)."""
+        """Whether `execute` runs this step on the static decode buffers (CUDA graph, or "static" on the CPU).
+
+        Every sequence must compute one token and sample: the static path returns one logits row per sequence, so a
+        one-token chunk in the middle of a prompt (what is left of the token budget) goes the eager way.
+        """
         scheduled = sched.scheduled
         return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
-                and all(item.num_tokens == 1 for item in scheduled))
+                and all(item.num_tokens == 1 and item.sample for item in scheduled))
 
-    def _execute_eager(self, sched: SchedulerOutput):
+    def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None):
         bm = self.cache.block_manager
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables, lens, q_lens, sample_index, samplers = [], [], [], [], []
+        tables, lens, q_lens, sample_index, samplers, firsts = [], [], [], [], [], []
         offset = 0
         for k, item in enumerate(sched.scheduled):
+            firsts.append(offset)
             end = item.start + item.num_tokens
             ids.extend(item.seq.token_ids[item.start : end])
             positions.extend(range(item.start, end))
@@ -173,14 +182,16 @@ class ModelRunner:
         self.cache.set_engine_step(step)
         input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
-        keep = torch.tensor(sample_index if sample_index else [offset - 1], dtype=torch.long).to(self.device)
+        rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
+                               range(first, first + count)]
+        keep = torch.tensor(rows if rows else [offset - 1], dtype=torch.long).to(self.device)
         output = self.model(
             input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
             logits_to_keep=keep,
         )
         self.eager_steps += 1
         logits = output.logits[0]
-        return (logits if sample_index else logits[:0]), samplers
+        return (logits if rows else logits[:0]), samplers
 
     @property
     def model(self):
