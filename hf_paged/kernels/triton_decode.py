@@ -75,7 +75,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, splits)
 
 
-@triton.jit
+# `split_len` and the table stride vary with the batch's longest context (eager decode steps): not specialised,
+# so a new length never compiles a new variant mid-serving (see triton_prefill).
+@triton.jit(do_not_specialize=["split_len", "stride_btb"])
 def _paged_decode_kernel(
     Q,
     KC,

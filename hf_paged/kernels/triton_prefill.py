@@ -23,7 +23,10 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block-table row stride is the longest table of the step: it changes from step to step, and Triton would
+# compile a variant per class of its value (1, a multiple of 16, other) at first use, a second-long stall in a
+# serving step. It only scales one table load per K/V tile, so it is not specialised.
+@triton.jit(do_not_specialize=["stride_btb"])
 def _paged_prefill_kernel(
     Q,
     KC,
