@@ -98,3 +98,37 @@ def test_cuda_graphs_equal_eager_under_pressure_with_forks_and_prefix_hits(mode)
         assert engine.kv_stats().used_blocks == 0
         engine.close()
     assert all(r == results[0] for r in results[1:])
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("budget", [4096, 24])
+def test_prompt_logprobs_on_cuda(caching, budget):
+    """Prompt scores (lm-eval's loglikelihood path) on the Triton prefill next to CUDA-graph decode steps: equal to
+    transformers' full forward; scoring-only and generating requests mixed, chunked prefill at a small budget."""
+    model = tiny_model("llama", seed=4).cuda()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 40, 77, 130, 33, 64)]
+    starts = [1, 20, 70, 2, 32, 63]
+    new_tokens = (0, 12, 0, 12, 0, 12)
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            lp = model(input_ids=torch.tensor([p], device="cuda")).logits[0, :-1].float().log_softmax(-1)
+            t = torch.tensor(p[1:], device="cuda")
+            refs.append((lp.gather(1, t[:, None])[:, 0].cpu(), (lp.argmax(-1) == t).cpu()))
+    gen_refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    hf_paged.enable(model)
+    engine = hf_paged.Engine(model, num_blocks=80, block_size=16, max_num_batched_tokens=budget,
+                             enable_prefix_caching=caching)
+    params = [hf_paged.SamplingParams(max_new_tokens=m, prompt_logprobs_start=s) for s, m in zip(starts, new_tokens)]
+    outs = engine.generate(prompts + prompts[:3], params + [hf_paged.SamplingParams(max_new_tokens=12)] * 3)
+    for s, (values, greedy), out in zip(starts, refs, outs):
+        got = torch.tensor([x for x, _ in out.prompt_logprobs])
+        assert (got - values[s - 1:]).abs().max().item() < 1e-4
+        assert [y for _, y in out.prompt_logprobs] == greedy[s - 1:].tolist()
+    for out, ref, m in zip(outs, gen_refs, new_tokens):
+        assert out.outputs[0].token_ids == (ref if m else [])
+    for out, ref in zip(outs[len(prompts):], gen_refs):
+        assert out.outputs[0].token_ids == ref
+    assert engine.kv_stats().used_blocks == 0
