@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from transformers import DynamicCache
 
 import hf_paged
 from hf_paged.testing import FAMILIES, tiny_model
@@ -136,3 +137,24 @@ def test_two_compiled_engines_stepping_in_two_threads_keep_their_own_caches():
     assert results == references
     for engine in engines:
         engine.close()
+
+
+def test_eager_forward_ignores_another_threads_compilation(monkeypatch):
+    """While any thread compiles, torch sets a process-wide `is_compiling()` flag. A compile_decode cache must decide
+    "inside our traced step" with `is_dynamo_compiling()` (true only in the trace), or an eager forward in another
+    thread skips its K/V write and reads another engine's step (seen as a flaky two-engine failure)."""
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dynamic = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :9], past_key_values=dynamic, use_cache=True)
+        ref = model(input_ids=ids[:, 9:], past_key_values=dynamic, use_cache=True).logits
+    hf_paged.enable(model)
+    cache = hf_paged.PagedCache(config=model.config, num_blocks=8, block_size=4)
+    cache._defer_write = True  # as an engine with compile_decode sets it
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)  # another thread compiling
+    with torch.no_grad():
+        model(input_ids=ids[:, :9], past_key_values=cache, use_cache=True)  # prefill: its K/V must be written
+        got = model(input_ids=ids[:, 9:], past_key_values=cache, use_cache=True).logits
+    monkeypatch.undo()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -176,7 +176,7 @@ def paged_attention_forward(
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
     opts = layer_options(module, kwargs)
     has_opts = any(v is not None for v in opts.values())
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
         if active is not None:

@@ -289,7 +289,7 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this step's K/V of `layer_idx` into the pool; return the layer's pool tensors (tagged)."""
-        if self._defer_write and torch.compiler.is_compiling():
+        if self._defer_write and torch.compiler.is_dynamo_compiling():
             # hf_paged's compiled decode step: the attention op writes and reads in one call
             # (`hf_paged.attention.compiled_op.write_and_decode`), so hand the new tokens through
             return key_states, value_states

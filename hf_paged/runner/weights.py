@@ -35,7 +35,7 @@ def _bump(*_args) -> None:
     # Models build modules inside forward (llama slices `self.layers[:n]`, a new ModuleList): under torch.compile
     # that registration is traced, and a global mutated there would cost a graph break and a recompile per call.
     # A module built while compiling is a temporary of the forward, never a weight change.
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return
     _EPOCH[0] += 1
 
