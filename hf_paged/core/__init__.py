@@ -6,7 +6,7 @@ and `swapping`), `sequence` (request and sequence state) and `scheduler` (FCFS i
 budget, chunked prefill and preemption). Everything above may import this package; it imports nothing of hf_paged.
 """
 
-from .block_manager import BlockManager
+from .block_manager import NULL_BLOCK, BlockManager
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, hash_block
 from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -18,6 +18,7 @@ __all__ = [
     "BlockManager",
     "BlockStats",
     "CachingBlockAllocator",
+    "NULL_BLOCK",
     "NoFreeBlocksError",
     "PrefixCacheStats",
     "PrefixMatch",
