@@ -234,8 +234,11 @@ def test_block_manager_release_fork_swap_truncate_free():
     bm.swap_in(["a"])
     assert bm.block_table("a")[:3] == [NULL_BLOCK] * 3
     _check_refs(bm)
-    bm.truncate("b", 6)  # into the released prefix: entries stay null, held blocks past it are dropped
-    assert bm.block_table("b") == [NULL_BLOCK, NULL_BLOCK]
+    with pytest.raises(ValueError, match="released"):
+        bm.truncate("b", 11)  # into the released prefix: that K/V is gone
+    bm.truncate("b", 12)  # down to it: the held blocks past it are dropped, the next append takes a fresh block
+    assert bm.block_table("b") == [NULL_BLOCK] * 3
+    assert bm.append_slots("b", 1).slots[0] // 4 not in (NULL_BLOCK, *bm.block_table("a"))
     _check_refs(bm)
     bm.free("a")
     bm.free("b")

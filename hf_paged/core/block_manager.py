@@ -368,14 +368,16 @@ class BlockManager(PrefixCaching, Swapping):
         n = _as_int("num_tokens", num_tokens, 0)
         if n > seq.num_tokens:
             raise ValueError(f"num_tokens must be <= {seq.num_tokens} (the length of seq_id {seq_id!r}), got {n}")
+        if n < seq.released << self._shift:  # the K/V there is gone: the sequence could never be extended again
+            raise ValueError(f"num_tokens must be >= {seq.released << self._shift}: seq_id {seq_id!r} released the "
+                             f"blocks before it (out of the sliding window), got {n}")
         keep = self.blocks_for(n)
         allocator = self.cpu if seq.swapped else self.gpu
-        dropped = seq.table[max(keep, seq.released):]
+        dropped = seq.table[keep:]
         if self.enable_prefix_caching:
             dropped.reverse()  # tail first into the LRU pool: evicted first
         allocator.decref_many(dropped)
         del seq.table[keep:]
-        seq.released = min(seq.released, keep)
         if not seq.swapped:
             self._num_logical -= len(dropped)
         seq.num_tokens = n
