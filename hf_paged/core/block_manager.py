@@ -15,7 +15,7 @@ Vocabulary
   prefix. A block is written only while exactly one table holds it; a shared *partial* last block is first copied
   (copy-on-write). A shared *full* block is never written again, so it is never copied.
 * Swapping (§4.5) moves a whole sequence group to a CPU pool and back, keeping the sharing inside the group.
-* Sliding windows (:meth:`BlockManager.release_before`): when every attention layer of the model slides, the blocks
+* Sliding windows (mixin `SlidingWindow`, :meth:`BlockManager.release_before`): when every attention layer of the model slides, the blocks
   wholly before the oldest key any future query attends are released: their table entries become
   :data:`NULL_BLOCK` (tables keep their length, so positions still index them) and their references go back to the
   pool. Released entries are always a prefix of the table; every operation skips them (fork, free, truncate, swap,
@@ -57,17 +57,18 @@ from .block_stats import AppendResult, BlockStats
 from .prefix_caching import PrefixCaching
 from .seq_blocks import NULL_BLOCK, _Seq
 from .swapping import Swapping
+from .window import SlidingWindow
 
 __all__ = ["BlockManager", "NULL_BLOCK"]
 
 
-class BlockManager(PrefixCaching, Swapping):
+class BlockManager(PrefixCaching, Swapping, SlidingWindow):
     """Block tables of every sequence over one GPU pool and one CPU swap pool.
 
     Why one class of this size: every table operation (allocate, fork, append with copy-on-write, the batched decode
     append, truncate, free) must update the same state together (tables, ref counts, the logical-block counter, the
-    prefix cache's pending keys) to keep the invariants below; prefix caching and swapping, which only build on
-    them, are the mixins `PrefixCaching` and `Swapping`.
+    prefix cache's pending keys) to keep the invariants below; prefix caching, swapping and the sliding-window
+    release, which only build on them, are the mixins `PrefixCaching`, `Swapping` and `SlidingWindow`.
 
     Invariants (checked by the property tests):
 
@@ -400,33 +401,6 @@ class BlockManager(PrefixCaching, Swapping):
         if not seq.swapped:
             self._num_logical -= seq.num_held
         del self._seqs[seq_id]
-
-    def release_before(self, seq_id: Hashable, first_needed: int) -> int:
-        """Release the blocks of a resident sequence that lie wholly before token ``first_needed``; return how many.
-
-        Why: with sliding-window attention on every layer, no future query reads keys before its window, so those
-        blocks only cost memory (the caller passes the oldest position any future query of any layer attends:
-        ``num_computed - largest_window + 1``). Each released entry becomes :data:`NULL_BLOCK` and drops this table's
-        reference: a shared block goes back to the pool only with its last holder, a keyed block stays cached
-        (evictable). With prefix caching only committed blocks are released (commit first), so a block never loses
-        its cache entry before it got one. Blocks already released stay so; the partial last block is never touched.
-        """
-        seq = self._get_resident(seq_id, "releasing its blocks")
-        upto = min(_as_int("first_needed", first_needed, 0) >> self._shift, seq.num_tokens >> self._shift)
-        if self.enable_prefix_caching:
-            upto = min(upto, seq.committed)
-        start = seq.released
-        if upto <= start:
-            return 0
-        table = seq.table
-        # newest first: the older blocks enter the prefix cache's LRU pool last, so the root of a cached chain,
-        # without which no later block of it can be matched, is evicted last
-        self.gpu.decref_many(table[start:upto][::-1])
-        table[start:upto] = [NULL_BLOCK] * (upto - start)
-        seq.released = upto
-        self._num_logical -= upto - start
-        self.window_released += upto - start
-        return upto - start
 
     def reset(self) -> None:
         """Drop every table; every block of both pools becomes free (allocator objects are kept)."""

@@ -273,24 +273,13 @@ class Scheduler:
         """Give back the blocks of running sequences that no future query attends (see `release_window`).
 
         A query at position p attends keys in (p - W, p] (transformers' sliding mask, and hf_paged's kernels, which
-        do not read blocks wholly before it); the oldest future query of a sequence sits at `num_computed` (a
-        pipelined step in flight may still read older keys: the blocks it frees are written again only by later
-        steps on the same stream). With prefix caching the blocks are committed first, so they stay cached.
+        do not read blocks wholly before it); the oldest future query of a sequence sits at `num_computed`. A
+        pipelined step still in flight may read older keys: the blocks it frees are written again only by later
+        steps, which run after it on the same stream.
         """
-        bm = self.block_manager
-        reach = self.release_window - 1
-        block_size = bm.block_size
-        caching = bm.enable_prefix_caching
-        for group in groups:
-            for seq in group.seqs:
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                first_needed = seq.num_computed - reach
-                if first_needed < block_size:
-                    continue
-                if caching:
-                    bm.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-                bm.release_before(seq.seq_id, first_needed)
+        running = SequenceStatus.RUNNING
+        self.block_manager.release_out_of_window(
+            (seq for group in groups for seq in group.seqs if seq.status is running), self.release_window)
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: list[int],
                           running: list[SequenceGroup] | None = None) -> bool:
