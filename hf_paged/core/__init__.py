@@ -3,7 +3,8 @@
 Bottom layer of hf_paged (see docs/architecture.md): `block_pool` (free list, ref counts, prefix-cache index),
 `block_manager` (per-sequence block tables: fork, append with copy-on-write, truncate, free; mixins
 `prefix_caching`, `swapping` and `window`), `sequence` (request and sequence state) and `scheduler` (FCFS
-iteration-level scheduling with a token budget, chunked prefill and preemption). Everything above may import this package; it imports nothing of hf_paged.
+iteration-level scheduling with a token budget, chunked prefill and preemption). Everything above may import this
+package; it imports nothing of hf_paged.
 """
 
 from .block_manager import NULL_BLOCK, BlockManager

@@ -15,10 +15,10 @@ Vocabulary
   prefix. A block is written only while exactly one table holds it; a shared *partial* last block is first copied
   (copy-on-write). A shared *full* block is never written again, so it is never copied.
 * Swapping (§4.5) moves a whole sequence group to a CPU pool and back, keeping the sharing inside the group.
-* Sliding windows (mixin `SlidingWindow`, :meth:`BlockManager.release_before`): when every attention layer of the model slides, the blocks
-  wholly before the oldest key any future query attends are released: their table entries become
-  :data:`NULL_BLOCK` (tables keep their length, so positions still index them) and their references go back to the
-  pool. Released entries are always a prefix of the table; every operation skips them (fork, free, truncate, swap,
+* Sliding windows (mixin `SlidingWindow`, :meth:`BlockManager.release_before`): when every attention layer of the
+  model slides, the blocks wholly before the oldest key any future query attends are released: their table entries
+  become :data:`NULL_BLOCK` (tables keep their length, so positions still index them) and their references go back to
+  the pool. Released entries are always a prefix of the table; every operation skips them (fork, free, truncate, swap,
   statistics). A shared block (fork, prefix-cache hit) only returns to the pool when its last holder releases it; a
   keyed block stays cached (evictable), as when its sequence finishes.
 
