@@ -198,6 +198,9 @@ def paged_attention_forward(
             mask = _dense_mask(mask, query.shape[2], key.shape[2], query.device)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
+        cache.layer_windows[layer_idx] = opts["sliding_window"]
     step = cache._step
     if query.requires_grad:  # gradients stop at the paged cache (see hf_paged.cache.paged_cache._cut_gradients)
         query = query.detach()

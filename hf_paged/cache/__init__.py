@@ -6,7 +6,8 @@ attention functions, the runner, the engine and the integrations.
 """
 
 from .memory import attention_shape, kv_bytes_per_token, parse_memory
-from .paged_cache import CacheFullError, PagedCache
+from .paged_cache import CacheFullError, PagedCache, device_table
 from .step import StepMetadata
 
-__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_shape", "kv_bytes_per_token", "parse_memory"]
+__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_shape", "device_table", "kv_bytes_per_token",
+           "parse_memory"]

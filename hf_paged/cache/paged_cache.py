@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
-from ..core import BlockManager
+from ..core import NULL_BLOCK, BlockManager
 from .memory import attention_shape, parse_memory
 from .step import StepMetadata
 
@@ -166,6 +166,9 @@ class PagedCache(Cache):
         self._last_layer = -1
         self._defer_write = False  # set by an engine with compile_decode (see `update`)
         self._released = False
+        # layer index -> the sliding window its attention calls pass (None: full attention), recorded by the
+        # attention function on eager forwards; see `sliding_window_bound`
+        self.layer_windows: dict[int, int | None] = {}
         if self._device is not None and self._dtype is not None:
             self._ensure_pool(self._device, self._dtype)
 
@@ -363,7 +366,7 @@ class PagedCache(Cache):
 
     def _make_step(self, layout, slots, tables, lens, q_lens, device) -> StepMetadata:
         width = max(1, max((len(t) for t in tables), default=1))
-        table_rows = [t + [0] * (width - len(t)) for t in tables]
+        table_rows = [device_table(t) + [0] * (width - len(t)) for t in tables]
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
@@ -381,6 +384,21 @@ class PagedCache(Cache):
             max_seqlen_q=max(q_lens, default=0),
             decode_only=all(n == 1 for n in q_lens),
         )
+
+    def sliding_window_bound(self) -> tuple[bool, int | None]:
+        """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
+        every layer slides (None when some layer attends everything).
+
+        Why from the calls rather than the config: the window a layer's kernels apply is exactly the ``sliding_window``
+        transformers passes to the attention function (models read it from their config in different ways, e.g.
+        Qwen2's ``layer_types``); keys older than the largest of them are read by no layer.
+        """
+        windows = self.layer_windows
+        if len(windows) < self.num_layers:
+            return False, None
+        if any(w is None for w in windows.values()):
+            return True, None
+        return True, max(windows.values())
 
     def set_engine_step(self, step: StepMetadata) -> None:
         """Engine entry point: the next forward uses this ragged step (blocks were reserved by the engine)."""
@@ -497,6 +515,17 @@ class PagedCache(Cache):
     @staticmethod
     def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
         return math.ceil(num_tokens / block_size)
+
+
+def device_table(table: list[int]) -> list[int]:
+    """A block table as the kernels get it: released entries (:data:`NULL_BLOCK`, a prefix) read as block 0.
+
+    The kernels never read a block wholly before a query's window, but they index the table with it: any valid block
+    id will do, and block 0 always exists.
+    """
+    if table and table[0] == NULL_BLOCK:
+        return [0 if block == NULL_BLOCK else block for block in table]
+    return table
 
 
 def _cut_gradients(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

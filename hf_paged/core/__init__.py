@@ -1,12 +1,13 @@
 """Pure-Python bookkeeping, no torch: which physical KV block holds which token, and which tokens run each step.
 
 Bottom layer of hf_paged (see docs/architecture.md): `block_pool` (free list, ref counts, prefix-cache index),
-`block_manager` (per-sequence block tables: fork, append with copy-on-write, truncate, free; mixins `prefix_caching`
-and `swapping`), `sequence` (request and sequence state) and `scheduler` (FCFS iteration-level scheduling with a token
-budget, chunked prefill and preemption). Everything above may import this package; it imports nothing of hf_paged.
+`block_manager` (per-sequence block tables: fork, append with copy-on-write, truncate, free; mixins
+`prefix_caching`, `swapping` and `window`), `sequence` (request and sequence state) and `scheduler` (FCFS
+iteration-level scheduling with a token budget, chunked prefill and preemption). Everything above may import this
+package; it imports nothing of hf_paged.
 """
 
-from .block_manager import BlockManager
+from .block_manager import NULL_BLOCK, BlockManager
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, hash_block
 from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -18,6 +19,7 @@ __all__ = [
     "BlockManager",
     "BlockStats",
     "CachingBlockAllocator",
+    "NULL_BLOCK",
     "NoFreeBlocksError",
     "PrefixCacheStats",
     "PrefixMatch",

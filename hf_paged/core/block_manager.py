@@ -15,6 +15,12 @@ Vocabulary
   prefix. A block is written only while exactly one table holds it; a shared *partial* last block is first copied
   (copy-on-write). A shared *full* block is never written again, so it is never copied.
 * Swapping (§4.5) moves a whole sequence group to a CPU pool and back, keeping the sharing inside the group.
+* Sliding windows (mixin `SlidingWindow`, :meth:`BlockManager.release_before`): when every attention layer of the
+  model slides, the blocks wholly before the oldest key any future query attends are released: their table entries
+  become :data:`NULL_BLOCK` (tables keep their length, so positions still index them) and their references go back to
+  the pool. Released entries are always a prefix of the table; every operation skips them (fork, free, truncate, swap,
+  statistics). A shared block (fork, prefix-cache hit) only returns to the pool when its last holder releases it; a
+  keyed block stays cached (evictable), as when its sequence finishes.
 
 Automatic prefix caching (§4.4 "shared prefix", off unless ``enable_prefix_caching=True``)
 -----------------------------------------------------------------------------------------
@@ -49,19 +55,20 @@ from collections.abc import Hashable, Iterable, Sequence
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, _as_int
 from .block_stats import AppendResult, BlockStats
 from .prefix_caching import PrefixCaching
-from .seq_blocks import _Seq
+from .seq_blocks import NULL_BLOCK, _Seq
 from .swapping import Swapping
+from .window import SlidingWindow
 
-__all__ = ["BlockManager"]
+__all__ = ["BlockManager", "NULL_BLOCK"]
 
 
-class BlockManager(PrefixCaching, Swapping):
+class BlockManager(PrefixCaching, Swapping, SlidingWindow):
     """Block tables of every sequence over one GPU pool and one CPU swap pool.
 
     Why one class of this size: every table operation (allocate, fork, append with copy-on-write, the batched decode
     append, truncate, free) must update the same state together (tables, ref counts, the logical-block counter, the
-    prefix cache's pending keys) to keep the invariants below; prefix caching and swapping, which only build on
-    them, are the mixins `PrefixCaching` and `Swapping`.
+    prefix cache's pending keys) to keep the invariants below; prefix caching, swapping and the sliding-window
+    release, which only build on them, are the mixins `PrefixCaching`, `Swapping` and `SlidingWindow`.
 
     Invariants (checked by the property tests):
 
@@ -93,7 +100,8 @@ class BlockManager(PrefixCaching, Swapping):
         self.enable_prefix_caching = False
         self.gpu: BlockAllocator = BlockAllocator(self.num_blocks)
         self._pending: dict[int, int] = {}  # chain key of a block still to be computed -> resident holders
-        self._num_logical = 0  # sum of len(table) over resident tables, kept by every operation (usage() is O(1))
+        self._num_logical = 0  # blocks held by resident tables (released entries excluded), kept by every operation
+        self.window_released = 0  # blocks released out of the sliding window so far (release_before)
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -196,9 +204,10 @@ class BlockManager(PrefixCaching, Swapping):
         parent = self._get_resident(parent_id, "forking it", "parent_id")
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} already exists")
-        self.gpu.incref_many(parent.table)
+        self.gpu.incref_many(parent.held())
         child = self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
-        self._num_logical += len(parent.table)
+        child.released = parent.released
+        self._num_logical += parent.num_held
         if self.enable_prefix_caching:
             child.keys, child.entries, child.committed = list(parent.keys), list(parent.entries), parent.committed
             child.stale = parent.stale
@@ -360,6 +369,9 @@ class BlockManager(PrefixCaching, Swapping):
         n = _as_int("num_tokens", num_tokens, 0)
         if n > seq.num_tokens:
             raise ValueError(f"num_tokens must be <= {seq.num_tokens} (the length of seq_id {seq_id!r}), got {n}")
+        if n < seq.released << self._shift:  # the K/V there is gone: the sequence could never be extended again
+            raise ValueError(f"num_tokens must be >= {seq.released << self._shift}: seq_id {seq_id!r} released the "
+                             f"blocks before it (out of the sliding window), got {n}")
         keep = self.blocks_for(n)
         allocator = self.cpu if seq.swapped else self.gpu
         dropped = seq.table[keep:]
@@ -383,11 +395,11 @@ class BlockManager(PrefixCaching, Swapping):
         allocator = self.cpu if seq.swapped else self.gpu
         if self.enable_prefix_caching:
             self._drop_pending(seq.keys, seq.committed)
-            allocator.decref_many(seq.table[::-1])  # tail first into the LRU pool: evicted before the shared prefix
+            allocator.decref_many(seq.held()[::-1])  # tail first into the LRU pool: evicted before the shared prefix
         else:
-            allocator.decref_many(seq.table)
+            allocator.decref_many(seq.held())
         if not seq.swapped:
-            self._num_logical -= len(seq.table)
+            self._num_logical -= seq.num_held
         del self._seqs[seq_id]
 
     def reset(self) -> None:
@@ -413,7 +425,7 @@ class BlockManager(PrefixCaching, Swapping):
 
     def table_view(self, seq_id: Hashable) -> list[int]:
         """The live table itself, not a copy (hot paths): read it, never modify it, and do not keep it across
-        operations that may replace it (swaps)."""
+        operations that may replace it (swaps). Released entries (a prefix) are :data:`NULL_BLOCK`."""
         return self._get(seq_id).table
 
     def usage(self) -> tuple[int, int]:
@@ -422,7 +434,8 @@ class BlockManager(PrefixCaching, Swapping):
         return self.gpu.num_used, self._num_logical
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """A copy of the table; CPU block ids while the sequence is swapped out (see :meth:`is_swapped`)."""
+        """A copy of the table; CPU block ids while the sequence is swapped out (see :meth:`is_swapped`); released
+        entries (a prefix, see :meth:`release_before`) are :data:`NULL_BLOCK`."""
         return list(self._get(seq_id).table)
 
     def num_tokens(self, seq_id: Hashable) -> int:
@@ -452,12 +465,13 @@ class BlockManager(PrefixCaching, Swapping):
         shared block, holders can disagree on how much of it is filled; the tokens of the longest view are live.)
         """
         gpu, mask, bs = self.gpu, self._mask, self.block_size
-        logical = 0
+        logical = released = 0
         partial: dict[int, list[int]] = {}  # last block -> [tables seeing it partial, longest partial view]
         for seq in self._seqs.values():
             if seq.swapped:
                 continue
-            logical += len(seq.table)
+            logical += seq.num_held
+            released += seq.released
             filled = seq.num_tokens & mask
             if filled:
                 entry = partial.get(seq.table[-1])
@@ -485,5 +499,7 @@ class BlockManager(PrefixCaching, Swapping):
             cached_blocks=getattr(gpu, "num_evictable", 0),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            released_blocks=released,
+            window_released=self.window_released,
         )
 

@@ -58,7 +58,7 @@ class BlockStats:
     used_blocks: int
     free_blocks: int
     shared_blocks: int  # ref count > 1
-    logical_blocks: int  # sum of len(table) over GPU tables: blocks that would be used without sharing
+    logical_blocks: int  # blocks held by GPU tables, summed: what would be used without sharing (released excluded)
     allocated_slots: int  # used_blocks * block_size
     used_slots: int  # slots holding a token, counted once per physical block
     waste_slots: int  # allocated_slots - used_slots (internal fragmentation)
@@ -68,6 +68,8 @@ class BlockStats:
     cached_blocks: int = 0  # prefix cache: evictable blocks (ref count 0, entry kept), included in free_blocks
     prefix_query_tokens: int = 0  # prefix cache: tokens looked up at admission
     prefix_hit_tokens: int = 0  # prefix cache: tokens served from the cache (prefill tokens saved)
+    released_blocks: int = 0  # sliding window: table entries of resident sequences released now (hold no block)
+    window_released: int = 0  # sliding window: table entries released so far (BlockManager.release_before)
 
     @property
     def waste_fraction(self) -> float:

@@ -20,6 +20,11 @@ token; a group's `max_cached_prefix` caps the prefix when it needs the logits of
 right after a waiting group's cached prefix is being computed this very step by a running
 sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses for a step so that
 the group hits it instead of computing it a second time.
+
+Sliding windows (`release_window`, set by the engine when every attention layer of the model slides): at the start
+of every `schedule()` each running sequence gives back the blocks wholly before the oldest key a future query can
+attend (`BlockManager.release_before`), after committing them to the prefix cache. The freed blocks count as free
+for this very step's decisions, so a long generation holds about `ceil(window / block_size) + 1` blocks.
 """
 
 from __future__ import annotations
@@ -100,6 +105,9 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        # the largest sliding window of the model's layers when every layer slides (set by the engine), else None:
+        # keys older than it are attended by no future query, so their blocks go back to the pool
+        self.release_window: int | None = None
         # keep a little headroom when admitting so a new prompt does not force an immediate preemption
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -179,6 +187,8 @@ class Scheduler:
         bm = self.block_manager
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
         caching = bm.enable_prefix_caching
+        if self.release_window is not None:
+            self._release_out_of_window(self.running)
         decoded = self._schedule_decodes(out, budget)
         if caching and not decoded:
             self._commit_running()
@@ -255,7 +265,21 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
         groups = [g for g in self.running if id(g) not in skip] if skip else self.running
+        if self.release_window is not None:
+            self._release_out_of_window(groups)
         return out if self._schedule_decodes(out, budget, groups) else None
+
+    def _release_out_of_window(self, groups: list[SequenceGroup]) -> None:
+        """Give back the blocks of running sequences that no future query attends (see `release_window`).
+
+        A query at position p attends keys in (p - W, p] (transformers' sliding mask, and hf_paged's kernels, which
+        do not read blocks wholly before it); the oldest future query of a sequence sits at `num_computed`. A
+        pipelined step still in flight may read older keys: the blocks it frees are written again only by later
+        steps, which run after it on the same stream.
+        """
+        running = SequenceStatus.RUNNING
+        self.block_manager.release_out_of_window(
+            (seq for group in groups for seq in group.seqs if seq.status is running), self.release_window)
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: list[int],
                           running: list[SequenceGroup] | None = None) -> bool:

@@ -5,7 +5,9 @@ Pure Python; shared by the block manager and its prefix-caching and swapping mix
 
 from __future__ import annotations
 
-__all__ = ["_Seq"]
+__all__ = ["NULL_BLOCK", "_Seq"]
+
+NULL_BLOCK = -1  # a released table entry (out of every layer's sliding window): holds no block
 
 
 class _Seq:
@@ -17,9 +19,12 @@ class _Seq:
     ``committed`` are *pending*: those blocks are still to be computed. ``stale``: the sequence's K/V was (partly)
     computed by weights that have changed since (`BlockManager.reset_prefix_cache`): its blocks are never offered to
     other sequences.
+
+    Sliding windows: the first ``released`` entries of ``table`` are :data:`NULL_BLOCK`: blocks no future query of
+    any layer attends (`BlockManager.release_before`), given back to the pool. Released entries are always a prefix.
     """
 
-    __slots__ = ("committed", "entries", "keys", "num_tokens", "stale", "swapped", "table")
+    __slots__ = ("committed", "entries", "keys", "num_tokens", "released", "stale", "swapped", "table")
 
     def __init__(self, table: list[int], num_tokens: int) -> None:
         self.table = table
@@ -29,3 +34,13 @@ class _Seq:
         self.keys: list[int] = []
         self.entries: list[int | None] = []
         self.committed = 0
+        self.released = 0
+
+    @property
+    def num_held(self) -> int:
+        """Table entries that hold a block (the released prefix holds none)."""
+        return len(self.table) - self.released
+
+    def held(self) -> list[int]:
+        """The blocks this table holds, in order (a copy; the released prefix left out)."""
+        return self.table[self.released:]

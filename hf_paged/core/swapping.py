@@ -39,7 +39,7 @@ class Swapping:
         """Block id -> number of group tables holding it, in first-appearance order (a shared block moves once)."""
         counts: dict[int, int] = {}
         for seq in seqs:
-            for block in seq.table:
+            for block in seq.held():  # released entries (sliding window) hold nothing and do not move
                 counts[block] = counts.get(block, 0) + 1
         return counts
 
@@ -60,11 +60,12 @@ class Swapping:
                 dst.incref(new)
             mapping[block] = new
         for seq in seqs:
-            for block in seq.table:
+            held = seq.held()
+            for block in held:
                 src.decref(block)
-            seq.table = [mapping[block] for block in seq.table]
+            seq.table[seq.released:] = [mapping[block] for block in held]
             seq.swapped = to_cpu
-            self._num_logical += -len(seq.table) if to_cpu else len(seq.table)
+            self._num_logical += -len(held) if to_cpu else len(held)
         return list(mapping.items())
 
 

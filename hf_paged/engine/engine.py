@@ -71,6 +71,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             paged decode). Compiled once with a symbolic batch size, then captured as a CUDA graph per batch bucket.
             A decode step of a 1B llama drops from ~42 to ~16 kernels per layer (1.4-1.5x faster on an H100);
             compiling takes tens of seconds, paid in `warm_up()`. Prefill steps stay eager. Default off.
+        release_window_blocks: when every attention layer of the model slides (Mistral v0.1, Phi-3-mini-4k, Qwen2
+            with `use_sliding_window` on all layers, ...), give the KV blocks that fell wholly out of the largest
+            window back to the pool after each step, so a sequence holds about `ceil(window / block_size) + 1`
+            blocks however long it grows (`hf_paged.core.scheduler`, `BlockManager.release_before`). The windows are
+            those the layers pass to the attention function, learnt on the first forward. Mixed stacks (Gemma 2/3's
+            local and global layers) keep every block: their global layers read them; their local layers only skip
+            reading the blocks before their window. Default on; `kv_stats()` counts the released entries.
         weak_model_ref: hold the model by weak reference (what `generate(cache_implementation="paged")` and
             `hf_paged.pipeline` use, where the model owns its engine: no model <-> engine cycle, so dropping the model
             frees both and the KV pool by reference counting). Default False: the engine keeps its model alive.
@@ -109,6 +116,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         compile_modules: bool = False,
         compile_decode: bool = False,
         weak_model_ref: bool = False,
+        release_window_blocks: bool = True,
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -116,7 +124,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        for name, value in (("compile_modules", compile_modules), ("compile_decode", compile_decode)):
+        for name, value in (("compile_modules", compile_modules), ("compile_decode", compile_decode),
+                            ("release_window_blocks", release_window_blocks)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.tp = TensorParallel.of(model)
@@ -198,6 +207,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
                       "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
         self.beam_search = BeamSearch(self)
+        self.release_window_blocks = release_window_blocks
+        self._window_known = not release_window_blocks  # nothing to learn when releasing is off
         self._weights = WeightWatch(self._model_ref)
 
     @property
@@ -259,6 +270,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             if self._new_requests and self._in_flight is None:
                 self._check_weights()  # before admitting new requests: none may be handed K/V of older weights
             current, self._in_flight = self._in_flight, None
+            if not self._window_known:
+                self._learn_release_window()
             if current is None:
                 sched = self.scheduler.schedule()
                 if sched.is_empty:
@@ -296,6 +309,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                     self._track(sched)
                     return self._outputs(_stamp_first_token(advanced), finished_only)
             return self._outputs(_stamp_first_token(self._advance_pipeline(current, finished_only)), finished_only)
+
+    def _learn_release_window(self) -> None:
+        """Once a forward has shown every layer's window, let the scheduler release what no layer reads any more."""
+        known, window = self.cache.sliding_window_bound()
+        if known:
+            self._window_known = True
+            self.scheduler.release_window = window
 
     def _track(self, sched: SchedulerOutput) -> None:
         self.stats["steps"] += 1
@@ -380,6 +400,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         return [results[request_id] for request_id in ids]
 
     def kv_stats(self):
+        """Block usage of the KV pool now (`hf_paged.core.BlockStats`): used / free / shared blocks, and with
+        `release_window_blocks` the table entries released out of the sliding window (`released_blocks` now,
+        `window_released` in all)."""
         return self.block_manager.stats()
 
     def queue_stats(self) -> dict:

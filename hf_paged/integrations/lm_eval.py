@@ -42,7 +42,8 @@ __all__ = ["HFPagedLM"]
 logger = logging.getLogger(__name__)
 
 _ENGINE_ARGS = set(inspect.signature(Engine.__init__).parameters) - {"self", "model", "tokenizer", "weak_model_ref"}
-_BOOL_ARGS = {"enable_prefix_caching", "compile_modules", "compile_decode", "use_cuda_graph", "show_progress"}
+_BOOL_ARGS = {"enable_prefix_caching", "compile_modules", "compile_decode", "use_cuda_graph", "show_progress",
+              "release_window_blocks"}
 
 
 def _engine_kwargs(kwargs: dict) -> dict:

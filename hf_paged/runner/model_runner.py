@@ -24,7 +24,7 @@ import threading
 import torch
 
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata
+from ..cache import PagedCache, StepMetadata, device_table
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
 
@@ -390,7 +390,9 @@ class ModelRunner:
                 entry = row_of[seq_id] = [self._take_row(live), -1, -1]
             if entry[1] != len(table) or entry[2] != table[-1]:
                 # a table only grows or has its last block replaced between two steps of a running sequence;
-                # anything else (preemption, swaps, failed steps) invalidated every row before we got here
+                # anything else (preemption, swaps, failed steps) invalidated every row before we got here. Entries
+                # released out of the sliding window keep their old id in the store: a valid id no kernel reads
+                # (they lie wholly before every query's window), so releasing needs no upload
                 entry[1], entry[2] = len(table), table[-1]
                 changed.append((entry[0], table))
             rows.append(entry[0])
@@ -416,7 +418,8 @@ class ModelRunner:
         if changed:
             staged = host_set["staging"].numpy()
             for j, (_, table) in enumerate(changed):
-                staged[j, : len(table)] = table  # past the table: stale ids nobody reads (lengths bound the reads)
+                # past the table: stale ids nobody reads (lengths bound the reads); released entries read as block 0
+                staged[j, : len(table)] = device_table(table)
             k = len(changed)
             host_set["staging_rows"].numpy()[:k] = [row for row, _ in changed]
             b["staging"][:k].copy_(host_set["staging"][:k], non_blocking=True)
