@@ -26,6 +26,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from .integrations.gguf import load_gguf
+
 __all__ = [
     "FAMILIES",
     "SMOLLM2_GGUF",
@@ -254,23 +256,6 @@ def _cache_is_valid(path: pathlib.Path, meta: dict) -> bool:
         return False
 
 
-def _fix_tokenizer(tokenizer, config) -> None:
-    """transformers 5.17's GGUF GPT-2-style tokenizer conversion sets eos_token to the *bos* token
-    (integrations/ggml.py: ``eos_token = proto.tokens[proto.bos_token_id]``) and drops the pad token. Restore what
-    the GGUF metadata says (eos = pad = <|im_end|>, id 2), as in the upstream SmolLM2 tokenizer."""
-    eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, (list, tuple)) else config.eos_token_id
-    pad_id = config.pad_token_id if config.pad_token_id is not None else eos_id
-    if eos_id is not None and tokenizer.eos_token_id != eos_id:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-    if pad_id is not None and tokenizer.pad_token_id != pad_id:
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
-    tokenizer.padding_side = "left"  # decoder-only generation
-    # As upstream: no BPE-destroying cleanup on decode, and the model's real context length.
-    tokenizer.clean_up_tokenization_spaces = False
-    if getattr(config, "max_position_embeddings", None):
-        tokenizer.model_max_length = config.max_position_embeddings
-
-
 def _umask() -> int:
     try:  # Linux: read it without changing it (os.umask() is process-wide, racy with threads)
         for line in pathlib.Path("/proc/self/status").read_text().splitlines():
@@ -283,8 +268,6 @@ def _umask() -> int:
 
 def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> None:
     """Dequantize the GGUF once and save model + tokenizer (safetensors) atomically at ``target``."""
-    from transformers import AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     for leftover in target.parent.glob(f".{target.name}.*-*"):  # from killed conversions (~540 MB each)
         try:
@@ -296,18 +279,8 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
     try:
         umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final dir should be readable like any other
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        _fix_tokenizer(tokenizer, model.config)
-        # The weights are plain dequantized float32 now: do not record the GGUF as a quantization method.
-        for obj in (model, model.config):
-            if hasattr(obj, "quantization_config"):
-                delattr(obj, "quantization_config")
-        model.hf_quantizer = None
-        for key in ("local_files_only", "gguf_file"):
-            tokenizer.init_kwargs.pop(key, None)
+        # dequantized float32, the tokenizer's eos / pad restored from the GGUF metadata (see load_gguf)
+        model, tokenizer = load_gguf(gguf.parent, gguf.name, dtype=torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
