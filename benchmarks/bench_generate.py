@@ -17,13 +17,11 @@ rate on that subset. Every system runs under `--system-timeout` seconds; the JSO
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
 import os
 import platform
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,9 @@ import numpy as np
 import torch
 from roofline import copy_bandwidth, decode_bound_s, latency_stats, matmul_flops, model_bytes, prefill_flops
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hf_paged.model_zoo import TimeLimitExceeded, time_limit  # noqa: E402
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -132,29 +133,6 @@ def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096)
 def sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-class SystemTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    """Raise SystemTimeout in the main thread after `seconds` (0: no limit), so one stuck system cannot eat the run."""
-    if not seconds:
-        yield
-        return
-
-    def handler(signum, frame):
-        raise SystemTimeout(f"over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def sampling_kwargs(args) -> dict:
@@ -468,7 +446,7 @@ def main() -> None:
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)
-        except (SystemTimeout, RuntimeError) as error:  # a stuck or failing system: record it, go on
+        except (TimeLimitExceeded, RuntimeError) as error:  # a stuck or failing system: record it, go on
             print(f"{system}: {type(error).__name__}: {error}", flush=True)
             rows.append({"system": system, "error": f"{type(error).__name__}: {error}",
                          "elapsed_s": time.perf_counter() - start})

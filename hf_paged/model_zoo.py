@@ -30,8 +30,8 @@ from .capabilities import inspect_model
 from .integrations.generate import disable, enable
 
 __all__ = [
-    "ARCHITECTURES", "OVERRIDES", "PAD_ID", "UNBUILDABLE", "check_architecture", "tiny_config", "tiny_inputs",
-    "tiny_model",
+    "ARCHITECTURES", "OVERRIDES", "PAD_ID", "UNBUILDABLE", "TimeLimitExceeded", "check_architecture", "time_limit",
+    "tiny_config", "tiny_inputs", "tiny_model",
 ]
 
 ARCHITECTURES: tuple[str, ...] = tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -262,20 +262,20 @@ NEW_TOKENS = 4
 _POOL_BLOCKS, _BLOCK_SIZE = 16, 4  # a small pool (default sizing zero-fills far more than the sweep needs)
 
 
-class _Timeout(Exception):
-    pass
+class TimeLimitExceeded(Exception):
+    """Raised by `time_limit` when its time is up."""
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: int):
-    """Raise `_Timeout` after `seconds` (main thread only; elsewhere no limit): one hung architecture must not stall
-    the sweep."""
+def time_limit(seconds: int):
+    """Raise `TimeLimitExceeded` after `seconds` (0: no limit; main thread only, elsewhere no limit): one hung
+    architecture must not stall the sweep, one stuck system a benchmark run."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _raise(*_):
-        raise _Timeout(f"over {seconds} s")
+        raise TimeLimitExceeded(f"over {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, _raise)
     signal.alarm(seconds)
@@ -314,9 +314,9 @@ def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = Tru
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: worker threads only spin, and slow down badly on a loaded machine
     try:
-        with _time_limit(timeout_s):
+        with time_limit(timeout_s):
             _check(model_type, record, compare)
-    except _Timeout as error:  # a hang under transformers: not runnable; under hf-paged: a failure
+    except TimeLimitExceeded as error:  # a hang under transformers: not runnable; under hf-paged: a failure
         record["verdict"] = "crash" if record["runs_under_transformers"] else "not_runnable"
         record["reason"] = f"timed out ({error}) at stage {record.get('stage', '?')}"
     finally:
