@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions",
            "error_body", "MAX_N"]
@@ -36,6 +36,13 @@ class ApiError(Exception):
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _refuse_set(value, info: ValidationInfo):
+    """A field OpenAI defines that hf-paged does not implement: accepted only when unset / empty / false."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -81,10 +88,8 @@ class _Sampling(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _unsupported(cls, value, info: ValidationInfo):
+        return _refuse_set(value, info)
 
     @model_validator(mode="after")
     def _checks(self):
@@ -114,19 +119,10 @@ class CompletionRequest(_Sampling):
             raise ValueError("token-id prompts must not be empty")
         return value
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
+    def _unsupported_here(cls, value, info: ValidationInfo):
+        return _refuse_set(value, info)
 
     @model_validator(mode="after")
     def _best_of(self):
