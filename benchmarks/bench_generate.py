@@ -115,9 +115,10 @@ def build_tp_model(name: str, dtype: torch.dtype, rank: int):
     return model.eval()
 
 
-def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096):
+def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096, **overrides):
+    """A random-weight model of a named shape (`overrides` change its config, e.g. `vocab_size`), or a local one."""
     if name in SHAPES:
-        shape = dict(SHAPES[name])
+        shape = dict(SHAPES[name], **overrides)
         model_type = shape.pop("model_type", "llama")
         config = AutoConfig.for_model(model_type, max_position_embeddings=max_len, **shape)
         config.eos_token_id = None

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import SHAPES  # noqa: E402
+from bench_generate import SHAPES, build_model  # noqa: E402
 from roofline import copy_bandwidth, decode_bound_s, model_bytes  # noqa: E402
 
 import hf_paged  # noqa: E402
@@ -61,14 +61,9 @@ def cut(text: str) -> str:
 
 
 def build(args, vocab: int, device: str):
-    shape = dict(SHAPES[args.model], vocab_size=vocab)
-    model_type = shape.pop("model_type", "llama")
-    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **shape)
+    """The model of `args.model`'s shape with the tokenizer's vocabulary, seeded: every system gets the same weights."""
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return build_model(args.model, device, getattr(torch, args.dtype), vocab_size=vocab)
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, pad: int, seed: int) -> list[list[int]]:
