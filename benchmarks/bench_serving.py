@@ -90,6 +90,9 @@ def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> su
     else:
         raise SystemExit(f"unknown system {system!r} (hf_paged, transformers)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.trace:  # log JIT compilations and slow engine steps in the server's log (benchmarks/trace)
+        trace = str(Path(__file__).resolve().parent / "trace")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [trace, env.get("PYTHONPATH")]))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
@@ -123,7 +126,7 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
     end = time.perf_counter()
     if not stamps:
         return {"ok": False, "error": "no tokens"}
-    return {"ok": True, "ttft": stamps[0] - start, "e2e": end - start, "itl": list(np.diff(stamps)),
+    return {"ok": True, "sent": start, "ttft": stamps[0] - start, "e2e": end - start, "itl": list(np.diff(stamps)),
             "tpot": (end - stamps[0]) / max(1, max_tokens - 1), "output_tokens": max_tokens}
 
 
@@ -139,6 +142,7 @@ async def run_rate(url, model, requests, rate: float, seed: int, extra) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
+    slowest = sorted(ok, key=lambda r: -r["ttft"])[:3]  # when they were sent, to match with a server trace
 
     def stats(values):
         if not values:
@@ -150,7 +154,8 @@ async def run_rate(url, model, requests, rate: float, seed: int, extra) -> dict:
             "output_tok_s": sum(r["output_tokens"] for r in ok) / duration,
             "ttft_ms": stats([r["ttft"] for r in ok]), "tpot_ms": stats([r["tpot"] for r in ok]),
             "itl_ms": stats([x for r in ok for x in r["itl"]]), "e2e_ms": stats([r["e2e"] for r in ok]),
-            "errors": [r["error"] for r in results if not r["ok"]][:3]}
+            "errors": [r["error"] for r in results if not r["ok"]][:3],
+            "slowest_ttft": [{"ttft_ms": r["ttft"] * 1000, "sent_s": r["sent"] - start} for r in slowest]}
 
 
 def main() -> None:
@@ -167,6 +172,7 @@ def main() -> None:
     p.add_argument("--rate-timeout", type=float, default=120, help="stop raising the rate for a system past this")
     p.add_argument("--start-timeout", type=float, default=240)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="log JIT compiles and slow steps in server_<system>.log")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     out = Path(args.out)
@@ -176,8 +182,11 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    requests = make_requests(tok, args.num_requests, args.seed, args.max_len)
     rates = [float(r) for r in args.rates.split(",")]
+    # fresh prompts at each rate (the same for every system): a rate must not be served from the prefix cache that
+    # the previous rate filled
+    warm_up = make_requests(tok, 8, args.seed + len(rates) + 1, args.max_len)
+    per_rate = [make_requests(tok, args.num_requests, args.seed + 1 + i, args.max_len) for i in range(len(rates))]
     results: dict[str, list[dict]] = {}
     for system in args.systems.split(","):
         port = free_port()
@@ -186,9 +195,9 @@ def main() -> None:
         extra = {"ignore_eos": True} if system == "hf_paged" else {}
         model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
         try:
-            asyncio.run(run_rate(url, model, requests[:8], 8.0, args.seed, extra))  # warm-up
+            asyncio.run(run_rate(url, model, warm_up, 8.0, args.seed, extra))
             results[system] = []
-            for rate in rates:
+            for rate, requests in zip(rates, per_rate):
                 row = asyncio.run(run_rate(url, model, requests, rate, args.seed, extra))
                 results[system].append(row)
                 print(f"{system:13s} rate {rate:6.1f}/s  done {row['completed']:4d} fail {row['failed']:3d}  "
@@ -196,6 +205,8 @@ def main() -> None:
                       f"p99 {row['ttft_ms']['p99'] or 0:8.1f} ms  TPOT p50 {row['tpot_ms']['p50'] or 0:6.1f} ms  "
                       f"ITL p99 {row['itl_ms']['p99'] or 0:7.1f} ms  E2E p99 {row['e2e_ms']['p99'] or 0:8.0f} ms",
                       flush=True)
+                print("  slowest TTFT:", ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.1f} s)"
+                                                   for r in row["slowest_ttft"]), flush=True)
                 if row["errors"]:
                     print("  errors:", row["errors"], flush=True)
                 if row["duration_s"] > args.rate_timeout or row["failed"]:
