@@ -170,6 +170,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--compile-decode", action="store_true")
     p.add_argument("--rate-timeout", type=float, default=120, help="stop raising the rate for a system past this")
+    p.add_argument("--stop-p99-ttft-ms", type=float, default=5000,
+                   help="stop raising the rate for a system once its p99 TTFT passed this")
     p.add_argument("--start-timeout", type=float, default=240)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="log JIT compiles and slow steps in server_<system>.log")
@@ -209,7 +211,8 @@ def main() -> None:
                                                    for r in row["slowest_ttft"]), flush=True)
                 if row["errors"]:
                     print("  errors:", row["errors"], flush=True)
-                if row["duration_s"] > args.rate_timeout or row["failed"]:
+                if (row["duration_s"] > args.rate_timeout or row["failed"]
+                        or (row["ttft_ms"]["p99"] or 0) > args.stop_p99_ttft_ms):  # past what it can sustain
                     break
         finally:
             proc.send_signal(signal.SIGINT)
