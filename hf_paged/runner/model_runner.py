@@ -20,6 +20,7 @@ CPU tests cover the decode path of the GPU token for token) or "eager".
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -106,6 +107,7 @@ class ModelRunner:
         self._pool = None
         self.graph_steps = 0
         self.eager_steps = 0
+        self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (the first one compiles)
         self.table_rows_uploaded = 0
         self.last_static = False
 
@@ -332,7 +334,9 @@ class ModelRunner:
         with torch.inference_mode():
             for batch in sorted(self._bucket_sizes, reverse=True):
                 if batch not in self._graphs:
+                    start = time.perf_counter()
                     self._graphs[batch] = self._capture(batch)
+                    self.capture_seconds[batch] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
