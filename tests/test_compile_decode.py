@@ -1,7 +1,7 @@
 """`compile_decode=True`: the decode step compiled by Dynamo + Inductor (CPU backend here), attention one hf_paged op.
 
-What must hold: transformers' modeling code is traced as one graph (no graph break: a break would put most kernels
-back outside the fusion), greedy and beam outputs stay those of transformers, and preemption, forks, parallel
+What must hold: transformers' modeling code is traced without a graph break (a break would put most kernels back
+outside the fusion), each kind of decoder layer compiled once for all its layers (regional compilation), greedy and beam outputs stay those of transformers, and preemption, forks, parallel
 samples and prefix hits give the same tokens as the uncompiled static decode path. Compiling a tiny model takes
 several seconds on the CPU, so the checks share engines.
 """
@@ -9,6 +9,7 @@ several seconds on the CPU, so the checks share engines.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged.runner.regional import CompiledLayers, layer_kind
 from hf_paged.testing import FAMILIES, tiny_model
 
 try:
@@ -49,8 +51,79 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     assert [r.outputs[0].token_ids for r in results] == references
     assert engine.runner.graph_steps > 0
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1  # one trace serves every bucket (symbolic batch size)
+    # regional compilation: per kind of layer, the first layer, the next one (layer_idx symbolic), the next bucket
+    # (batch symbolic); never one graph per layer
+    compiled = engine.runner._compiled
+    assert isinstance(compiled, CompiledLayers)
+    kinds = len({layer_kind(layer) for layer in compiled.layers})
+    assert counters["stats"]["unique_graphs"] <= 3 * kinds
     engine.close()
+
+
+def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
+    """Six layers cost the same compilations as two: the layer code is shared, `layer_idx` and the batch symbolic."""
+    model = tiny_model("llama", seed=1, num_hidden_layers=6)
+    prompts = random_prompts(LENGTHS, seed=4)
+    new = [3 + (5 * i) % 7 for i in range(len(prompts))]
+    references = [greedy_reference(model, p, n) for p, n in zip(prompts, new)]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    engine.warm_up(freeze_gc=False)
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in new])
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert isinstance(engine.runner._compiled, CompiledLayers) and len(engine.runner._compiled.layers) == 6
+    assert counters["stats"]["unique_graphs"] == 3
+    # the layers run their own code again outside the decode step (prefill, other threads)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    engine.close()
+
+
+def test_layers_that_differ_per_layer_compile_the_whole_forward():
+    """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
+    would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""
+    model = tiny_model("gpt2", seed=1, n_layer=4)
+    assert len({layer_kind(layer) for layer in model.transformer.h}) == 4
+    prompts = random_prompts(LENGTHS[:6], seed=5)
+    references = [greedy_reference(model, p, 5) for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    engine.warm_up(freeze_gc=False)
+    assert [r.outputs[0].token_ids for r in engine.generate(prompts, max_new_tokens=5)] == references
+    assert not isinstance(engine.runner._compiled, CompiledLayers)
+    assert counters["stats"]["unique_graphs"] == 1
+    engine.close()
+
+
+def test_layers_recompiling_unexpectedly_fall_back_to_the_whole_forward(monkeypatch):
+    """When the layers differ in a way `layer_kind` misses (here: it is told they are all alike), the first decode
+    forward compiles more graphs than the kinds allow, and the runner switches to compiling the whole forward."""
+    from hf_paged.runner import regional
+
+    monkeypatch.setattr(regional, "layer_kind", lambda layer: ())
+    model = tiny_model("gpt2", seed=1, n_layer=4)
+    prompts = random_prompts(LENGTHS[:6], seed=5)
+    references = [greedy_reference(model, p, 5) for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    engine.warm_up(freeze_gc=False)
+    assert [r.outputs[0].token_ids for r in engine.generate(prompts, max_new_tokens=5)] == references
+    assert not isinstance(engine.runner._compiled, CompiledLayers)
+    engine.close()
+
+
+def test_compiled_layers_route_only_the_owning_thread():
+    """While one thread's decode step runs the compiled layers, another thread calling the same layers (an eager
+    prefill of a second engine on the same model) runs the model's own code: nothing compiles for it."""
+    model = tiny_model("llama", seed=1)
+    compiled = CompiledLayers(list(model.model.layers))
+    hidden = torch.randn(1, 3, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    layer = model.model.layers[0]
+    seen = []
+    with compiled.active():
+        assert layer._compiled_call_impl is not None
+        worker = threading.Thread(target=lambda: seen.append(layer(hidden, position_embeddings=(cos, sin))))
+        worker.start()
+        worker.join()
+    assert counters["stats"]["unique_graphs"] == 0 and len(seen) == 1
+    assert layer._compiled_call_impl is None
 
 
 def test_compiled_decode_equals_static_path_under_preemption_forks_and_prefix_hits():

@@ -50,7 +50,10 @@ def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     layer_idx = getattr(module, "layer_idx", None)
-    if layer_types is not None and isinstance(layer_idx, int) and layer_idx < len(layer_types):
+    # `layer_types[layer_idx]` only where a layer can be chunked: in a regionally compiled layer `layer_idx` is
+    # symbolic, and indexing a list with it would compile one graph per layer
+    if layer_types is not None and "chunked_attention" in layer_types and isinstance(layer_idx, int) \
+            and layer_idx < len(layer_types):
         if layer_types[layer_idx] == "chunked_attention":
             chunk = getattr(config, "attention_chunk_size", None)
     for name, val in (("sliding_window", window), ("attention_chunk_size", chunk)):

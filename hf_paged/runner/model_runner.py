@@ -28,6 +28,7 @@ from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata, device_table
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
+from .regional import CompiledLayers
 
 # Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
 # corrupt its caches. A runner's first call of each shape kind (one row / a symbolic batch) holds this lock; the
@@ -273,8 +274,9 @@ class ModelRunner:
     def _run_model(self, batch: int) -> torch.Tensor:
         """The decode forward over the static buffers (what a graph records): gather the tables, run the model.
 
-        With `compile_decode`, the forward runs through its compiled form: compiled once (Dynamo + Inductor) with a
-        symbolic batch dimension, so every bucket reuses it.
+        With `compile_decode`, the decoder layers run through their compiled form (`hf_paged.runner.regional`: one
+        compilation of the layer code for every layer, symbolic in the batch, so every bucket reuses it); a model
+        without a list of repeated layers has its whole forward compiled instead.
         """
         b = self._buffers
         torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
@@ -283,22 +285,48 @@ class ModelRunner:
         if not self.compile_decode:
             return self._forward(ids, pos)
         if self._compiled is None:
-            self._compiled = torch.compile(self._forward)
-            self._compiled_kinds: set[bool] = set()
-        if batch >= 2:
+            # regional (each decoder layer's code compiled once for all layers), else the whole forward
+            self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward)
+            self._compiled_kinds: set = set()
+        regional = isinstance(self._compiled, CompiledLayers)
+        if batch >= 2 and not regional:
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
-        kind = batch >= 2
+        # whether this call may compile: the whole forward compiles once per kind (one row / a symbolic batch); the
+        # regional layers compile at the first batch size and once more at the second (the batch turns symbolic)
+        if regional:
+            kind, compiled = batch, len(self._compiled_kinds) >= 2 or batch in self._compiled_kinds
+        else:
+            kind = batch >= 2
+            compiled = kind in self._compiled_kinds
         try:
             with active_cache(self.cache):
-                if kind in self._compiled_kinds:
-                    return self._compiled(ids, pos)
+                if compiled:
+                    return self._call_compiled(ids, pos)
                 with _COMPILE_LOCK:
-                    logits = self._compiled(ids, pos)
+                    from torch._dynamo.utils import counters
+
+                    graphs = counters["stats"]["unique_graphs"]
+                    logits = self._call_compiled(ids, pos)
+                    if regional and not self._compiled_kinds \
+                            and counters["stats"]["unique_graphs"] - graphs > self._compiled.max_graphs:
+                        # the layers kept recompiling (constants that differ per layer): compile the whole forward
+                        # instead, now (this call is never inside a graph capture: `_capture` warms up first)
+                        self._compiled = torch.compile(self._forward)
+                        if batch >= 2:
+                            torch._dynamo.mark_dynamic(ids, 1)
+                            torch._dynamo.mark_dynamic(pos, 1)
+                        logits, kind = self._compiled(ids, pos), batch >= 2
                 self._compiled_kinds.add(kind)
                 return logits
         finally:
             self.cache._engine_step_pending = False
+
+    def _call_compiled(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._compiled, CompiledLayers):
+            with self._compiled.active():
+                return self._forward(ids, pos)
+        return self._compiled(ids, pos)
 
     def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""

@@ -1,0 +1,134 @@
+"""Regional compilation of the decode step: each repeated decoder layer runs through one shared compiled form.
+
+`compile_decode` used to hand the whole decode forward to `torch.compile`. Dynamo then traces transformers' code for
+every layer (16 to 80 copies of the same code) and Inductor lowers every copy: on an H100 that was 46 s of a cold
+start and, since Dynamo's tracing is redone in every process, 8 s of a warm one for a 16-layer model. The layers of a
+decoder are instances of one class running one `forward`: compiled once, the code serves them all (Dynamo keys its
+cache on the code object, and the weights are inputs of the graph, not constants), as PyTorch's "regional
+compilation" recipe does. What is left outside (embedding, rotary table, final norm, `lm_head`) runs eagerly; on the
+GPU it is recorded in the same CUDA graph as the layers, so it costs no host time at replay.
+
+Only the decode step uses the compiled layers: `CompiledLayers.active()` routes a layer's calls to the compiled form
+for the duration of one decode forward, on the calling thread only, and restores the module afterwards. An eager
+prefill (or another engine's step in another thread) keeps running the model's own code.
+
+Two things make one compilation fit every layer and every batch bucket. Int attributes of modules (`layer_idx`) are
+constants to Dynamo by default, which would compile one graph per layer; `allow_unspec_int_on_nn_module` lets the one
+that differs between layers become an input after the first recompilation. The batch dimension becomes symbolic the
+same way, when the second bucket is captured (Dynamo's automatic dynamic shapes). Typically three compilations of one
+layer: the first layer, the second (`layer_idx` now symbolic), the second bucket (batch now symbolic).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "regional_layers", "repeated_layers"]
+
+
+#: most distinct kinds of layer (e.g. sliding-window and full-attention layers) compiled regionally; a model whose layers
+#: differ more (per-layer constants, chunked attention) has its whole decode forward compiled instead
+MAX_LAYER_KINDS = 2
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def layer_kind(layer: torch.nn.Module) -> tuple:
+    """What Dynamo would specialise one layer's compiled code on, besides tensor shapes: every submodule's class and
+    plain scalar attributes (`layer_idx` aside: it is made symbolic) and the config's type of its attention layer.
+    Layers of one kind share one compiled graph."""
+    parts = []
+    for name, sub in layer.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if not k.startswith("_") and k not in ("layer_idx", "training") and isinstance(v, _SCALARS)))
+        idx = getattr(sub, "layer_idx", None)
+        layer_types = getattr(getattr(sub, "config", None), "layer_types", None)
+        attention = layer_types[idx] if isinstance(idx, int) and layer_types and 0 <= idx < len(layer_types) else None
+        parts.append((name, type(sub).__qualname__, attrs, attention))
+    return tuple(parts)
+
+
+def regional_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated layers when compiling them one kind at a time pays: at most `MAX_LAYER_KINDS` kinds and no
+    chunked attention (its size is looked up per layer index); else `[]`."""
+    layers = repeated_layers(model)
+    if not layers:
+        return []
+    kinds = {layer_kind(layer) for layer in layers}
+    if len(kinds) > MAX_LAYER_KINDS or any(part[3] == "chunked_attention" for kind in kinds for part in kind):
+        return []
+    return layers
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's layers: the longest `ModuleList` whose every item holds an attention module (an int
+    `layer_idx`), with at least two items; `[]` when the model has no such list."""
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2 or len(module) <= len(best):
+            continue
+        if all(any(isinstance(getattr(m, "layer_idx", None), int) for m in item.modules()) for item in module):
+            best = list(module)
+    return best
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Forward hooks would be skipped by calling the compiled `forward` directly: such a layer stays eager."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks)
+
+
+class CompiledLayers:
+    """The compiled `forward` of every decoder layer (one Dynamo cache per layer class, shared by its instances)."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        if not layers:
+            raise ValueError("CompiledLayers needs at least one layer")
+        self.layers = layers
+        self._compiled = [torch.compile(layer.forward) for layer in layers]
+        self._routes = [self._route(i) for i in range(len(layers))]
+        self._owner: int | None = None
+        self._saved: list = [None] * len(layers)  # what each layer ran before `active()` (another thread keeps it)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> CompiledLayers | None:
+        """Compiled layers for `model`, or None when regional compilation does not fit it (`regional_layers`): then
+        the whole decode forward is compiled."""
+        layers = regional_layers(model)
+        return cls(layers) if layers else None
+
+    @property
+    def max_graphs(self) -> int:
+        """Graphs the first decode forward may compile: per kind of layer, the first layer (its `layer_idx` still a
+        constant) and the next (now symbolic). More means the layers differ in ways `layer_kind` did not see."""
+        return 2 * len({layer_kind(layer) for layer in self.layers})
+
+    def _route(self, i: int):
+        layer, compiled = self.layers[i], self._compiled[i]
+
+        def call(*args, **kwargs):
+            if threading.get_ident() != self._owner or _has_hooks(layer):
+                previous = self._saved[i]
+                return (previous or layer._call_impl)(*args, **kwargs)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: this thread's calls of the layers run their compiled form (the layers are restored after)."""
+        self._saved = [layer._compiled_call_impl for layer in self.layers]
+        self._owner = threading.get_ident()
+        for layer, route in zip(self.layers, self._routes):
+            layer._compiled_call_impl = route
+        try:
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                yield
+        finally:
+            self._owner = None
+            for layer, previous in zip(self.layers, self._saved):
+                layer._compiled_call_impl = previous
