@@ -292,13 +292,9 @@ class ModelRunner:
         if batch >= 2 and not regional:
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
-        # whether this call may compile: the whole forward compiles once per kind (one row / a symbolic batch); the
-        # regional layers compile at the first batch size and once more at the second (the batch turns symbolic)
-        if regional:
-            kind, compiled = batch, len(self._compiled_kinds) >= 2 or batch in self._compiled_kinds
-        else:
-            kind = batch >= 2
-            compiled = kind in self._compiled_kinds
+        # whether this call may compile: once per kind of call (one row / a symbolic batch)
+        kind = batch >= 2
+        compiled = kind in self._compiled_kinds
         try:
             with active_cache(self.cache):
                 if compiled:
@@ -316,7 +312,7 @@ class ModelRunner:
                         if batch >= 2:
                             torch._dynamo.mark_dynamic(ids, 1)
                             torch._dynamo.mark_dynamic(pos, 1)
-                        logits, kind = self._compiled(ids, pos), batch >= 2
+                        logits = self._compiled(ids, pos)
                 self._compiled_kinds.add(kind)
                 return logits
         finally:
@@ -324,7 +320,7 @@ class ModelRunner:
 
     def _call_compiled(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if isinstance(self._compiled, CompiledLayers):
-            with self._compiled.active():
+            with self._compiled.active(ids.shape[1]):
                 return self._forward(ids, pos)
         return self._compiled(ids, pos)
 

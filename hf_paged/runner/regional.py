@@ -14,9 +14,9 @@ prefill (or another engine's step in another thread) keeps running the model's o
 
 Two things make one compilation fit every layer and every batch bucket. Int attributes of modules (`layer_idx`) are
 constants to Dynamo by default, which would compile one graph per layer; `allow_unspec_int_on_nn_module` lets the one
-that differs between layers become an input after the first recompilation. The batch dimension becomes symbolic the
-same way, when the second bucket is captured (Dynamo's automatic dynamic shapes). Typically three compilations of one
-layer: the first layer, the second (`layer_idx` now symbolic), the second bucket (batch now symbolic).
+that differs between layers become an input after the first recompilation (Dynamo's automatic dynamic). The batch
+dimension of the step's tensors is marked symbolic before the first call. So a layer's code is compiled twice (the
+first layer, then the second with `layer_idx` symbolic), and the final norm and rotary table once each.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "regional_layers", "repeated_layers"]
+__all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "regional_layers", "repeated_layers", "top_level_modules"]
 
 
 #: most distinct kinds of layer (e.g. sliding-window and full-attention layers) compiled regionally; a model whose layers
@@ -75,6 +75,30 @@ def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
+#: modules outside the layers compiled as well (each alone, so one compilation each): a final RMSNorm is ~8 kernels
+#: eager and the rotary table ~6, next to one or two compiled
+_TOP_LEVEL_SUFFIXES = ("RMSNorm", "RotaryEmbedding")
+
+
+def top_level_modules(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model's RMSNorm and rotary-embedding modules that are not inside `layers` (final norm, rotary table)."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return [m for m in model.modules() if id(m) not in inside and type(m).__name__.endswith(_TOP_LEVEL_SUFFIXES)]
+
+
+def _mark_batch(values, batch: int) -> None:
+    """Let the batch dimension of the decode step's tensors be symbolic from the first compilation: dimension 1 of
+    `[1, B, ...]` tensors, dimension 0 of `[B]` ones (Dynamo would otherwise compile once more at the next bucket)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dim() >= 2 and value.shape[1] == batch:
+                torch._dynamo.maybe_mark_dynamic(value, 1)
+            elif value.dim() == 1 and value.shape[0] == batch:
+                torch._dynamo.maybe_mark_dynamic(value, 0)
+        elif isinstance(value, (tuple, list)):
+            _mark_batch(value, batch)
+
+
 def _has_hooks(module: torch.nn.Module) -> bool:
     """Forward hooks would be skipped by calling the compiled `forward` directly: such a layer stays eager."""
     hooks = torch.nn.modules.module
@@ -83,52 +107,60 @@ def _has_hooks(module: torch.nn.Module) -> bool:
 
 
 class CompiledLayers:
-    """The compiled `forward` of every decoder layer (one Dynamo cache per layer class, shared by its instances)."""
+    """The compiled `forward` of every decoder layer (one Dynamo cache per layer class, shared by its instances) and
+    of the few modules outside them (`top_level_modules`)."""
 
-    def __init__(self, layers: list[torch.nn.Module]) -> None:
+    def __init__(self, layers: list[torch.nn.Module], extras: list[torch.nn.Module] | None = None) -> None:
         if not layers:
             raise ValueError("CompiledLayers needs at least one layer")
         self.layers = layers
-        self._compiled = [torch.compile(layer.forward) for layer in layers]
-        self._routes = [self._route(i) for i in range(len(layers))]
+        self.extras = list(extras or [])
+        self.modules = self.layers + self.extras
+        self._compiled = [torch.compile(module.forward) for module in self.modules]
+        self._routes = [self._route(i) for i in range(len(self.modules))]
         self._owner: int | None = None
-        self._saved: list = [None] * len(layers)  # what each layer ran before `active()` (another thread keeps it)
+        self._batch = 0
+        self._saved: list = [None] * len(self.modules)  # what each ran before `active()` (another thread keeps it)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> CompiledLayers | None:
         """Compiled layers for `model`, or None when regional compilation does not fit it (`regional_layers`): then
         the whole decode forward is compiled."""
         layers = regional_layers(model)
-        return cls(layers) if layers else None
+        return cls(layers, top_level_modules(model, layers)) if layers else None
 
     @property
     def max_graphs(self) -> int:
         """Graphs the first decode forward may compile: per kind of layer, the first layer (its `layer_idx` still a
-        constant) and the next (now symbolic). More means the layers differ in ways `layer_kind` did not see."""
-        return 2 * len({layer_kind(layer) for layer in self.layers})
+        constant) and the next (now symbolic); one per module outside the layers. More means the layers differ in
+        ways `layer_kind` did not see."""
+        return 2 * len({layer_kind(layer) for layer in self.layers}) + len(self.extras)
 
     def _route(self, i: int):
-        layer, compiled = self.layers[i], self._compiled[i]
+        module, compiled = self.modules[i], self._compiled[i]
 
         def call(*args, **kwargs):
-            if threading.get_ident() != self._owner or _has_hooks(layer):
+            if threading.get_ident() != self._owner or _has_hooks(module):
                 previous = self._saved[i]
-                return (previous or layer._call_impl)(*args, **kwargs)
+                return (previous or module._call_impl)(*args, **kwargs)
+            _mark_batch(args, self._batch)
+            _mark_batch(kwargs.values(), self._batch)
             return compiled(*args, **kwargs)
 
         return call
 
     @contextmanager
-    def active(self) -> Iterator[None]:
-        """Within: this thread's calls of the layers run their compiled form (the layers are restored after)."""
-        self._saved = [layer._compiled_call_impl for layer in self.layers]
-        self._owner = threading.get_ident()
-        for layer, route in zip(self.layers, self._routes):
-            layer._compiled_call_impl = route
+    def active(self, batch: int) -> Iterator[None]:
+        """Within: this thread's calls of the modules run their compiled form (restored after); `batch` is the decode
+        step's number of rows (the dimension compiled symbolic)."""
+        self._saved = [module._compiled_call_impl for module in self.modules]
+        self._owner, self._batch = threading.get_ident(), batch
+        for module, route in zip(self.modules, self._routes):
+            module._compiled_call_impl = route
         try:
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
                 yield
         finally:
             self._owner = None
-            for layer, previous in zip(self.layers, self._saved):
-                layer._compiled_call_impl = previous
+            for module, previous in zip(self.modules, self._saved):
+                module._compiled_call_impl = previous
