@@ -66,11 +66,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         compile_modules: `torch.compile` the model's RMSNorm, rotary-embedding and MLP submodules (their own code,
             kernels fused by Inductor; `hf_paged.runner.compile`). Fewer kernels per decode step; compiling
             takes a while on first use (`warm_up()`). Default off.
-        compile_decode: compile the whole decode step with `torch.compile`: Dynamo traces transformers' own modeling
-            code, Inductor fuses everything around the attention, which stays one opaque hf_paged op (K/V write +
-            paged decode). Compiled once with a symbolic batch size, then captured as a CUDA graph per batch bucket.
-            A decode step of a 1B llama drops from ~42 to ~16 kernels per layer (1.4-1.5x faster on an H100);
-            compiling takes tens of seconds, paid in `warm_up()`. Prefill steps stay eager. Default off.
+        compile_decode: compile the decode step with `torch.compile`, one decoder layer at a time
+            (`hf_paged.runner.regional`: the layer code compiled once for every layer, the whole forward for models
+            whose layers differ too much): Dynamo traces transformers' own modeling code, Inductor fuses everything
+            around the attention, which stays one opaque hf_paged op (K/V write + paged decode). Symbolic in the batch
+            size, then captured as a CUDA graph per batch bucket. A decode step of a 1B llama drops from ~42 to ~16
+            kernels per layer (1.4-1.5x faster on an H100); compiling takes ~20 s on cold caches (7.5 s warm), paid in
+            `warm_up()`. Prefill steps stay eager. Default off.
         release_window_blocks: when every attention layer of the model slides (Mistral v0.1, Phi-3-mini-4k, Qwen2
             with `use_sliding_window` on all layers, ...), give the KV blocks that fell wholly out of the largest
             window back to the pool after each step, so a sequence holds about `ceil(window / block_size) + 1`
