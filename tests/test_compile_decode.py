@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.runner.regional import CompiledLayers, layer_kind
+from hf_paged.runner.regional import CompiledLayers, layer_kind, regional_layers, repeated_layers
 from hf_paged.testing import FAMILIES, tiny_model
 
 try:
@@ -75,6 +75,16 @@ def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
     # the layers run their own code again outside the decode step (prefill, other threads)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     engine.close()
+
+
+def test_the_text_decoders_layers_are_the_ones_compiled():
+    """A longer list of attention layers outside the text decoder (a vision tower, say) is not the one picked."""
+    model = tiny_model("llama", seed=1)
+    assert repeated_layers(model) == list(model.model.layers)
+    tower = torch.nn.ModuleList(tiny_model("llama", seed=2, num_hidden_layers=5).model.layers)
+    model.add_module("vision_tower", tower)
+    assert len(tower) > len(model.model.layers) and repeated_layers(model) == list(model.model.layers)
+    assert regional_layers(model) == list(model.model.layers)
 
 
 def test_layers_that_differ_per_layer_compile_the_whole_forward():

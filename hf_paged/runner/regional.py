@@ -63,11 +63,20 @@ def regional_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder (transformers' `get_decoder()`), so that a vision tower's layers are never the ones picked."""
+    try:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    except Exception:  # a bespoke model whose lookup raises: search the whole model
+        return model
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's layers: the longest `ModuleList` whose every item holds an attention module (an int
-    `layer_idx`), with at least two items; `[]` when the model has no such list."""
+    """The decoder's layers: the longest `ModuleList` of the text decoder whose every item holds an attention module
+    (an int `layer_idx`), with at least two items; `[]` when the model has no such list."""
     best: list[torch.nn.Module] = []
-    for module in model.modules():
+    for module in _decoder(model).modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) < 2 or len(module) <= len(best):
             continue
         if all(any(isinstance(getattr(m, "layer_idx", None), int) for m in item.modules()) for item in module):
@@ -81,9 +90,9 @@ _TOP_LEVEL_SUFFIXES = ("RMSNorm", "RotaryEmbedding")
 
 
 def top_level_modules(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The model's RMSNorm and rotary-embedding modules that are not inside `layers` (final norm, rotary table)."""
+    """The text decoder's RMSNorm and rotary-embedding modules that are not inside `layers` (final norm, rotary)."""
     inside = {id(m) for layer in layers for m in layer.modules()}
-    return [m for m in model.modules() if id(m) not in inside and type(m).__name__.endswith(_TOP_LEVEL_SUFFIXES)]
+    return [m for m in _decoder(model).modules() if id(m) not in inside and type(m).__name__.endswith(_TOP_LEVEL_SUFFIXES)]
 
 
 def _mark_batch(values, batch: int) -> None:
