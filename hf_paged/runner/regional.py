@@ -118,6 +118,30 @@ def _has_hooks(module: torch.nn.Module) -> bool:
                 or hooks._global_forward_pre_hooks)
 
 
+class _RouteState:
+    """What the routes read while `active()`: kept apart from `CompiledLayers`, so that the routes (closures) do not
+    point back at the object holding them. A cycle there would be frozen by `Engine.warm_up`'s `gc.freeze()` and keep
+    the model's weights alive after the user dropped it."""
+
+    __slots__ = ("owner", "batch", "saved")
+
+    def __init__(self, size: int) -> None:
+        self.owner: int | None = None
+        self.batch = 0
+        self.saved: list = [None] * size  # what each module ran before `active()` (another thread keeps it)
+
+
+def _route(module: torch.nn.Module, compiled, state: _RouteState, i: int):
+    def call(*args, **kwargs):
+        if threading.get_ident() != state.owner or _has_hooks(module):
+            return (state.saved[i] or module._call_impl)(*args, **kwargs)
+        _mark_batch(args, state.batch)
+        _mark_batch(kwargs.values(), state.batch)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
 class CompiledLayers:
     """The compiled `forward` of every decoder layer (one Dynamo cache per layer class, shared by its instances) and
     of the few modules outside them (`top_level_modules`)."""
@@ -128,11 +152,9 @@ class CompiledLayers:
         self.layers = layers
         self.extras = list(extras or [])
         self.modules = self.layers + self.extras
-        self._compiled = [torch.compile(module.forward) for module in self.modules]
-        self._routes = [self._route(i) for i in range(len(self.modules))]
-        self._owner: int | None = None
-        self._batch = 0
-        self._saved: list = [None] * len(self.modules)  # what each ran before `active()` (another thread keeps it)
+        self._state = _RouteState(len(self.modules))
+        self._routes = [_route(module, torch.compile(module.forward), self._state, i)
+                        for i, module in enumerate(self.modules)]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> CompiledLayers | None:
@@ -148,31 +170,20 @@ class CompiledLayers:
         ways `layer_kind` did not see."""
         return 2 * len({layer_kind(layer) for layer in self.layers}) + len(self.extras)
 
-    def _route(self, i: int):
-        module, compiled = self.modules[i], self._compiled[i]
-
-        def call(*args, **kwargs):
-            if threading.get_ident() != self._owner or _has_hooks(module):
-                previous = self._saved[i]
-                return (previous or module._call_impl)(*args, **kwargs)
-            _mark_batch(args, self._batch)
-            _mark_batch(kwargs.values(), self._batch)
-            return compiled(*args, **kwargs)
-
-        return call
-
     @contextmanager
     def active(self, batch: int) -> Iterator[None]:
         """Within: this thread's calls of the modules run their compiled form (restored after); `batch` is the decode
         step's number of rows (the dimension compiled symbolic)."""
-        self._saved = [module._compiled_call_impl for module in self.modules]
-        self._owner, self._batch = threading.get_ident(), batch
+        state = self._state
+        state.saved = [module._compiled_call_impl for module in self.modules]
+        state.owner, state.batch = threading.get_ident(), batch
         for module, route in zip(self.modules, self._routes):
             module._compiled_call_impl = route
         try:
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
                 yield
         finally:
-            self._owner = None
-            for module, previous in zip(self.modules, self._saved):
+            state.owner = None
+            for module, previous in zip(self.modules, state.saved):
                 module._compiled_call_impl = previous
+            state.saved = [None] * len(self.modules)
