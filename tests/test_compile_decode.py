@@ -190,25 +190,24 @@ def test_a_dropped_engine_is_freed_without_the_cycle_collector():
 
 
 def test_a_dropped_model_is_freed_after_a_compiled_engine():
-    """The regionally compiled layers hold no reference cycle: once the engine is closed and the model dropped, its
-    weights go with reference counting alone (a cycle would survive `warm_up`'s `gc.freeze()` for good)."""
+    """The regionally compiled layers hold no reference cycle: `warm_up()` freezes what is alive (`gc.freeze()`), and
+    a cycle through the compiled layers would then keep a dropped model's weights for good."""
 
     def run():
         model = tiny_model("llama", seed=1, num_hidden_layers=3)
         engine = hf_paged.Engine(model, block_size=8, num_blocks=32, max_num_seqs=4, compile_decode=True)
-        engine.warm_up(freeze_gc=False)
+        engine.warm_up()
         engine.generate(random_prompts((5, 9), seed=1), max_new_tokens=3)
         assert isinstance(engine.runner._compiled, CompiledLayers)
         engine.close()
         return weakref.ref(model.model.layers[0].mlp.down_proj.weight), weakref.ref(model.model.norm.weight)
 
-    gc.collect()
-    gc.disable()
     try:
         layer_weight, norm_weight = run()
+        gc.collect()
         assert layer_weight() is None and norm_weight() is None
     finally:
-        gc.enable()
+        gc.unfreeze()
 
 
 def test_compile_decode_arguments():
