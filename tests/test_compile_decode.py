@@ -87,16 +87,22 @@ def test_the_text_decoders_layers_are_the_ones_compiled():
     assert regional_layers(model) == list(model.model.layers)
 
 
-def test_layers_that_differ_per_layer_compile_the_whole_forward():
-    """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
-    would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""
-    model = tiny_model("gpt2", seed=1, n_layer=4)
-    assert len({layer_kind(layer) for layer in model.transformer.h}) == 4
+def _compiled_engine_matching_transformers(model) -> hf_paged.Engine:
+    """A warmed-up `compile_decode` engine on `model` whose greedy tokens were checked against transformers'."""
     prompts = random_prompts(LENGTHS[:6], seed=5)
     references = [greedy_reference(model, p, 5) for p in prompts]
     engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
     engine.warm_up(freeze_gc=False)
     assert [r.outputs[0].token_ids for r in engine.generate(prompts, max_new_tokens=5)] == references
+    return engine
+
+
+def test_layers_that_differ_per_layer_compile_the_whole_forward():
+    """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
+    would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""
+    model = tiny_model("gpt2", seed=1, n_layer=4)
+    assert len({layer_kind(layer) for layer in model.transformer.h}) == 4
+    engine = _compiled_engine_matching_transformers(model)
     assert not isinstance(engine.runner._compiled, CompiledLayers)
     assert counters["stats"]["unique_graphs"] == 1
     engine.close()
@@ -108,12 +114,7 @@ def test_layers_recompiling_unexpectedly_fall_back_to_the_whole_forward(monkeypa
     from hf_paged.runner import regional
 
     monkeypatch.setattr(regional, "layer_kind", lambda layer: ())
-    model = tiny_model("gpt2", seed=1, n_layer=4)
-    prompts = random_prompts(LENGTHS[:6], seed=5)
-    references = [greedy_reference(model, p, 5) for p in prompts]
-    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
-    engine.warm_up(freeze_gc=False)
-    assert [r.outputs[0].token_ids for r in engine.generate(prompts, max_new_tokens=5)] == references
+    engine = _compiled_engine_matching_transformers(tiny_model("gpt2", seed=1, n_layer=4))
     assert not isinstance(engine.runner._compiled, CompiledLayers)
     engine.close()
 

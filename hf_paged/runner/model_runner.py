@@ -289,9 +289,6 @@ class ModelRunner:
             self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward)
             self._compiled_kinds: set = set()
         regional = isinstance(self._compiled, CompiledLayers)
-        if batch >= 2 and not regional:
-            torch._dynamo.mark_dynamic(ids, 1)
-            torch._dynamo.mark_dynamic(pos, 1)
         # whether this call may compile: once per kind of call (one row / a symbolic batch)
         kind = batch >= 2
         compiled = kind in self._compiled_kinds
@@ -309,19 +306,20 @@ class ModelRunner:
                         # the layers kept recompiling (constants that differ per layer): compile the whole forward
                         # instead, now (this call is never inside a graph capture: `_capture` warms up first)
                         self._compiled = torch.compile(self._forward)
-                        if batch >= 2:
-                            torch._dynamo.mark_dynamic(ids, 1)
-                            torch._dynamo.mark_dynamic(pos, 1)
-                        logits = self._compiled(ids, pos)
+                        logits = self._call_compiled(ids, pos)
                 self._compiled_kinds.add(kind)
                 return logits
         finally:
             self.cache._engine_step_pending = False
 
     def _call_compiled(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        batch = ids.shape[1]
         if isinstance(self._compiled, CompiledLayers):
-            with self._compiled.active(ids.shape[1]):
+            with self._compiled.active(batch):
                 return self._forward(ids, pos)
+        if batch >= 2:  # the whole forward: one trace with a symbolic batch serves every bucket
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
         return self._compiled(ids, pos)
 
     def _capture(self, batch: int):

@@ -152,6 +152,10 @@ class CompiledLayers:
         self.layers = layers
         self.extras = list(extras or [])
         self.modules = self.layers + self.extras
+        # graphs the first decode forward may compile: per kind of layer, the first layer (its `layer_idx` still a
+        # constant) and the next (now symbolic); one per module outside the layers. More means the layers differ in
+        # ways `layer_kind` did not see.
+        self.max_graphs = 2 * len({layer_kind(layer) for layer in layers}) + len(self.extras)
         self._state = _RouteState(len(self.modules))
         self._routes = [_route(module, torch.compile(module.forward), self._state, i)
                         for i, module in enumerate(self.modules)]
@@ -162,13 +166,6 @@ class CompiledLayers:
         the whole decode forward is compiled."""
         layers = regional_layers(model)
         return cls(layers, top_level_modules(model, layers)) if layers else None
-
-    @property
-    def max_graphs(self) -> int:
-        """Graphs the first decode forward may compile: per kind of layer, the first layer (its `layer_idx` still a
-        constant) and the next (now symbolic); one per module outside the layers. More means the layers differ in
-        ways `layer_kind` did not see."""
-        return 2 * len({layer_kind(layer) for layer in self.layers}) + len(self.extras)
 
     @contextmanager
     def active(self, batch: int) -> Iterator[None]:
