@@ -46,13 +46,54 @@ def _mixed(rows, vocab, device="cpu", dtype=torch.float32, gen_seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_reference(monkeypatch, dtype):
-    logits, params = _mixed(8, 700, dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter only runs without a GPU)
+    logits, params = _mixed(8, 700, dtype=dtype, device=device)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ref = sample_tokens(logits, *params)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     tri = sample_tokens(logits, *params)
-    assert torch.equal(ref, tri)
+    assert torch.equal(ref.cpu(), tri.cpu())
     assert ref[0] == logits[0].float().argmax()  # temperature 0 = greedy
+
+
+def _search_rows(vocab):
+    """Rows that send the kernel's threshold search down each of its paths: near-flat (top-p keeps most of the row),
+    peaked (a few strong tokens), wide (values far apart in magnitude), ties at a boundary, -inf entries."""
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(vocab, generator=g) * 0.6
+    peaked = torch.randn(vocab, generator=g) * 2.5
+    peaked[torch.randperm(vocab, generator=g)[:6]] += 15.0
+    wide = torch.randn(vocab, generator=g) * 40.0
+    ties = torch.randn(vocab, generator=g).round()
+    masked = torch.randn(vocab, generator=g) * 3.0
+    masked[::3] = -float("inf")
+    return torch.stack([flat, peaked, wide, ties, masked])
+
+
+@pytest.mark.parametrize("t,k,p", [(0.6, 0, 0.95), (0.8, 20, 1.0), (0.7, 50, 0.9), (1.0, 150, 0.999),
+                                   (1.0, 290, 1.0), (1.0, 0, 0.3)])
+def test_triton_search_paths_match_reference(t, k, p):
+    """The kernel's scratch list (`cap`) changes how many tokens a search pass reads, never the kept set or the
+    token: a list too small for most intervals, one that takes a narrowed interval, one that holds the row. The
+    thresholds are compared by the set they keep (a draw alone rarely shows a set one low-probability token off)."""
+    triton_sampling = pytest.importorskip("hf_paged.kernels.triton_sampling")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = _search_rows(300)
+    rows = logits.shape[0]
+    temperature, top_k, top_p, _, seed, offset = _params(rows, t, k, p, seed=3)
+    inv_t, top_k = 1.0 / temperature, top_k.to(torch.int32)
+    args = [x.to(device) for x in (inv_t, top_k, top_p, torch.full((rows,), -float("inf")), seed, offset)]
+    keys = reference_sampling.float_key(logits * inv_t[:, None])
+    finite = logits > -float("inf")  # -inf tokens (probability 0) may sit on either side of a threshold
+    want_kept = ((keys >= reference_sampling.kept_threshold(logits, inv_t, top_k, top_p)[:, None]) & finite).sum(1)
+    want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
+    for cap in (4, 32, 512):
+        thresholds = torch.zeros(rows, dtype=torch.int32, device=device)
+        got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
+                                            thresholds=thresholds)
+        kept = ((keys >= thresholds.cpu().long()[:, None]) & finite).sum(1)
+        assert torch.equal(kept, want_kept), (cap, kept, want_kept)
+        assert torch.equal(got.cpu(), want), (cap, got, want)
 
 
 def _exact(logits_row, t, k, p, mp):

@@ -256,18 +256,30 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             start = time.perf_counter()
             self.runner.warm_up_prefill(self.max_num_batched_tokens)
             prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            self._warm_up_sampler()
+            sampler = time.perf_counter() - start
             if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
             captures = sorted(self.runner.capture_seconds.items(), reverse=True)
             # the largest bucket is captured first: with compile_decode its time holds the compilation
             self.warm_up_seconds = {
-                "prefill": prefill, "first_decode_bucket": captures[0][1] if captures else 0.0,
+                "prefill": prefill, "sampler": sampler, "first_decode_bucket": captures[0][1] if captures else 0.0,
                 "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
             }
             if freeze_gc:
                 gc.collect()
                 gc.freeze()
                 _unfreeze_at_exit()
+
+    def _warm_up_sampler(self) -> None:
+        """Compile the device sampler for this model's logits rows (width and dtype), so the first sampled step does
+        not wait for it."""
+        model = self._model_ref()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else self.vocab_size
+        self.picker.warm_up(vocab, weight.dtype if isinstance(weight, torch.Tensor) else self.dtype)
 
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:

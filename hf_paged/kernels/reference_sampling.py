@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_tokens", "uniform_bits", "NUM_CANDIDATES"]
+__all__ = ["sample_tokens", "kept_threshold", "uniform_bits", "NUM_CANDIDATES"]
 
 NUM_CANDIDATES = 16
 _CHUNK_ELEMENTS = 1 << 22
@@ -105,11 +105,12 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
     return out
 
 
-def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.Tensor:
-    """Sampled rows only (``inv_t > 0``), every tensor on the CPU."""
+def kept_threshold(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per sampled row (``inv_t > 0``, on the CPU), the int key ``t`` of its top-k / top-p threshold: the row keeps the
+    tokens whose scaled logit has key ``>= t`` (min-p aside). Only the set it selects is defined: any key between the
+    kept tokens' least key and the next lower token's key selects the same tokens."""
     vocab = logits.shape[1]
-    k1, k2 = row_keys(seed, offset)
-    x = logits * inv_t[:, None]
+    x = logits.float() * inv_t[:, None]
     m = x.amax(1, keepdim=True)
     keys = float_key(x)
     lo, hi = keys.amin(1), float_key(m)[:, 0]
@@ -124,6 +125,17 @@ def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.
         e = torch.exp(x[sel] - m[sel])
         z = torch.where(keys[sel] >= lo[sel, None], e, 0.0).sum(1)
         lo[sel] = search(keys[sel], e, lo[sel], hi[sel], p[sel] * z)
+    return lo
+
+
+def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.Tensor:
+    """Sampled rows only (``inv_t > 0``), every tensor on the CPU."""
+    vocab = logits.shape[1]
+    k1, k2 = row_keys(seed, offset)
+    x = logits * inv_t[:, None]
+    m = x.amax(1, keepdim=True)
+    keys = float_key(x)
+    lo = kept_threshold(logits, inv_t, top_k, top_p)
     keep = (keys >= lo[:, None]) & ((x - m) >= log_min_p[:, None])
     index = torch.arange(vocab, dtype=torch.long)[None, :]
     score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], index), -float("inf"))

@@ -1,10 +1,22 @@
 """Sampled (and greedy) next-token picks in Triton: no sort, a few tiled passes over each logits row.
 
-One program per row. Passes (see :mod:`hf_paged.kernels.reference_sampling`, which does the same arithmetic):
-max; for top-k an NC-way bisection on the order-preserving int key of the scaled logits (count of keys >= each of NC
-candidates per pass: ~8 passes for 32 bits at NC=16, fewer when the values span a narrow range); for top-p one mass
-pass and the same bisection on masses; then one Gumbel-max draw. Greedy rows (``inv_t == 0``) take one argmax pass.
-Randomness is a counter-based hash of (seed, offset, token index), so a row's draw depends on nothing else.
+One program per row. The decisions are those of :mod:`hf_paged.kernels.reference_sampling` (top-k threshold = the
+largest key whose count of keys ``>=`` it reaches k; top-p threshold = the largest key whose mass ``sum exp(x - m)``
+of keys ``>=`` it reaches ``p * Z_k``; min-p; one Gumbel-max draw with the same counter-based noise). Each threshold
+is unique, so any search that finds it gives the same tokens; this one is built to read the row few times:
+
+* pass 1 reads the row once for its max, its finite min and (online, per lane) the softmax mass Z;
+* a search pass evaluates NC candidate thresholds at once, count and mass together, accumulating per-lane partials
+  and reducing them once per pass (a cross-warp reduction per tile made the first kernel latency-bound). Candidates
+  are spread evenly in *value* while the interval spans many binades (an even spread of int keys is a log scale,
+  which wastes passes on tiny magnitudes), then evenly in key;
+* once the interval ``[lo, hi]`` holds at most ``CAP`` tokens, one pass copies them (value and index, in vocabulary
+  order) to a per-row scratch list; the remaining passes read only that list, plus the known count and mass of the
+  tokens above ``hi``. When nothing lies above ``hi`` the list holds every token the draw can keep, and the draw
+  reads the list too; otherwise the draw is one more pass over the row.
+
+A real model's peaked rows usually end on a list of a few tokens after two row passes; a near-flat row (random
+weights, top-p keeping most of the vocabulary) needs two or three.
 
 FP contraction is switched off at launch (``enable_fp_fusion=False``) so ``x * inv_t + g`` rounds as in torch.
 Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
@@ -16,9 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference_sampling import NUM_CANDIDATES
-
-BLOCK = 1024
+BLOCK = 2048  # tile of a row pass (argmax, max/min/Z, compaction, draw)
+SEARCH_BLOCK = 512  # tile of a search pass: its [SEARCH_BLOCK, NC] partials stay in registers
+NC = 16  # candidate thresholds per search pass
+CAP = 4096  # scratch list capacity per row
+NUM_WARPS = 8
+PREFETCH = True  # search passes issue the next tile's load first
+_VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates
 
 
 @triton.jit
@@ -32,40 +48,159 @@ def _h(x):
 
 @triton.jit
 def _key(x):
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+    """Order-preserving int32 key of float32 values (the reference's `float_key`)."""
+    bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
-def _search(base, vocab, inv_t, m, lo, hi, target, USE_MASS: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
-    """Largest key t in [lo, hi] with stat(t) >= target (count or exp-mass of keys >= t); NC candidates a pass."""
+def _unkey(k):
+    bits = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _candidates(lo, hi, NC: tl.constexpr, VALUE_SPAN: tl.constexpr):
+    """NC non-decreasing int32 keys in (lo, hi] (lo < hi), the last one hi: even in value for wide spans (when the
+    low end is finite), else even in key."""
     j = tl.arange(0, NC).to(tl.int64) + 1
+    lo64 = lo.to(tl.int64)
+    span = hi.to(tl.int64) - lo64
+    by_key = (lo64 + (span * j + NC - 1) // NC).to(tl.int32)
+    v_lo = _unkey(lo)
+    v_hi = _unkey(hi)
+    frac = j.to(tl.float32) * (1.0 / NC)
+    by_value = _key(v_lo + (v_hi - v_lo) * frac)
+    by_value = tl.minimum(tl.maximum(by_value, lo + 1), hi)
+    by_value = tl.where(j == NC, hi, by_value)
+    use_value = (span > VALUE_SPAN) & (v_lo > float("-inf")) & (v_hi < float("inf"))
+    return tl.where(use_value, by_value, by_key)
+
+
+@triton.jit
+def _stats(ptr, n, scale, m, cands, BLOCK: tl.constexpr, NC: tl.constexpr, PREFETCH: tl.constexpr):
+    """Count and mass ``sum exp(x - m)`` of the values ``x = ptr[i] * scale`` (i < n) whose key is >= each
+    candidate. Per-lane partials, one reduction at the end. With PREFETCH the next tile's load is issued before this
+    tile's compares, so its latency overlaps them (one row is one program: nothing else hides it)."""
     cols = tl.arange(0, BLOCK)
-    while lo < hi:
-        span = hi - lo
-        cands = lo + (span * j + NC - 1) // NC
-        stat = tl.zeros([NC], dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
+    cnt = tl.zeros([BLOCK, NC], dtype=tl.int32)
+    mass = tl.zeros([BLOCK, NC], dtype=tl.float32)
+    nxt = tl.load(ptr + cols, mask=cols < n, other=float("-inf"))
+    for start in range(0, n, BLOCK):
+        if PREFETCH:
+            cur = nxt
+            ahead = start + BLOCK + cols
+            nxt = tl.load(ptr + ahead, mask=ahead < n, other=float("-inf"))
+        else:
             idx = start + cols
-            valid = idx < vocab
-            x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            ge = (_key(x)[:, None] >= cands[None, :]) & valid[:, None]
-            if USE_MASS:
-                w = tl.exp(x - m)
-                stat += tl.sum(tl.where(ge, w[:, None], 0.0), axis=0)
-            else:
-                stat += tl.sum(ge.to(tl.int32), axis=0).to(tl.float32)
-        ok = stat >= target
-        new_lo = tl.max(tl.where(ok, cands, lo), axis=0)
-        new_hi = tl.min(tl.where(ok, hi, cands - 1), axis=0)
-        lo = new_lo
-        hi = new_hi
-    return lo
+            cur = tl.load(ptr + idx, mask=idx < n, other=float("-inf"))
+        x = cur.to(tl.float32) * scale
+        ge = _key(x)[:, None] >= cands[None, :]
+        cnt += ge.to(tl.int32)
+        mass += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
+    return tl.sum(cnt, axis=0), tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _pick(values, sel):
+    """The entry of `values` where `sel` (one-hot or all False -> 0)."""
+    return tl.sum(tl.where(sel, values, tl.zeros_like(values)), axis=0)
+
+
+@triton.jit
+def _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK: tl.constexpr):
+    """Copy the values (scaled) and indices of the keys in [lo, hi] to the scratch list, in vocabulary order."""
+    cols = tl.arange(0, BLOCK)
+    n = tl.zeros([], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        valid = idx < vocab
+        x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+        k = _key(x)
+        sel = ((k >= lo) & (k <= hi) & valid).to(tl.int32)
+        pos = n + tl.cumsum(sel, axis=0) - 1
+        tl.store(list_x + pos, x, mask=sel > 0)
+        tl.store(list_i + pos, idx, mask=sel > 0)
+        n += tl.sum(sel, axis=0)
+
+
+@triton.jit
+def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, USE_MASS: tl.constexpr,
+            lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
+            BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
+            VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr):
+    """Largest key t in [lo, hi] whose stat (count, or mass with USE_MASS) of keys >= t reaches its target
+    (`target_count` or `target_mass`), given that `lo`'s does. Carries the stats at `lo` (lo_cnt, lo_mass) and of the keys above `hi` (hi_cnt, hi_mass), and the
+    scratch list state: when `has_list`, the list holds the `list_n` tokens with keys in [list_lo, list_hi] and
+    (above_cnt, above_mass) are the stats of the keys above list_hi."""
+    j = tl.arange(0, NC)
+    while lo < hi:
+        cands = _candidates(lo, hi, NC, VALUE_SPAN)
+        if (has_list != 0) & (lo >= list_lo) & (hi <= list_hi):
+            cnt, mass = _stats(list_x, list_n, 1.0, m, cands, SEARCH_BLOCK, NC, PREFETCH)
+            cnt += above_cnt
+            mass += above_mass
+        else:
+            cnt, mass = _stats(base, vocab, inv_t, m, cands, SEARCH_BLOCK, NC, PREFETCH)
+        if USE_MASS:
+            ok = mass >= target_mass
+        else:
+            ok = cnt >= target_count
+        n_ok = tl.sum(ok.to(tl.int32), axis=0)  # the stats fall as the candidates rise: ok is a prefix
+        if n_ok > 0:
+            at = j == n_ok - 1
+            lo = _pick(cands, at)
+            lo_cnt = _pick(cnt, at)
+            lo_mass = _pick(mass, at)
+        if n_ok < NC:
+            at = j == n_ok
+            hi = _pick(cands, at) - 1
+            hi_cnt = _pick(cnt, at)
+            hi_mass = _pick(mass, at)
+        inside = lo_cnt - hi_cnt
+        if (lo < hi) & (inside <= CAP) & ((has_list == 0) | (lo < list_lo) | (hi > list_hi)):
+            _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
+            has_list = tl.full([], 1, tl.int32)
+            list_lo = lo
+            list_hi = hi
+            list_n = inside
+            above_cnt = hi_cnt
+            above_mass = hi_mass
+    return lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass
+
+
+@triton.jit
+def _draw(ptr, idx_ptr, n, scale, m, lo, log_min_p, k1, k2, vocab, INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+    """Gumbel-max among the kept tokens of `n` values (a row, or the scratch list with its indices)."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], dtype=tl.int32) + vocab
+    for start in range(0, n, BLOCK):
+        pos = start + cols
+        valid = pos < n
+        x = tl.load(ptr + pos, mask=valid, other=float("-inf")).to(tl.float32) * scale
+        if INDEXED:
+            idx = tl.load(idx_ptr + pos, mask=valid, other=0)
+        else:
+            idx = pos
+        bits = _h(_h(idx.to(tl.int64) ^ k1) ^ k2)
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        keep = valid & (_key(x) >= lo) & ((x - m) >= log_min_p)
+        score = tl.where(keep, x + g, float("-inf"))
+        better = score > best
+        best = tl.where(better, score, best)
+        best_i = tl.where(better, idx, best_i)
+    top = tl.max(best, axis=0)
+    choice = tl.min(tl.where(best == top, best_i, vocab), axis=0)
+    return tl.where(choice >= vocab, 0, choice)
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
-                   out_ptr, BLOCK: tl.constexpr, NC: tl.constexpr):
+                   out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   NC: tl.constexpr, CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
+                   STORE_THRESHOLD: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + row)
@@ -88,60 +223,82 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         log_min_p = tl.load(log_min_p_ptr + row)
         seed = tl.load(seed_ptr + row)
         off = tl.load(offset_ptr + row)
-        # pass 1: max and min of the scaled row
+        list_x = list_x_ptr + row.to(tl.int64) * CAP
+        list_i = list_i_ptr + row.to(tl.int64) * CAP
+        # pass 1: max, finite min, and the softmax mass (online: per-lane max and rescaled sum)
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
         mn = tl.full([BLOCK], float("inf"), tl.float32)
+        z = tl.zeros([BLOCK], dtype=tl.float32)
+        n_fin = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             valid = idx < vocab
             x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            mx = tl.maximum(mx, x)
-            mn = tl.minimum(mn, tl.where(valid, x, float("inf")))
+            finite = x > float("-inf")
+            new_mx = tl.maximum(mx, x)
+            z = tl.where(finite, z * tl.exp(mx - new_mx) + tl.exp(x - new_mx), z)
+            mx = new_mx
+            mn = tl.minimum(mn, tl.where(finite, x, float("inf")))
+            n_fin += finite.to(tl.int32)
         m = tl.max(mx, axis=0)
+        z_total = tl.sum(tl.where(mx > float("-inf"), z * tl.exp(mx - m), 0.0), axis=0)
         lo = _key(tl.min(mn, axis=0))
         hi = _key(m)
+        lo_cnt = tl.sum(n_fin, axis=0)
+        lo_mass = z_total
+        has_list = (lo_cnt <= CAP).to(tl.int32)  # a short row: search and draw on a copy of it
+        if has_list != 0:
+            _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
+        list_lo = lo
+        list_hi = hi
+        list_n = lo_cnt
+        zero_i = tl.full([], 0, tl.int32)
+        zero_f = tl.full([], 0.0, tl.float32)
+        above_cnt = zero_i
+        above_mass = zero_f
         if (top_k > 0) & (top_k < vocab):
-            lo = _search(base, vocab, inv_t, m, lo, hi, top_k.to(tl.float32), False, BLOCK, NC)
+            lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
+                base, vocab, inv_t, m, list_x, list_i, zero_f, top_k, False,
+                lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
+                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
+                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
         if top_p < 1.0:
-            z = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, vocab, BLOCK):
-                idx = start + cols
-                valid = idx < vocab
-                x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-                z += tl.where(valid & (_key(x) >= lo), tl.exp(x - m), 0.0)
-            lo = _search(base, vocab, inv_t, m, lo, hi, top_p * tl.sum(z, axis=0), True, BLOCK, NC)
-        # draw: Gumbel-max among kept tokens
+            lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
+                base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, True,
+                lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
+                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
+                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
+        if STORE_THRESHOLD:
+            tl.store(threshold_ptr + row, lo)
+        # draw: Gumbel-max among kept tokens, on the list when it holds all of them
         k = _h(((off >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9)
         k = _h((off & 0xFFFFFFFF) ^ k)
         k = _h(((seed >> 32) & 0xFFFFFFFF) ^ k)
         k1 = _h((seed & 0xFFFFFFFF) ^ k)
         k2 = _h(k1 ^ 0x85EBCA6B)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], dtype=tl.int32) + vocab
-        for start in range(0, vocab, BLOCK):
-            idx = start + cols
-            valid = idx < vocab
-            x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            bits = _h(_h(idx.to(tl.int64) ^ k1) ^ k2)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            g = -tl.log(-tl.log(u))
-            keep = valid & (_key(x) >= lo) & ((x - m) >= log_min_p)
-            score = tl.where(keep, x + g, float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_i = tl.where(better, idx, best_i)
-        top = tl.max(best, axis=0)
-        choice = tl.min(tl.where(best == top, best_i, vocab), axis=0)
-        choice = tl.where(choice >= vocab, 0, choice)
+        if (has_list != 0) & (above_cnt == 0) & (lo >= list_lo):
+            choice = _draw(list_x, list_i, list_n, 1.0, m, lo, log_min_p, k1, k2, vocab, True, BLOCK)
+        else:
+            choice = _draw(base, list_i, vocab, inv_t, m, lo, log_min_p, k1, k2, vocab, False, BLOCK)
         tl.store(out_ptr + row, choice.to(tl.int64))
 
 
 def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+                  log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *, cap: int = CAP,
+                  block: int = BLOCK, search_block: int = SEARCH_BLOCK, num_warps: int = NUM_WARPS,
+                  prefetch: bool = PREFETCH, thresholds: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids ``[R]`` of ``logits [R, V]`` (see the module docstring); ``cap``, ``block``, ``search_block``
+    (powers of two), ``num_warps`` and ``prefetch`` are tuning knobs that never change a token. ``thresholds``
+    (``[R]`` int32, for tests): receives each sampled row's top-k / top-p threshold key, as
+    `reference_sampling.kept_threshold` defines it."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
         return out
+    list_x = torch.empty((rows, cap), dtype=torch.float32, device=logits.device)
+    list_i = torch.empty((rows, cap), dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, inv_t, top_k, top_p, log_min_p, seed, offset, out,
-                            BLOCK=BLOCK, NC=NUM_CANDIDATES, num_warps=8, enable_fp_fusion=False)
+                            list_x, list_i, out if thresholds is None else thresholds, BLOCK=block, SEARCH_BLOCK=search_block, NC=NC, CAP=cap,
+                            VALUE_SPAN=_VALUE_SPAN, PREFETCH=prefetch,
+                            STORE_THRESHOLD=thresholds is not None, num_warps=num_warps, enable_fp_fusion=False)
     return out
