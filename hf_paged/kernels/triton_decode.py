@@ -7,9 +7,7 @@
   each token's physical block is looked up in the block table).
 * Split-K (flash-decoding): grid ``(B, Hkv, num_splits)``; with several splits each
   program writes its partial ``(acc, max, sum)`` to a float32 scratch and a small
-  second kernel combines them; with one split the output is written directly. Each
-  sequence's own key range is cut into ``num_splits`` equal runs of whole tiles, so the
-  split count (chosen from the table width: a CUDA graph fixes it) helps short contexts too.
+  second kernel combines them; with one split the output is written directly.
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -77,9 +75,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, splits)
 
 
-# The table stride varies with the batch's longest context (eager decode steps): not specialised, so a new length
-# never compiles a new variant mid-serving (see triton_prefill).
-@triton.jit(do_not_specialize=["stride_btb"])
+# `split_len` and the table stride vary with the batch's longest context (eager decode steps): not specialised,
+# so a new length never compiles a new variant mid-serving (see triton_prefill).
+@triton.jit(do_not_specialize=["split_len", "stride_btb"])
 def _paged_decode_kernel(
     Q,
     KC,
@@ -97,6 +95,7 @@ def _paged_decode_kernel(
     softcap,
     window,
     chunk,
+    split_len,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -142,16 +141,8 @@ def _paged_decode_kernel(
         kv_lo = tl.maximum(kv_lo, seq_len - window)
     if HAS_CHUNK:
         kv_lo = kv_lo + (tl.maximum(seq_len - 1 - kv_lo, 0) // chunk) * chunk
-    lo = kv_lo
-    hi = seq_len
-    if SPLIT:
-        # this sequence's own keys are shared out evenly (whole BLOCK_N tiles): a short context in a wide table still
-        # spreads over every split, instead of all landing in the first one
-        base = (kv_lo // BLOCK_N) * BLOCK_N
-        splits = tl.num_programs(2)
-        per = tl.cdiv(tl.cdiv(tl.maximum(seq_len - base, 0), splits), BLOCK_N) * BLOCK_N
-        lo = tl.maximum(kv_lo, base + sp * per)
-        hi = tl.minimum(seq_len, base + (sp + 1) * per)
+    lo = tl.maximum(kv_lo, sp * split_len)
+    hi = tl.minimum(seq_len, (sp + 1) * split_len)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -320,6 +311,7 @@ def paged_decode(
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_context, block_n, query.device)
     num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(max_context, block_n))))
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
 
     g_pad = max(16, triton.next_power_of_2(G))
     ieee = query.dtype == torch.float32
@@ -352,6 +344,7 @@ def paged_decode(
         float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
         int(chunk_size) if chunk_size is not None else 1,
+        split_len,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
