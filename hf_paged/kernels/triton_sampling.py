@@ -125,11 +125,11 @@ def _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, USE_MASS: tl.constexpr,
+def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass,
             lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
             BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
             VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr):
-    """Largest key t in [lo, hi] whose stat (count, or mass with USE_MASS) of keys >= t reaches its target
+    """Largest key t in [lo, hi] whose stat (count, or mass with `use_mass`) of keys >= t reaches its target
     (`target_count` or `target_mass`), given that `lo`'s does. Carries the stats at `lo` (lo_cnt, lo_mass) and of the keys above `hi` (hi_cnt, hi_mass), and the
     scratch list state: when `has_list`, the list holds the `list_n` tokens with keys in [list_lo, list_hi] and
     (above_cnt, above_mass) are the stats of the keys above list_hi."""
@@ -142,10 +142,7 @@ def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, US
             mass += above_mass
         else:
             cnt, mass = _stats(base, vocab, inv_t, m, cands, SEARCH_BLOCK, NC, PREFETCH)
-        if USE_MASS:
-            ok = mass >= target_mass
-        else:
-            ok = cnt >= target_count
+        ok = tl.where(use_mass, mass >= target_mass, cnt >= target_count)
         n_ok = tl.sum(ok.to(tl.int32), axis=0)  # the stats fall as the candidates rise: ok is a prefix
         if n_ok > 0:
             at = j == n_ok - 1
@@ -256,18 +253,20 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         zero_f = tl.full([], 0.0, tl.float32)
         above_cnt = zero_i
         above_mass = zero_f
-        if (top_k > 0) & (top_k < vocab):
-            lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
-                base, vocab, inv_t, m, list_x, list_i, zero_f, top_k, False,
-                lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
-                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
-                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
-        if top_p < 1.0:
-            lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
-                base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, True,
-                lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
-                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
-                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
+        # top-k (a count), then top-p (a mass) from where top-k left off: one search body for both (the kernel is
+        # compiled at start-up; a second inlined copy of the search doubled its compile time)
+        for phase in range(2):
+            use_mass = phase == 1
+            if use_mass:
+                active = top_p < 1.0
+            else:
+                active = (top_k > 0) & (top_k < vocab)
+            if active:
+                lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
+                    base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, use_mass,
+                    lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
+                    has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
+                    BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
         if STORE_THRESHOLD:
             tl.store(threshold_ptr + row, lo)
         # draw: Gumbel-max among kept tokens, on the list when it holds all of them
