@@ -519,6 +519,11 @@ def main() -> None:
                   f"({t['decode_host_ms']:.2f}) | {r['steps']} | {t['prefill_total_s']:.2f} | {mfu:.0%} | "
                   f"{ttft['mean_ms']:.0f} / {ttft['p50_ms']:.0f} / {ttft['p99_ms']:.0f} | "
                   f"{tpot['mean_ms']:.1f} / {tpot['p50_ms']:.1f} / {tpot['p99_ms']:.1f} |")
+        for r in rows_ok:
+            t = r.get("timing", {})
+            if r["system"].startswith("paged") and "in_step_other_s" in t:
+                print(f"{r['system']}: {t['in_step_other_s']:.2f} s of host time in steps outside schedule / execute / "
+                      f"sample+update (overlaps the GPU when pipelined), {t['outside_steps_s']:.2f} s between steps")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib

@@ -47,7 +47,12 @@ def test_generate_harness_measures_the_pipelined_path(static_engines):
     workload = bench_generate.make_workload("alpaca", 24, 0)
     result = bench_generate.run_paged(model, workload, _args(), progress=False)
     assert result["pipelined_steps"] > 10 and result["graph_steps"] > 10
-    assert result["timing"]["decode_steps"] > 10  # the timer saw the pipelined steps
+    timing = result["timing"]
+    assert timing["decode_steps"] > 10  # the timer saw the pipelined steps
+    # the host time the parts leave out is accounted for, never negative: parts + rest = the steps' wall time
+    assert 0 <= timing["in_step_other_s"] and 0 <= timing["outside_steps_s"] < result["run_s"]
+    parts = timing["decode_total_s"] + timing["prefill_total_s"]
+    assert parts + timing["in_step_other_s"] + timing["outside_steps_s"] == pytest.approx(result["run_s"], rel=1e-6)
 
 
 def test_generate_harness_refuses_a_run_with_failed_requests(static_engines, monkeypatch):
