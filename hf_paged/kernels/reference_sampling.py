@@ -109,10 +109,14 @@ def kept_threshold(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tenso
     """Per sampled row (``inv_t > 0``, on the CPU), the int key ``t`` of its top-k / top-p threshold: the row keeps the
     tokens whose scaled logit has key ``>= t`` (min-p aside). Only the set it selects is defined: any key between the
     kept tokens' least key and the next lower token's key selects the same tokens."""
-    vocab = logits.shape[1]
     x = logits.float() * inv_t[:, None]
     m = x.amax(1, keepdim=True)
-    keys = float_key(x)
+    return _threshold(x, m, float_key(x), top_k, top_p)
+
+
+def _threshold(x, m, keys, top_k, top_p) -> torch.Tensor:
+    """`kept_threshold` of the scaled rows `x`, their max `m` and keys `keys` (computed once by the caller)."""
+    vocab = x.shape[1]
     lo, hi = keys.amin(1), float_key(m)[:, 0]
     k, p = top_k, top_p
     use_k = (k > 0) & (k < vocab)
@@ -135,7 +139,7 @@ def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.
     x = logits * inv_t[:, None]
     m = x.amax(1, keepdim=True)
     keys = float_key(x)
-    lo = kept_threshold(logits, inv_t, top_k, top_p)
+    lo = _threshold(x, m, keys, top_k, top_p)
     keep = (keys >= lo[:, None]) & ((x - m) >= log_min_p[:, None])
     index = torch.arange(vocab, dtype=torch.long)[None, :]
     score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], index), -float("inf"))
