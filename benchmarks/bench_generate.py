@@ -288,9 +288,10 @@ class StepTimer:
         }
 
 
-def run_paged(model, workload, args, progress: bool, compile_decode: bool = False):
+def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
-    CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step)."""
+    CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
+    keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -299,6 +300,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode)
+    engine.runner.compile_prefill = compile_decode and compile_prefill
     engine.warm_up()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
@@ -367,7 +369,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
-                        help="comma list of: paged, paged_compiled, generate_batch, generate_batch_graphs, dynamic")
+                        help="comma list of: paged, paged_compiled, paged_compiled_eager_prefill, generate_batch, "
+                             "generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
     parser.add_argument("--dynamic-max-batches", type=int, default=0,
                         help="time DynamicCache on its first N batches only (0: all) and report its rate there")
@@ -394,7 +397,8 @@ def main() -> None:
     output_tokens = sum(o for _, o in workload)
     rank, world = init_tensor_parallel(args.device)
     if world > 1:  # the same launch under torchrun: one shard of the model and one engine per rank
-        unsupported = set(args.systems.split(",")) - {"paged", "paged_compiled", "dynamic"}
+        unsupported = set(args.systems.split(",")) - {"paged", "paged_compiled", "paged_compiled_eager_prefill",
+                                                      "dynamic"}
         if unsupported:
             raise SystemExit(f"under tensor parallelism only paged, paged_compiled and dynamic run, not {unsupported}")
         model = build_tp_model(args.model, dtype, rank)
@@ -456,8 +460,9 @@ def main() -> None:
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
-                elif system in ("paged", "paged_compiled"):
-                    extra = run_paged(model, workload, args, progress, compile_decode=system == "paged_compiled")
+                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill"):
+                    extra = run_paged(model, workload, args, progress, compile_decode=system != "paged",
+                                      compile_prefill=system != "paged_compiled_eager_prefill")
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

@@ -56,6 +56,8 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     compiled = engine.runner._compiled
     assert isinstance(compiled, CompiledLayers)
     assert counters["stats"]["unique_graphs"] <= compiled.max_graphs
+    # the two requests admitted after the first decode step were prefilled by the same compiled layers
+    assert engine.runner.compiled_prefill_steps > 1  # the warm-up's dummy step is one
     engine.close()
 
 
@@ -74,6 +76,43 @@ def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
     assert len(engine.runner._compiled.extras) == 2 and counters["stats"]["unique_graphs"] == 4
     # the layers run their own code again outside the decode step (prefill, other threads)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    engine.close()
+
+
+@pytest.mark.parametrize("family, config", [("llama", {}), ("mistral", {"sliding_window": 12})])
+def test_prefill_steps_run_the_compiled_layers_and_compile_nothing_more(family, config):
+    """Prefill chunks, alone and beside decodes, run the decode step's compiled layers (the token dimension is the
+    compiled batch dimension, the op picks the prefill kernel): transformers' tokens, no further graph, and the
+    layers back on their own code afterwards. A sliding window shorter than the prompts reaches the prefill kernel."""
+    model = tiny_model(family, seed=3, num_hidden_layers=3, **config)
+    prompts = random_prompts((45, 9, 30, 17, 38, 4, 26, 12), seed=6)
+    new = [6 + (5 * i) % 9 for i in range(len(prompts))]
+    references = [greedy_reference(model, p, n) for p, n in zip(prompts, new)]
+    # three running at a time and a 24-token budget: later prompts are prefilled in chunks beside running decodes
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=3, max_num_batched_tokens=24, compile_decode=True)
+    engine.warm_up(freeze_gc=False)
+    graphs, routed = counters["stats"]["unique_graphs"], engine.runner.compiled_prefill_steps
+    assert routed == 1 and engine.runner.compile_prefill  # the warm-up's dummy step, after the layers compiled
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in new])
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert engine.runner.compiled_prefill_steps - routed >= len(prompts) - 3  # every later admission, in chunks
+    assert counters["stats"]["unique_graphs"] == graphs and engine.runner.compile_prefill
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    engine.close()
+
+
+def test_prefill_that_would_keep_compiling_stays_on_the_models_code():
+    """If the first routed prefill step compiles more graphs than a decode step may, prefill steps run the model's
+    own code from then on (the step itself already ran right)."""
+    model = tiny_model("llama", seed=1)
+    prompts = random_prompts((21, 7, 15), seed=7)
+    references = [greedy_reference(model, p, 4) for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=2, compile_decode=True)
+    engine.generate(prompts[:1], max_new_tokens=2)  # compiles the layers (no warm-up: the check is still due)
+    engine.runner._compiled.max_graphs = -1  # any count is then too many
+    results = engine.generate(prompts, max_new_tokens=4)
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert not engine.runner.compile_prefill and engine.runner.compiled_prefill_steps == 1
     engine.close()
 
 

@@ -118,12 +118,14 @@ def test_engine_static_and_compiled_decode(compiled):
     with torch.no_grad():
         refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=9)[0, len(p):].tolist()
                 for p in prompts]
-    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=4, compile_decode=compiled)
+    # two at a time: the third prompt is prefilled after the first decode step (by the compiled layers, if compiled)
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=2, compile_decode=compiled)
     engine.runner.decode_mode = "static"
     try:
         results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=9) for _ in prompts])
         assert [r.outputs[0].token_ids for r in results] == refs
         assert engine.runner.graph_steps > 0
+        assert (engine.runner.compiled_prefill_steps > 0) == compiled
     finally:
         engine.close()
 

@@ -1,9 +1,14 @@
-"""The one opaque op of hf_paged's compiled decode step (`compile_decode`): K/V write + paged decode.
+"""The one opaque op of hf_paged's compiled layers (`compile_decode`): K/V write + paged attention.
 
 Dynamo traces transformers' modeling code for a decode step and Inductor fuses everything but the attention, which
 calls `hf_paged::write_and_decode`. The op finds the pool and the step metadata through the cache that
 `active_cache(...)` names (set by the runner around compiled calls and graph capture), so neither is a graph input.
 Imported by the attention function (inside a trace) and by the runner (to name the active cache).
+
+The same compiled layers also run the engine's ragged prefill steps (`ModelRunner._execute_eager`): their token
+dimension is the symbolic batch dimension of the decode step, so no second compilation is needed, and the op picks
+the kernel from the step's metadata at run time: `paged_decode` when every sequence brings one token, `paged_prefill`
+otherwise (the choice is made in Python, outside the traced graph, and a CUDA graph records the decode one).
 """
 
 from __future__ import annotations
@@ -51,16 +56,22 @@ class active_cache:  # noqa: N801 (a context manager used like a function)
 def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                      scale: float, sliding_window: int | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
-    """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then decode `query` `[T, Hq, D]`.
+    """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then attend with `query`
+    `[T, Hq, D]`: a decode step (one token per sequence) through `kernels.paged_decode`, a ragged step with longer
+    queries (prefill chunks, possibly beside decodes) through `kernels.paged_prefill`, as the eager attention does.
 
     The options are the layer's (see `kernels.paged_decode`); constants of the traced graph except `sinks`.
     """
     cache = _ACTIVE[0]
     if cache is None or cache._step is None:
-        raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled decode step (no active cache)")
+        raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled step (no active cache)")
     step = cache._step
     key_cache, value_cache = cache.layer_caches(layer_idx)
     kernels.write_kv(key, value, key_cache, value_cache, step.slot_mapping)
+    if not step.decode_only:
+        return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
+                                     step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
+                                     softcap=softcap, sinks=sinks, chunk_size=chunk_size)
     return kernels.paged_decode(query, key_cache, value_cache, step.block_tables, step.seq_lens, scale, step.kv_start,
                                 sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
 

@@ -261,11 +261,15 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             sampler = time.perf_counter() - start
             if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
+            start = time.perf_counter()
+            self.runner.warm_up_compiled_prefill()  # prefill steps through the layers just compiled
+            compiled_prefill = time.perf_counter() - start
             captures = sorted(self.runner.capture_seconds.items(), reverse=True)
             # the largest bucket is captured first: with compile_decode its time holds the compilation
             self.warm_up_seconds = {
                 "prefill": prefill, "sampler": sampler, "first_decode_bucket": captures[0][1] if captures else 0.0,
                 "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
+                "compiled_prefill": compiled_prefill,
             }
             if freeze_gc:
                 gc.collect()

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -92,8 +94,13 @@ class ModelRunner:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
+        # ragged (prefill-carrying) steps run through the decode step's compiled layers once they exist (see
+        # `_prefill_layers`); set False to keep them on the model's own code
+        self.compile_prefill = compile_decode
+        self._prefill_checked = False
         self._forward = _decode_forward(model_ref, cache)
         self._compiled = None
+        self._compiled_kinds: set = set()
         if compile_decode:
             if not use_cuda_graph:
                 self.decode_mode = "static"  # the compiled step runs on the static buffers, with or without graphs
@@ -107,7 +114,8 @@ class ModelRunner:
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
         self.graph_steps = 0
-        self.eager_steps = 0
+        self.eager_steps = 0  # ragged (prefill-carrying) steps; `compiled_prefill_steps` of them ran compiled layers
+        self.compiled_prefill_steps = 0
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (the first one compiles)
         self.table_rows_uploaded = 0
         self.last_static = False
@@ -188,13 +196,51 @@ class ModelRunner:
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
         keep = torch.tensor(rows if rows else [offset - 1], dtype=torch.long).to(self.device)
-        output = self.model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-            logits_to_keep=keep,
-        )
+        with self._prefill_layers(offset):
+            output = self.model(
+                input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                logits_to_keep=keep,
+            )
         self.eager_steps += 1
         logits = output.logits[0]
         return (logits if rows else logits[:0]), samplers
+
+    def _prefill_layers(self, tokens: int):
+        """Where this ragged step's decoder layers run: the decode step's compiled layers when they exist, else the
+        model's own code.
+
+        Why it pays: a prefill step of a small model is mostly transformers' elementwise code (RMSNorm in float32,
+        rotary, the MLP activation: half the GPU time of a Qwen3-0.6B prefill, with the GEMMs a fifth), which the
+        compiled layers fuse. Why it costs no compilation: the layers were compiled with a symbolic token dimension
+        (the decode batch, `[1, B, H]`) and the attention is one opaque op that picks the prefill kernel for a
+        prefill step at run time (`hf_paged.attention.compiled_op`). One-token forwards would specialise that
+        dimension (a recompilation), so they stay on the model's code. The first routed step holds the compile lock
+        and counts the graphs it compiled: more than a decode step may compile means the layers keep recompiling
+        for prefill shapes, and prefill stays eager from then on (`compile_prefill = False`).
+        """
+        compiled = self._compiled
+        if not (self.compile_prefill and tokens >= 2 and isinstance(compiled, CompiledLayers)
+                and True in self._compiled_kinds):
+            return nullcontext()
+        return self._compiled_prefill(compiled, tokens)
+
+    @contextmanager
+    def _compiled_prefill(self, compiled: CompiledLayers, tokens: int) -> Iterator[None]:
+        from torch._dynamo.utils import counters
+
+        first = not self._prefill_checked
+        graphs = counters["stats"]["unique_graphs"]
+        try:
+            with active_cache(self.cache), _COMPILE_LOCK if first else nullcontext(), \
+                    compiled.active(tokens, extras=False):
+                yield
+        finally:
+            self.cache._engine_step_pending = False  # the compiled layers never call `update`, which clears it
+        self.compiled_prefill_steps += 1
+        if first:
+            self._prefill_checked = True
+            if counters["stats"]["unique_graphs"] - graphs > compiled.max_graphs:
+                self.compile_prefill = False
 
     @property
     def model(self):
@@ -287,7 +333,7 @@ class ModelRunner:
         if self._compiled is None:
             # regional (each decoder layer's code compiled once for all layers), else the whole forward
             self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward)
-            self._compiled_kinds: set = set()
+            self._compiled_kinds = set()
         regional = isinstance(self._compiled, CompiledLayers)
         # whether this call may compile: once per kind of call (one row / a symbolic batch)
         kind = batch >= 2
@@ -369,23 +415,38 @@ class ModelRunner:
         power of two up to 512 is run, so each tile the kernel can pick is compiled (a missed one cost a serving
         step about a second of JIT). Nothing is written (slot -1) and every table points at block 0.
         """
-        cache = self.cache
         with torch.inference_mode():
             for q_len in [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_tokens)]:
-                num_seqs = max(1, min(4, max_tokens // q_len))
-                tokens = num_seqs * q_len
-                table = [0] * -(-q_len // self.block_size)  # every position reads block 0
-                step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
-                                        [q_len] * num_seqs, self.device)
-                cache.set_engine_step(step)
-                positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
-                self.model(
-                    input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
-                    past_key_values=cache, use_cache=True,
-                    logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
-                )
+                self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def warm_up_compiled_prefill(self) -> None:
+        """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
+        first routed prefill's check (`_prefill_layers`) and any compilation it needs happen now."""
+        if not (self.compile_prefill and isinstance(self._compiled, CompiledLayers) and True in self._compiled_kinds):
+            return
+        with torch.inference_mode():
+            self._dummy_prefill(8, 2, compiled=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_prefill(self, q_len: int, num_seqs: int, compiled: bool = False) -> None:
+        """A prefill forward of `num_seqs` sequences of `q_len` tokens that writes nothing (slot -1) and reads block
+        0; through the compiled layers when `compiled`."""
+        cache = self.cache
+        tokens = num_seqs * q_len
+        table = [0] * -(-q_len // self.block_size)  # every position reads block 0
+        step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
+                                [q_len] * num_seqs, self.device)
+        cache.set_engine_step(step)
+        positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
+        with self._prefill_layers(tokens) if compiled else nullcontext():
+            self.model(
+                input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
+                past_key_values=cache, use_cache=True,
+                logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
+            )
 
     def _execute_static(self, sched: SchedulerOutput, input_tokens=None):
         self._ensure_buffers()

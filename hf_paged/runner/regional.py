@@ -168,19 +168,23 @@ class CompiledLayers:
         return cls(layers, top_level_modules(model, layers)) if layers else None
 
     @contextmanager
-    def active(self, batch: int) -> Iterator[None]:
+    def active(self, batch: int, extras: bool = True) -> Iterator[None]:
         """Within: this thread's calls of the modules run their compiled form (restored after); `batch` is the decode
-        step's number of rows (the dimension compiled symbolic)."""
+        step's number of rows (the dimension compiled symbolic). `extras=False` routes the layers only: a prefill
+        step's final norm and rotary table stay eager (a few kernels a step; their compiled forms are specialised on
+        the decode step's inputs, views into its persistent buffers)."""
         state = self._state
-        state.saved = [module._compiled_call_impl for module in self.modules]
+        routed = len(self.modules) if extras else len(self.layers)
+        modules = self.modules[:routed]
+        state.saved = [module._compiled_call_impl for module in modules] + [None] * (len(self.modules) - routed)
         state.owner, state.batch = threading.get_ident(), batch
-        for module, route in zip(self.modules, self._routes):
+        for module, route in zip(modules, self._routes):
             module._compiled_call_impl = route
         try:
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
                 yield
         finally:
             state.owner = None
-            for module, previous in zip(self.modules, state.saved):
+            for module, previous in zip(modules, state.saved):
                 module._compiled_call_impl = previous
             state.saved = [None] * len(self.modules)
