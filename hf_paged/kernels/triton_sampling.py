@@ -29,10 +29,14 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # tile of a row pass (argmax, max/min/Z, compaction, draw)
-SEARCH_BLOCK = 512  # tile of a search pass: its [SEARCH_BLOCK, NC] partials stay in registers
-NC = 16  # candidate thresholds per search pass
+# The search pass is compute-bound (NC compares and masked sums per element), so fewer candidates per pass, a wider
+# tile and more warps won: on the H100 (bf16 rows of 151,936, T 0.6 / top-p 0.95) 8 / 1024 / 16 warps took 551-585 µs
+# for one row and 1,155 µs for 256 flat rows, against 667 and 1,383 µs with 16 / 512 / 8
+# (benchmarks/results/h100_2026-11-25c/sweep_nc.log). Same tokens with every setting.
+SEARCH_BLOCK = 1024  # tile of a search pass: its [SEARCH_BLOCK, NC] partials stay in registers
+NC = 8  # candidate thresholds per search pass
 CAP = 4096  # scratch list capacity per row
-NUM_WARPS = 8
+NUM_WARPS = 16
 PREFETCH = True  # search passes issue the next tile's load first
 _VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates
 
