@@ -1,9 +1,14 @@
 """Profile the prefill steps of the qwen3 sampled workload (eager engine)."""
-import os, sys, time
+import os
+import sys
+import time
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..")); sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch
 from bench_generate import build_model, make_workload
+
 import hf_paged
+
 model_name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
 wl = sys.argv[2] if len(sys.argv) > 2 else "uniform"
 workload = make_workload(wl, 256, 0)

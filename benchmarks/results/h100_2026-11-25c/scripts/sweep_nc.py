@@ -1,8 +1,15 @@
 """Sampler kernel: candidates per pass (NC) x search tile x warps, one process (device)."""
-import sys, os, json
+import json
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(__file__)); sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import torch, triton, triton.testing
+import torch
+import triton
+import triton.testing
+
 from hf_paged.kernels import triton_sampling as new
+
 V = 151936
 PARAMS = {"t0.6-p0.95": (0.6, 0, 0.95, 0.0), "t0.8-k50": (0.8, 50, 1.0, 0.0), "t0.7-k50-p0.9-m0.05": (0.7, 50, 0.9, 0.05),
           "t1.0": (1.0, 0, 1.0, 0.0), "t0.6-k20-p0.95": (0.6, 20, 0.95, 0.0)}
