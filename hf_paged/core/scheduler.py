@@ -63,6 +63,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    # every item is one sampled token of a running sequence (`Scheduler.schedule_decode_step`): lets the runner skip
+    # its per-item check of the static decode path
+    decode_step: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -267,7 +270,10 @@ class Scheduler:
         groups = [g for g in self.running if id(g) not in skip] if skip else self.running
         if self.release_window is not None:
             self._release_out_of_window(groups)
-        return out if self._schedule_decodes(out, budget, groups) else None
+        if not self._schedule_decodes(out, budget, groups):
+            return None
+        out.decode_step = True
+        return out
 
     def _release_out_of_window(self, groups: list[SequenceGroup]) -> None:
         """Give back the blocks of running sequences that no future query attends (see `release_window`).

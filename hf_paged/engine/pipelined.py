@@ -79,7 +79,8 @@ class PipelinedDecode:
         sched = scheduler.schedule_decode_step(done)
         if sched is None:
             return None  # nothing was reserved
-        assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
+        if len(sched.scheduled) > self.runner.max_num_seqs:  # a decode step is static unless it is too wide
+            raise AssertionError("a batched decode step is always a static-path step")
         return sched
 
     def _advance_pipeline(self, current: _InFlight, finished_only: bool) -> list[SequenceGroup]:
@@ -145,14 +146,19 @@ class PipelinedDecode:
             if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
                 del ids[at:]
                 continue
-            later = ids[at + 1 :]  # the next launched step's placeholder, if any
-            del ids[at:]
-            ids.append(token)
+            # the next launched step's placeholder, if any, is set aside while the stop conditions read the tokens
+            if len(ids) == at + 2:
+                later = [ids.pop()]
+                ids[at] = token
+            else:
+                later = ids[at + 1 :]
+                del ids[at:]
+                ids.append(token)
             check_stop(seq, item.group.params)
             advanced.append(item.group)
             if seq.status.is_finished:
                 finished.append(item.group)
-            else:
+            elif later:
                 ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)

@@ -167,7 +167,7 @@ class ModelRunner:
         """
         scheduled = sched.scheduled
         return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
-                and all(item.num_tokens == 1 and item.sample for item in scheduled))
+                and (sched.decode_step or all(item.num_tokens == 1 and item.sample for item in scheduled)))
 
     def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None):
         bm = self.cache.block_manager
