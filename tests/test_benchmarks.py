@@ -20,6 +20,7 @@ import hf_paged
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 bench_generate = pytest.importorskip("bench_generate")
 bench_beam = pytest.importorskip("bench_beam")
+bench_host_step = pytest.importorskip("bench_host_step")
 
 
 @pytest.fixture
@@ -80,3 +81,13 @@ def test_beam_harness_runs_and_checks_its_outputs(static_engines):
     row = bench_beam.run_paged(model, prompts, 2, args)
     assert row["graph_steps"] > 0 and 0 < row["mean_saving_pct"] < 100
     assert row["timing"]["decode_steps"] > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_host_step_harness_times_pipelined_steps_and_restores_the_sampler(sampled):
+    """bench_host_step times pipelined steps only (it raises otherwise) and puts the sampling backend back."""
+    from hf_paged.kernels import sampling
+
+    saved = sampling._triton_module, sampling.get_backend
+    assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True) > 0
+    assert (sampling._triton_module, sampling.get_backend) == saved

@@ -1,0 +1,128 @@
+"""Host work of one pipelined decode step, against the issue's 0.3 ms at 256 running requests (CPU, no GPU needed).
+
+A decode step of a busy engine is: schedule the next step (`Scheduler.schedule_decode_step`), fill the static decode
+buffers (`ModelRunner._execute_static`), launch the forward and the picks, then apply the previous step's tokens
+(`PipelinedDecode._apply`: stop conditions, finished requests, prefix-cache commits). On a GPU that Python runs while
+the GPU computes the step before; when it takes longer than the GPU step, the GPU waits.
+
+This times exactly that Python: a tiny model on the CPU, `decode_mode = "static"` (the host path of the CUDA-graph
+steps), the model forward replaced by a canned logits tensor (the step's table gather is kept), greedy or sampled
+requests that never stop early, `--steps` steps after the prompts are in. With `--sampled` the sampling kernel is
+stood in for by an argmax (the CPU's reference sampler does real work that the GPU's kernel does on the device); the
+parameter upload and the dispatcher's small tensor ops stay. It does not count the CUDA-specific costs of a GPU step
+(graph launch ~0.3 ms for ~260 kernels, copies, event waits), nor the forward itself.
+
+Prints a markdown table (running requests, host ms per step, the goal and its fraction) and writes
+``host_step.json`` and ``host_step.png`` under ``--out``.
+
+    PYTHONPATH=. python benchmarks/bench_host_step.py --out /tmp/bench [--sampled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged.kernels import sampling as kernel_sampling  # noqa: E402
+from hf_paged.testing import tiny_model  # noqa: E402
+
+GOAL_MS = 0.3  # issue 16: per-step host work at 256 running requests
+
+
+class _ArgmaxKernel:
+    @staticmethod
+    def sample_tokens(logits, *args):
+        return logits.argmax(dim=-1)
+
+
+def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bool, seed: int = 0) -> float:
+    """Mean wall time of `steps` pipelined decode steps with `running` requests, the forward canned."""
+    model = tiny_model("llama", seed=1, num_hidden_layers=1, max_position_embeddings=8192)
+    engine = hf_paged.Engine(model, block_size=16, max_num_seqs=max(running, 1), max_num_batched_tokens=16384,
+                             num_blocks=running * (steps + 80) // 16 + 64, enable_prefix_caching=prefix_caching)
+    runner = engine.runner
+    runner.decode_mode = "static"
+    canned = torch.randn(max(running, 1), model.config.vocab_size)
+
+    def forward(batch: int) -> torch.Tensor:  # what the graph replays, less the model: the table gather stays
+        b = runner._buffers
+        torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
+        return canned[:batch]
+
+    runner._run_model = forward
+    rng = random.Random(seed)
+    kwargs = dict(do_sample=True, temperature=0.7, top_p=0.9) if sampled else {}
+    for _ in range(running):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(20, 60))]
+        engine.add_request(prompt, max_new_tokens=steps + 10, ignore_eos=True, **kwargs)
+    saved = kernel_sampling._triton_module, kernel_sampling.get_backend
+    if sampled:  # the dispatcher's tensor ops run; the kernel is an argmax (see the module docstring)
+        kernel_sampling._triton_module = lambda name: _ArgmaxKernel
+        kernel_sampling.get_backend = lambda device: "triton"
+    try:
+        for _ in range(5):  # prompts in, pipeline filled
+            engine.step(finished_only=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step(finished_only=True)
+        elapsed = time.perf_counter() - start
+    finally:
+        kernel_sampling._triton_module, kernel_sampling.get_backend = saved
+    pipelined = engine.pipelined_steps
+    engine.close()
+    if pipelined < steps:
+        raise RuntimeError(f"only {pipelined} of {steps} steps were pipelined")
+    return 1000 * elapsed / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", default="1,8,32,64,128,256", help="comma list of running-request counts")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.7 / top-p 0.9 requests (else greedy)")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    rows = []
+    print(f"| running | host ms / step | µs per request | goal at 256 ({GOAL_MS} ms) / measured |")
+    print("|---|---|---|---|")
+    for running in (int(r) for r in args.running.split(",")):
+        ms = host_ms_per_step(running, args.steps, args.sampled, args.prefix_caching)
+        fraction = f"{GOAL_MS / ms:.0%}" if running == 256 else "-"
+        print(f"| {running} | {ms:.3f} | {1000 * ms / running:.1f} | {fraction} |", flush=True)
+        rows.append({"running": running, "host_ms": ms})
+    meta = {"sampled": args.sampled, "prefix_caching": args.prefix_caching, "steps": args.steps,
+            "torch": torch.__version__, "goal_ms_at_256": GOAL_MS}
+    with open(os.path.join(args.out, "host_step.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["running"] for r in rows], [r["host_ms"] for r in rows], "o-", label="hf_paged host work per step")
+    ax.axhline(GOAL_MS, color="#c33", linestyle="--", label=f"goal at 256: {GOAL_MS} ms")
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("ms per decode step (CPU, forward canned)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "host_step.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
