@@ -9,22 +9,25 @@ compilation" recipe does. The final norm and the rotary table are compiled alone
 (embedding, `lm_head`) runs eagerly, recorded on the GPU in the same CUDA graph, so it costs no host time at replay.
 On the H100 the llama-1b start-up went from 56 s to 21 s cold and from 14 s to 7.5 s warm, at the same decode speed.
 
-Only the decode step uses the compiled layers: `CompiledLayers.active()` routes a layer's calls to the compiled form
-for the duration of one decode forward, on the calling thread only, and restores the module afterwards. An eager
-prefill (or another engine's step in another thread) keeps running the model's own code.
+`CompiledLayers.active()` routes a layer's calls to the compiled form for the duration of one forward (a decode
+step, or a ragged prefill step once the decode step compiled them: `ModelRunner._prefill_layers`), on the calling
+thread only, and restores the module afterwards. Another engine's step in another thread keeps running the model's
+own code.
 
 Two things make one compilation fit every layer and every batch bucket. Int attributes of modules (`layer_idx`) are
 constants to Dynamo by default, which would compile one graph per layer; `allow_unspec_int_on_nn_module` lets the one
-that differs between layers become an input after the first recompilation (Dynamo's automatic dynamic). The batch
-dimension of the step's tensors is marked symbolic before the first call. So a layer's code is compiled twice (the
-first layer, then the second with `layer_idx` symbolic), and the final norm and rotary table once each.
+that differs between layers become an input. Where torch can be told which ints are dynamic
+(`torch.compiler.config.dynamic_sources`), `layer_idx` is symbolic from the first compilation, so a layer's code is
+compiled once; elsewhere it turns symbolic at the first recompilation (Dynamo's automatic dynamic), and the code is
+compiled twice (the first layer, then the second). The batch dimension of the step's tensors is marked symbolic
+before the first call. The final norm and rotary table are compiled once each.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -118,6 +121,20 @@ def _has_hooks(module: torch.nn.Module) -> bool:
                 or hooks._global_forward_pre_hooks)
 
 
+#: Dynamo source names of the layers' `layer_idx` attributes (e.g. ``L['self']._modules['self_attn'].layer_idx``)
+_LAYER_IDX_SOURCES = r".*\.layer_idx$"
+
+
+def _layer_idx_dynamic():
+    """Make `layer_idx` symbolic from the first compilation where torch can be told so
+    (`torch.compiler.config.dynamic_sources`, torch >= 2.8): one compilation per kind of layer instead of two (the
+    first layer with its index a constant, then the next with it symbolic). A no-op where the option is missing."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or "dynamic_sources" not in config.get_config_copy():
+        return nullcontext()
+    return config.patch(dynamic_sources=_LAYER_IDX_SOURCES)
+
+
 class _RouteState:
     """What the routes read while `active()`: kept apart from `CompiledLayers`, so that the routes (closures) do not
     point back at the object holding them. A cycle there would be frozen by `Engine.warm_up`'s `gc.freeze()` and keep
@@ -152,9 +169,9 @@ class CompiledLayers:
         self.layers = layers
         self.extras = list(extras or [])
         self.modules = self.layers + self.extras
-        # graphs the first decode forward may compile: per kind of layer, the first layer (its `layer_idx` still a
-        # constant) and the next (now symbolic); one per module outside the layers. More means the layers differ in
-        # ways `layer_kind` did not see.
+        # graphs the first decode forward may compile: per kind of layer two at most (without `dynamic_sources`: the
+        # first layer, its `layer_idx` still a constant, and the next, now symbolic); one per module outside the
+        # layers. More means the layers differ in ways `layer_kind` did not see.
         self.max_graphs = 2 * len({layer_kind(layer) for layer in layers}) + len(self.extras)
         self._state = _RouteState(len(self.modules))
         self._routes = [_route(module, torch.compile(module.forward), self._state, i)
@@ -181,7 +198,7 @@ class CompiledLayers:
         for module, route in zip(modules, self._routes):
             module._compiled_call_impl = route
         try:
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_idx_dynamic():
                 yield
         finally:
             state.owner = None
