@@ -384,3 +384,23 @@ def test_cuda_dims_sweep(monkeypatch, hq, hkv, d, bs):
     ref = reference.paged_prefill(qp, kc, vc, bt, cu, sl, d**-0.5, max(q_lens), ks)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.all(out[1165:] == 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_prefill_warm_up_lengths_cover_every_tile_shape(monkeypatch, device):
+    """`prefill_tile_lengths` runs one query length per tile shape the prefill kernel can pick: every power of two up
+    to 512 maps to the shape of one of them, and no two of them share a shape (a warm-up forward each)."""
+    pytest.importorskip("triton")
+    from hf_paged.kernels import triton_prefill
+
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    on_cuda = device == "cuda"
+    for heads, kv_heads, head_dim in ((32, 8, 64), (16, 8, 128), (8, 8, 256), (64, 8, 128), (14, 2, 64)):
+        group = heads // kv_heads
+        lengths = kernels.prefill_tile_lengths(heads, kv_heads, head_dim, 8192, device)
+        shapes = [triton_prefill._config(group, head_dim, q, on_cuda) for q in lengths]
+        assert len(set(shapes)) == len(shapes) and lengths[0] == 2
+        assert {triton_prefill._config(group, head_dim, 2 ** i, on_cuda) for i in range(1, 14)} == set(shapes)
+    assert max(kernels.prefill_tile_lengths(8, 8, 64, 40, device)) <= 40  # never longer than a step's budget
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    assert kernels.prefill_tile_lengths(32, 8, 64, 8192, device) == [2]  # nothing to compile

@@ -26,6 +26,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .. import kernels
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata, device_table
 from ..core import SchedulerOutput
@@ -411,12 +412,19 @@ class ModelRunner:
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
 
-        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step: every
-        power of two up to 512 is run, so each tile the kernel can pick is compiled (a missed one cost a serving
-        step about a second of JIT). Nothing is written (slot -1) and every table points at block 0.
+        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step: one
+        query length per tile shape the kernel can pick for this model's heads is run
+        (`kernels.prefill_tile_lengths`), so each is compiled (a missed one cost a serving step about a second of
+        JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
+        (slot -1) and every table points at block 0.
         """
+        text = self.cache.config.get_text_config(decoder=True) if hasattr(self.cache.config, "get_text_config") \
+            else self.cache.config
+        heads = int(getattr(text, "num_attention_heads", 0) or self.cache.num_kv_heads)
+        lengths = kernels.prefill_tile_lengths(heads, self.cache.num_kv_heads, self.cache.head_dim, max_tokens,
+                                               self.device)
         with torch.inference_mode():
-            for q_len in [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_tokens)]:
+            for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
