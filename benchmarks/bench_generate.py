@@ -377,7 +377,8 @@ def main() -> None:
     parser.add_argument("--system-timeout", type=int, default=0, help="seconds per system (0: no limit)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: the engine's (hf_paged.engine.default_max_num_batched_tokens)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--dtype", default="bfloat16")

@@ -659,3 +659,24 @@ def test_static_decode_with_beams_parallel_samples_and_prefix_hits(model, prompt
         if mode == "static":
             assert engine.runner.graph_steps > 0
     assert outputs[0] == outputs[1]
+
+
+def test_default_token_budget_follows_vllms_choice(monkeypatch):
+    """16,384 tokens a step offline on an H100-class GPU (>= 70 GiB, not an A100), 8,192 on other GPUs and when
+    serving, 2,048 on the CPU; an explicit budget always wins."""
+    import types
+
+    from hf_paged.engine import default_max_num_batched_tokens
+
+    def props(name, gib):
+        return lambda device: types.SimpleNamespace(name=name, total_memory=gib * 2**30)
+
+    assert default_max_num_batched_tokens("cpu") == 2048 and default_max_num_batched_tokens("cpu", serving=True) == 2048
+    for name, gib, offline in (("NVIDIA H100 80GB HBM3", 80, 16384), ("NVIDIA H200", 141, 16384),
+                               ("NVIDIA A100-SXM4-80GB", 80, 8192), ("NVIDIA L4", 24, 8192)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", props(name, gib))
+        assert default_max_num_batched_tokens("cuda:0") == offline
+        assert default_max_num_batched_tokens("cuda:0", serving=True) == 8192
+    model = tiny_model("llama")
+    assert hf_paged.Engine(model, num_blocks=8).max_num_batched_tokens == 2048
+    assert hf_paged.Engine(model, num_blocks=8, max_num_batched_tokens=96).max_num_batched_tokens == 96

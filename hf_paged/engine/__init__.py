@@ -5,7 +5,7 @@ Layer 6 of hf_paged (docs/architecture.md): imports `hf_paged.core`, `hf_paged.c
 """
 
 from .beam import BeamSearch, SharingStats
-from .engine import Engine
+from .engine import Engine, default_max_num_batched_tokens
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .pipelined import _IN_FLIGHT  # noqa: F401  (the placeholder token id; tests of pipelining read it here)
@@ -21,5 +21,6 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SharingStats",
+    "default_max_num_batched_tokens",
     "sample_next_tokens",
 ]

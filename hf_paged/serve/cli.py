@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, default_max_num_batched_tokens
 from ..integrations.gguf import load_gguf
 from .app import build_app
 
@@ -40,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default: sized from free GPU memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 8192 on CUDA, 2048 on the CPU)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped blocks")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -80,7 +81,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     engine = Engine(
         model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or default_max_num_batched_tokens(next(model.parameters()).device, serving=True),
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile_decode,
