@@ -48,7 +48,6 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-
 def default_max_num_batched_tokens(device: torch.device | str, serving: bool = False) -> int:
     """The per-step token budget when none is given, as vLLM chooses it: 16,384 tokens for offline use on a GPU with
     at least 70 GiB that is not an A100 (where vLLM measured larger budgets to lose throughput), 8,192 on other GPUs
@@ -67,6 +66,7 @@ def default_max_num_batched_tokens(device: torch.device | str, serving: bool = F
     props = torch.cuda.get_device_properties(device)
     large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
     return 16384 if large else 8192
+
 
 class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandling, KVLifetime, Outputs):
     """A continuous-batching server loop around a transformers causal LM.
