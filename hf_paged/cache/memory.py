@@ -9,7 +9,7 @@ import re
 
 import torch
 
-__all__ = ["parse_memory", "kv_bytes_per_token", "attention_shape"]
+__all__ = ["parse_memory", "kv_bytes_per_token", "attention_heads", "attention_shape"]
 
 
 def parse_memory(value: int | float | str | None, name: str) -> int | None:
@@ -36,22 +36,36 @@ def parse_memory(value: int | float | str | None, name: str) -> int | None:
     return size
 
 
-def attention_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+def _text(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def attention_heads(config) -> tuple[int, int]:
+    """(num_heads, num_kv_heads) of a decoder config (whole model, before any tensor-parallel split), whatever the
+    family calls them."""
+    text = _text(config)
     # encoder-decoder families used as causal LMs (BartForCausalLM, ...): their decoder's sizes, which
-    # num_hidden_layers / num_attention_heads (mapped to the encoder's) need not equal
-    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    # num_attention_heads (mapped to the encoder's) need not equal
     num_heads = getattr(text, "decoder_attention_heads", None) or getattr(text, "num_attention_heads", None)
-    if num_layers is None or num_heads is None:
+    if num_heads is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     if getattr(text, "decoder_attention_heads", None):  # multi-head decoders; num_key_value_heads maps to the encoder
         num_kv_heads = num_heads
     if getattr(text, "multi_query", False) is True:  # GPT-BigCode: one KV head whatever num_key_value_heads says
         num_kv_heads = 1
+    return int(num_heads), int(num_kv_heads)
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
+    text = _text(config)
+    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    if num_layers is None:
+        raise ValueError("config must define num_hidden_layers and num_attention_heads")
+    num_heads, num_kv_heads = attention_heads(config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return int(num_layers), int(num_kv_heads), int(head_dim)
+    return int(num_layers), num_kv_heads, int(head_dim)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

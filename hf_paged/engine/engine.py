@@ -93,8 +93,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             whose layers differ too much): Dynamo traces transformers' own modeling code, Inductor fuses everything
             around the attention, which stays one opaque hf_paged op (K/V write + paged decode). Symbolic in the batch
             size, then captured as a CUDA graph per batch bucket. A decode step of a 1B llama drops from ~42 to ~16
-            kernels per layer (1.4-1.5x faster on an H100); compiling takes 20-24 s on cold caches (7.5-9 s warm,
-            llama-1b on H100s), paid in `warm_up()`. Prefill steps stay eager. Default off.
+            kernels per layer (1.4-1.5x faster on an H100); compiling takes 21-32 s on cold caches (7-9 s warm,
+            llama-1b on H100s), paid in `warm_up()`. Once compiled, the same layers also run prefill steps (not
+            one-token forwards; `runner.compile_prefill = False` keeps them eager). Default off.
         release_window_blocks: when every attention layer of the model slides (Mistral v0.1, Phi-3-mini-4k, Qwen2
             with `use_sliding_window` on all layers, ...), give the KV blocks that fell wholly out of the largest
             window back to the pool after each step, so a sequence holds about `ceil(window / block_size) + 1`

@@ -79,8 +79,8 @@ class PipelinedDecode:
         sched = scheduler.schedule_decode_step(done)
         if sched is None:
             return None  # nothing was reserved
-        if len(sched.scheduled) > self.runner.max_num_seqs:  # a decode step is static unless it is too wide
-            raise AssertionError("a batched decode step is always a static-path step")
+        # cheap: a step of `schedule_decode_step` is marked a decode step, so the runner skips its per-item check
+        assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
         return sched
 
     def _advance_pipeline(self, current: _InFlight, finished_only: bool) -> list[SequenceGroup]:

@@ -28,7 +28,7 @@ import torch
 
 from .. import kernels
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata, device_table
+from ..cache import PagedCache, StepMetadata, attention_heads, device_table
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
 from .regional import CompiledLayers
@@ -219,11 +219,13 @@ class ModelRunner:
         and counts the graphs it compiled: more than a decode step may compile means the layers keep recompiling
         for prefill shapes, and prefill stays eager from then on (`compile_prefill = False`).
         """
-        compiled = self._compiled
-        if not (self.compile_prefill and tokens >= 2 and isinstance(compiled, CompiledLayers)
-                and True in self._compiled_kinds):
+        if tokens < 2 or not self._prefill_routable():
             return nullcontext()
-        return self._compiled_prefill(compiled, tokens)
+        return self._compiled_prefill(self._compiled, tokens)
+
+    def _prefill_routable(self) -> bool:
+        """Prefill may run through compiled layers: asked for, regional, and compiled for a symbolic batch already."""
+        return self.compile_prefill and isinstance(self._compiled, CompiledLayers) and True in self._compiled_kinds
 
     @contextmanager
     def _compiled_prefill(self, compiled: CompiledLayers, tokens: int) -> Iterator[None]:
@@ -418,11 +420,8 @@ class ModelRunner:
         JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
         (slot -1) and every table points at block 0.
         """
-        text = self.cache.config.get_text_config(decoder=True) if hasattr(self.cache.config, "get_text_config") \
-            else self.cache.config
-        heads = int(getattr(text, "num_attention_heads", 0) or self.cache.num_kv_heads)
-        lengths = kernels.prefill_tile_lengths(heads, self.cache.num_kv_heads, self.cache.head_dim, max_tokens,
-                                               self.device)
+        heads, kv_heads = attention_heads(self.cache.config)  # the group size: the same on every TP rank
+        lengths = kernels.prefill_tile_lengths(heads, kv_heads, self.cache.head_dim, max_tokens, self.device)
         with torch.inference_mode():
             for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
@@ -432,7 +431,7 @@ class ModelRunner:
     def warm_up_compiled_prefill(self) -> None:
         """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
         first routed prefill's check (`_prefill_layers`) and any compilation it needs happen now."""
-        if not (self.compile_prefill and isinstance(self._compiled, CompiledLayers) and True in self._compiled_kinds):
+        if not self._prefill_routable():
             return
         with torch.inference_mode():
             self._dummy_prefill(8, 2, compiled=True)
