@@ -401,7 +401,8 @@ def main() -> None:
         unsupported = set(args.systems.split(",")) - {"paged", "paged_compiled", "paged_compiled_eager_prefill",
                                                       "dynamic"}
         if unsupported:
-            raise SystemExit(f"under tensor parallelism only paged, paged_compiled and dynamic run, not {unsupported}")
+            raise SystemExit(f"under tensor parallelism only paged, paged_compiled(_eager_prefill) and dynamic run, "
+                             f"not {unsupported}")
         model = build_tp_model(args.model, dtype, rank)
         if rank != 0:
             args.no_progress = True
