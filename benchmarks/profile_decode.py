@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--compile-decode", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--finished-only", action="store_true", help="step(finished_only=True), as generate() does")
+    parser.add_argument("--until-running", type=int, default=0,
+                        help="step on until at most this many sequences run before profiling (a workload's tail)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     out = Path(args.out)
@@ -43,6 +45,8 @@ def main() -> None:
     while engine.scheduler.waiting or any(s.is_prefill for g in engine.scheduler.running for s in g.live_seqs()):
         engine.step(finished_only=args.finished_only)
     for _ in range(5):
+        engine.step(finished_only=args.finished_only)
+    while args.until_running and engine.scheduler.num_running_seqs() > args.until_running:
         engine.step(finished_only=args.finished_only)
     torch.cuda.synchronize()
     running = engine.scheduler.num_running_seqs()
@@ -58,7 +62,7 @@ def main() -> None:
     cuda_total = sum(e.self_device_time_total for e in events) / 1000 / args.steps
     cpu_total = sum(e.self_cpu_time_total for e in events) / 1000 / args.steps
     name = f"profile_{args.model}_{args.workload}" + (f"_t{args.temperature:g}" if args.temperature else "") + (
-        "_compiled" if args.compile_decode else "")
+        "_compiled" if args.compile_decode else "") + (f"_upto{args.until_running}" if args.until_running else "")
     (out / f"{name}.txt").write_text(table)
     prof.export_chrome_trace(str(out / f"{name}.json"))
     print(table)

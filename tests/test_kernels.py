@@ -308,6 +308,52 @@ def test_split_heuristic():
         assert td.choose_num_splits(4096, 8, 1 << 16, 64, dev) == 1  # plenty of programs already
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_split_count_same_for_a_batch_and_its_graph_bucket(monkeypatch):
+    """A graph step runs the batch padded to its bucket: the split count (hence every sequence's cut, hence its
+    output bits) must not change with that padding, nor with the table width, or graph and eager steps differ."""
+    from hf_paged.kernels import triton_decode as td
+    from hf_paged.runner.model_runner import _buckets
+
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    for max_seqs in (256, 200, 48):
+        buckets = _buckets(max_seqs)
+        for batch in range(1, max_seqs + 1):
+            bucket = next(s for s in buckets if s >= batch)
+            for hkv in (1, 2, 8):
+                graph = td.choose_num_splits(bucket, hkv, 8192, 64, "cuda")
+                assert td.choose_num_splits(batch, hkv, 8192, 64, "cuda") == graph, (batch, bucket, hkv)
+                # a narrower eager table caps the count only where no sequence could use more
+                eager = td.choose_num_splits(batch, hkv, 1000, 64, "cuda")
+                assert eager == graph or eager >= -(-1000 // td.MIN_TOKENS_PER_SPLIT)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("starts", [False, True])
+def test_decode_split_output_independent_of_batch_padding_and_width(monkeypatch, starts):
+    """A sequence's output bits depend on its own keys and the split count only: not on padding rows, the table
+    width, or grid splits it does not use (the reduction adds their exact zeros in split order)."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    lens, kv_lo = [1, 97, 200, 256], [0, 0, 70, 130]
+    kc, vc, bt, sl, ks = make_paged(lens, kv_lo if starts else [0] * 4, 2, 64, 16, torch.float32, seed=3)
+    q = torch.randn(4, 4, 64, generator=_gen(5)).to(DEVICE)
+    kv_start = ks if starts else None
+    # every sequence spans at most 256 keys: four one-tile runs of 64, so 4 and 8 grid splits cut them alike
+    base = kernels.paged_decode(q, kc, vc, bt, sl, 0.125, kv_start, _num_splits=4)
+    pad = 3
+    wide = torch.full((4 + pad, bt.shape[1] * 2), 0, dtype=bt.dtype, device=bt.device)
+    wide[:4, : bt.shape[1]] = bt
+    q_pad = torch.cat([q, torch.randn(pad, 4, 64, generator=_gen(6)).to(DEVICE)])
+    sl_pad = torch.cat([sl, torch.zeros(pad, dtype=sl.dtype, device=sl.device)])
+    ks_pad = torch.cat([ks, torch.zeros(pad, dtype=ks.dtype, device=ks.device)]) if starts else None
+    for splits in (4, 8):
+        out = kernels.paged_decode(q_pad, kc, vc, wide, sl_pad, 0.125, ks_pad, _num_splits=splits)
+        assert torch.equal(out[:4], base), splits
+        assert torch.all(out[4:] == 0)
+    naive = reference.naive_paged_decode(q, kc, vc, bt, sl, 0.125, kv_start)
+    _assert_close(base, naive, torch.float32, "split")
+
+
 # --------------------------------------------------------------------------- #
 # real GPU only
 # --------------------------------------------------------------------------- #

@@ -7,7 +7,13 @@
   each token's physical block is looked up in the block table).
 * Split-K (flash-decoding): grid ``(B, Hkv, num_splits)``; with several splits each
   program writes its partial ``(acc, max, sum)`` to a float32 scratch and a small
-  second kernel combines them; with one split the output is written directly.
+  second kernel combines them, in split order; with one split the output is written directly.
+  Each sequence's *own* key range is cut into ``min(num_splits, ceil(keys / MIN_TOKENS_PER_SPLIT))``
+  equal runs of whole tiles, so a short context in a wide table (a CUDA graph's tables are as wide
+  as the longest sequence allowed) still spreads over several programs. Why the cut depends on the
+  sequence alone and ``num_splits`` on the batch only through its power-of-two range: a graph step
+  (batch padded to its bucket, tables at full width) and an eager step of the same sequences then
+  cut every sequence identically and give bitwise-equal outputs.
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -40,13 +46,14 @@ _CONFIGS = {
 }
 # Split-K heuristic parameters: no split when B*Hkv already gives NO_SPLIT_PROGRAMS_PER_SM
 # programs per SM; otherwise aim for about TARGET_PROGRAMS_PER_SM programs per SM, never
-# fewer than MIN_TOKENS_PER_SPLIT tokens per split, at most MAX_SPLITS splits.
-NO_SPLIT_PROGRAMS_PER_SM = 2
-# 3, not 4: graph-timed on the H100 (benchmarks/bench_decode_splits.py, results/decode_splits_h100.json), B=32 with
-# 8 KV heads (256 programs) ran 1.07-1.11x SDPA with 2 splits and 1.18-1.23x with the 3 that a target of 4 gave;
-# B=8 at 8192 tokens is flat from 6 to 9 splits.
-TARGET_PROGRAMS_PER_SM = 3
-MIN_TOKENS_PER_SPLIT = 256
+# fewer than MIN_TOKENS_PER_SPLIT keys per split, at most MAX_SPLITS splits. Graph-timed on the
+# H100 over 16 layers' caches (benchmarks/results/h100_2026-11-25d/split/sweep_split.log), with
+# each sequence's own keys cut (see the module docstring): 4 / 6 / 128 was the best or within
+# ~3 % of it from B = 4 to 192 at d 64 and d 128 with ragged contexts of 100-4000 keys in an
+# 8192-key table, 1.4-2.3x faster than the table-width cut at B <= 32 and up to 1.2x at B 48-64.
+NO_SPLIT_PROGRAMS_PER_SM = 4
+TARGET_PROGRAMS_PER_SM = 6
+MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
 
 
@@ -63,8 +70,13 @@ def _device_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
-    """Heuristic number of KV splits, from Python ints only (no device sync)."""
-    programs = batch * num_kv_heads
+    """Heuristic number of KV splits, from Python ints only (no device sync).
+
+    The batch counts by its power of two: every power of two is a CUDA-graph bucket (`hf_paged.runner`), so a
+    graph step and an eager step of the same sequences choose the same count (see the module docstring). The cap
+    by `max_context` cannot change a sequence's cut: its own key count is at most `max_context`.
+    """
+    programs = triton.next_power_of_2(max(batch, 1)) * num_kv_heads
     sms = _device_sms(torch.device(device))
     if programs >= NO_SPLIT_PROGRAMS_PER_SM * sms or max_context <= MIN_TOKENS_PER_SPLIT:
         return 1
@@ -75,9 +87,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, splits)
 
 
-# `split_len` and the table stride vary with the batch's longest context (eager decode steps): not specialised,
-# so a new length never compiles a new variant mid-serving (see triton_prefill).
-@triton.jit(do_not_specialize=["split_len", "stride_btb"])
+# The table stride varies with the batch's longest context (eager decode steps): not specialised, so a new width
+# never compiles a new variant mid-serving (see triton_prefill).
+@triton.jit(do_not_specialize=["stride_btb"])
 def _paged_decode_kernel(
     Q,
     KC,
@@ -95,7 +107,6 @@ def _paged_decode_kernel(
     softcap,
     window,
     chunk,
-    split_len,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -124,6 +135,7 @@ def _paged_decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -141,8 +153,17 @@ def _paged_decode_kernel(
         kv_lo = tl.maximum(kv_lo, seq_len - window)
     if HAS_CHUNK:
         kv_lo = kv_lo + (tl.maximum(seq_len - 1 - kv_lo, 0) // chunk) * chunk
-    lo = tl.maximum(kv_lo, sp * split_len)
-    hi = tl.minimum(seq_len, (sp + 1) * split_len)
+    lo = kv_lo
+    hi = seq_len
+    if SPLIT:
+        # this sequence's own keys, in whole tiles, over as many splits as it has MIN_SPLIT-token runs (at most the
+        # grid's): a function of the sequence and the split count only (path-invariant, see the module docstring)
+        base = (kv_lo // BLOCK_N) * BLOCK_N
+        span = tl.maximum(seq_len - base, 0)
+        parts = tl.maximum(tl.minimum(tl.num_programs(2), tl.cdiv(span, MIN_SPLIT)), 1)
+        per = tl.cdiv(tl.cdiv(span, parts), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(kv_lo, base + sp * per)
+        hi = tl.minimum(seq_len, base + (sp + 1) * per)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -240,32 +261,31 @@ def _paged_decode_reduce_kernel(
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    S_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
+    """Combine one (sequence, head)'s split partials in split order. A plain loop, not a vector reduction: splits a
+    sequence did not use hold (m = -inf, l = 0, acc = 0) and add exact zeros, so the sum does not depend on how many
+    such splits the grid had (a tree reduction over a padded vector would round differently for another count)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    smask = offs_s < num_splits
-    pm = b * stride_pmb + h * stride_pmh + offs_s
-    m = tl.load(PM + pm, mask=smask, other=float("-inf"))
-    l = tl.load(PL + pm, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
+    pm = b * stride_pmb + h * stride_pmh
+    m_max = tl.load(PM + pm)
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(PM + pm + s))
     if HAS_SINKS:
         sink = tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
         m_max = tl.maximum(m_max, sink)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_use)
-    l_tot = tl.sum(l * w, 0)
+    l_tot = tl.zeros([], dtype=tl.float32)
+    o = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    pa = PACC + b * stride_pab + h * stride_pah + offs_d
+    for s in range(0, num_splits):
+        w = tl.math.exp2(tl.load(PM + pm + s) - m_use)
+        l_tot += tl.load(PL + pm + s) * w
+        o += tl.load(pa + s * stride_pas) * w
     if HAS_SINKS:
         l_tot += tl.math.exp2(sink - m_use)
-    acc = tl.load(
-        PACC + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
-        mask=smask[:, None],
-        other=0.0,
-    )
-    o = tl.sum(acc * w[:, None], 0)
     l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
     o = o / l_safe
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
@@ -308,10 +328,11 @@ def paged_decode(
         max_context = block_tables.shape[1] * bs
     if num_splits is None:
         num_splits = FORCE_NUM_SPLITS
+    # a forced count (tests, sweeps) cuts even short sequences into one-tile runs; the heuristic's runs are longer
+    min_split = block_n if num_splits is not None else MIN_TOKENS_PER_SPLIT
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_context, block_n, query.device)
     num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(max_context, block_n))))
-    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
 
     g_pad = max(16, triton.next_power_of_2(G))
     ieee = query.dtype == torch.float32
@@ -344,7 +365,6 @@ def paged_decode(
         float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
         int(chunk_size) if chunk_size is not None else 1,
-        split_len,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -369,6 +389,7 @@ def paged_decode(
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         SPLIT=num_splits > 1,
+        MIN_SPLIT=min_split,
         IEEE=ieee,
         DOT_F32=not query.is_cuda,
         num_warps=num_warps,
@@ -386,7 +407,6 @@ def paged_decode(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=Dv,
-            S_PAD=triton.next_power_of_2(num_splits),
             HAS_SINKS=sinks is not None,
             num_warps=4 if D >= 128 else 2,
         )
