@@ -42,6 +42,8 @@ class KVLifetime:
             )
         if change.storage:
             self.runner.invalidate_graphs()
+            if self.runner.compile_decode and self.runner.repack():
+                self._weights.check()  # the engine moved the weights itself (stacked again): not a change to report
         dropped = self.block_manager.reset_prefix_cache()
         self.stats["weight_changes"] = self.stats.get("weight_changes", 0) + 1
         logger.info("hf_paged: the model's weights changed; dropped %d cached prefix blocks", dropped)

@@ -32,6 +32,7 @@ from ..cache import PagedCache, StepMetadata, attention_heads, device_table
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
 from .regional import CompiledLayers
+from .sibling_linears import fusing_backend, pack_siblings
 
 # Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
 # corrupt its caches. A runner's first call of each shape kind (one row / a symbolic batch) holds this lock; the
@@ -106,6 +107,9 @@ class ModelRunner:
             if not use_cuda_graph:
                 self.decode_mode = "static"  # the compiled step runs on the static buffers, with or without graphs
             cache._defer_write = True
+        # sibling projections (q/k/v, gate/up) stacked in one buffer each: the compiled step runs one GEMM for each
+        # group (`hf_paged.runner.sibling_linears`); before the engine's weight watch takes its first fingerprint
+        self.packed_groups = self.repack() if compile_decode else 0
         # batch sizes a decode step is padded to; a compiled step is traced with a symbolic batch size, and a batch
         # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
         self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
@@ -295,6 +299,15 @@ class ModelRunner:
         self._compiled = None
         self._pool = None
 
+    def repack(self) -> int:
+        """Stack the model's sibling projections back to back again (after their weights moved: `param.data = ...`,
+        `load_state_dict(assign=True)`), so the compiled step's one GEMM per group applies; returns the groups packed.
+        Not under tensor parallelism (the shards are the parallel plan's)."""
+        model = self.model
+        if (getattr(model, "tp_size", None) or 1) > 1:
+            return 0
+        return pack_siblings([model])
+
     def invalidate_graphs(self) -> None:
         """Drop the captured CUDA graphs (the weights moved: the graphs read their old addresses); they are captured
         again when next needed."""
@@ -335,7 +348,7 @@ class ModelRunner:
             return self._forward(ids, pos)
         if self._compiled is None:
             # regional (each decoder layer's code compiled once for all layers), else the whole forward
-            self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward)
+            self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward, backend=fusing_backend)
             self._compiled_kinds = set()
         regional = isinstance(self._compiled, CompiledLayers)
         # whether this call may compile: once per kind of call (one row / a symbolic batch)
@@ -354,7 +367,7 @@ class ModelRunner:
                             and counters["stats"]["unique_graphs"] - graphs > self._compiled.max_graphs:
                         # the layers kept recompiling (constants that differ per layer): compile the whole forward
                         # instead, now (this call is never inside a graph capture: `_capture` warms up first)
-                        self._compiled = torch.compile(self._forward)
+                        self._compiled = torch.compile(self._forward, backend=fusing_backend)
                         logits = self._call_compiled(ids, pos)
                 self._compiled_kinds.add(kind)
                 return logits

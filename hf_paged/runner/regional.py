@@ -31,6 +31,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .sibling_linears import fusing_backend
+
 __all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "regional_layers", "repeated_layers",
            "top_level_modules"]
 
@@ -174,7 +176,7 @@ class CompiledLayers:
         # layers. More means the layers differ in ways `layer_kind` did not see.
         self.max_graphs = 2 * len({layer_kind(layer) for layer in layers}) + len(self.extras)
         self._state = _RouteState(len(self.modules))
-        self._routes = [_route(module, torch.compile(module.forward), self._state, i)
+        self._routes = [_route(module, torch.compile(module.forward, backend=fusing_backend), self._state, i)
                         for i, module in enumerate(self.modules)]
 
     @classmethod

@@ -67,7 +67,7 @@ for hq, hkv, d in ((32, 8, 64), (16, 8, 128)):
             ref = cur.paged_decode(q, caches[0][0], caches[0][1], bt, lens, d ** -0.5)
             t_cur = time_layers(lambda i: cur.paged_decode(q, caches[i][0], caches[i][1], bt, lens, d ** -0.5))
             row = []
-            for name, (ns, tgt, mn) in VARIANTS.items():
+            for _name, (ns, tgt, mn) in VARIANTS.items():
                 new.NO_SPLIT_PROGRAMS_PER_SM, new.TARGET_PROGRAMS_PER_SM, new.MIN_TOKENS_PER_SPLIT = ns, tgt, mn
                 out = new.paged_decode(q, caches[0][0], caches[0][1], bt, lens, d ** -0.5)
                 assert (out.float() - ref.float()).abs().max().item() < 2e-2

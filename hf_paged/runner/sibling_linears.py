@@ -1,0 +1,190 @@
+"""One GEMM for the sibling projections of a layer (q/k/v, gate/up) in the compiled step, without touching modules.
+
+Why: the GEMMs of a decode step are skinny (M = the batch), and on an H100 each costs about 5 us whatever its size
+(`benchmarks/results/h100_2026-11-25c/where_time_goes/skinny.log`): llama-1b's q, k and v projections take ~15 us as
+three GEMMs and ~5 us as one over their stacked weights, Qwen3-0.6B's about 11 and 5. Stacking them is what vLLM's
+own model code does (`QKVParallelLinear`); we run transformers' code, so it is done in two steps that keep the modules
+as they are:
+
+1. `pack_siblings` moves each group's weights (and biases) into one buffer, in place: the parameters stay the same
+   `nn.Parameter` objects with the same values, each now a view of its row range (``param.data = buffer[a:b]``). No
+   memory is added (the old storages are freed). transformers' `save_pretrained` clones such disjoint views before
+   writing, optimizers update them in place, so nothing outside notices.
+2. `fusing_backend` (the compiled step's `torch.compile` backend) rewrites the traced graph before Inductor: linears
+   reading the same input whose weights lie back to back in one storage become one `hf_paged::sibling_linear` call,
+   narrowed back into the projections.
+
+The op checks at run time that the weights still lie back to back (a `param.data = ...`, `load_state_dict(assign=
+True)` may have moved one: the engine's weight watch then re-packs) and otherwise runs one GEMM per weight, so a moved
+weight is never read from where it used to be. In a CUDA graph the check runs at capture, as every address does.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FUSED", "SIBLING_NAMES", "fusing_backend", "fuse_sibling_linears", "pack_siblings", "sibling_linear"]
+
+#: names of sibling projections reading one input, in transformers' decoder layers (q/k/v of attention, gate/up of a
+#: gated MLP); packing is by name, fusing in the graph by what the weights are
+SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The `[sum(rows), ...]` view over `tensors` when they are contiguous, alike, and lie one after the other in one
+    storage (as `pack_siblings` leaves them); else None."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr() + first.numel() * first.element_size()
+    rows = first.shape[0]
+    for t in tensors[1:]:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != end):
+            return None
+        end += t.numel() * t.element_size()
+        rows += t.shape[0]
+    if end > storage + first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+@torch.library.custom_op("hf_paged::sibling_linear", mutates_args=())
+def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """``cat([linear(x, w, b) for ...], -1)``: one GEMM over the stacked weights when they lie back to back, else one
+    per weight. `biases` is empty or one per weight."""
+    weight = _back_to_back(weights)
+    bias = _back_to_back(biases) if biases else None
+    if weight is not None and (bias is not None or not biases):
+        return F.linear(x, weight, bias)
+    outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
+    return torch.cat(outs, dim=-1)
+
+
+@sibling_linear.register_fake
+def _(x, weights, biases):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """An `nn.Linear` running its own forward on plain dense tensors (not a LoRA layer, a quantized or sharded
+    weight, a hooked or parametrized module, a meta tensor)."""
+    if type(module) is not torch.nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if getattr(module, "parametrizations", None):
+        return False
+    tensors = [module.weight] + ([module.bias] if module.bias is not None else [])
+    return all(type(t.data) is torch.Tensor and t.device.type != "meta" and t.is_contiguous() for t in tensors)
+
+
+def pack_siblings(layers: list[torch.nn.Module]) -> int:
+    """Put each group of sibling projections (`SIBLING_NAMES`) of `layers` back to back in one buffer (see the module
+    docstring); returns how many groups were packed now. Groups already packed, or whose members differ in class,
+    input size, dtype, device or bias, are left alone."""
+    packed = 0
+    with torch.no_grad():
+        for layer in layers:
+            for parent in layer.modules():
+                children = parent._modules
+                for names in SIBLING_NAMES:
+                    members = [children.get(name) for name in names]
+                    if not all(m is not None and _plain_linear(m) for m in members):
+                        continue
+                    weights = [m.weight for m in members]
+                    biases = [m.bias for m in members]
+                    w0 = weights[0]
+                    if any(w.shape[1] != w0.shape[1] or w.dtype != w0.dtype or w.device != w0.device for w in weights):
+                        continue
+                    has_bias = [b is not None for b in biases]
+                    if any(has_bias) and not all(has_bias):
+                        continue
+                    if _back_to_back(weights) is not None and (not all(has_bias) or _back_to_back(biases) is not None):
+                        continue
+                    _pack(weights)
+                    if all(has_bias):
+                        _pack(biases)
+                    packed += 1
+    return packed
+
+
+def _pack(params: list[torch.nn.Parameter]) -> None:
+    buffer = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = buffer[start : start + rows]
+        start += rows
+
+
+_LINEAR = (torch._C._nn.linear, F.linear)
+
+
+def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """Rewrite `gm` (a Dynamo graph): linears reading one input, with weights (and biases) among the graph's inputs
+    lying back to back in one storage, become one `sibling_linear` narrowed back. Returns how many groups were fused.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    values = {n: v for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor)}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _LINEAR:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        if not isinstance(x, torch.fx.Node) or weight not in values or (bias is not None and bias not in values):
+            continue
+        if values[weight].dim() != 2:
+            continue
+        groups.setdefault((x, bias is not None), []).append((node, weight, bias))
+    fused = 0
+    for (x, has_bias), members in groups.items():
+        members.sort(key=lambda m: values[m[1]].data_ptr())
+        run: list = []
+        for member in members + [None]:
+            if member is not None and run and _back_to_back([values[m[1]] for m in run + [member]]) is not None and (
+                    not has_bias or _back_to_back([values[m[2]] for m in run + [member]]) is not None):
+                run.append(member)
+                continue
+            if len(run) >= 2:
+                _replace(graph, order, x, run, values)
+                fused += 1
+            run = [member] if member is not None else []
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused
+
+
+def _replace(graph: torch.fx.Graph, order: dict, x: torch.fx.Node, run: list, values: dict) -> None:
+    first = min((m[0] for m in run), key=order.__getitem__)
+    weights = [m[1] for m in run]
+    biases = [m[2] for m in run] if run[0][2] is not None else []
+    with graph.inserting_before(first):
+        out = graph.call_function(torch.ops.hf_paged.sibling_linear.default, (x, weights, biases))
+        start = 0
+        for node, weight, _ in run:
+            rows = values[weight].shape[0]
+            part = graph.call_function(operator.getitem, (out, (Ellipsis, slice(start, start + rows))))
+            start += rows
+            node.replace_all_uses_with(part)
+    for node, _, _ in run:  # only now: `first` anchors the insertions above
+        graph.erase_node(node)
+
+
+#: groups fused by `fusing_backend` in this process (tests and benchmarks read it)
+FUSED = {"graphs": 0, "groups": 0}
+
+
+def fusing_backend(gm: torch.fx.GraphModule, example_inputs):
+    """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, then Inductor."""
+    from torch._inductor.compile_fx import compile_fx
+
+    FUSED["graphs"] += 1
+    FUSED["groups"] += fuse_sibling_linears(gm, example_inputs)
+    return compile_fx(gm, example_inputs)

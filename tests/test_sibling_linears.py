@@ -1,0 +1,110 @@
+"""Sibling projections (q/k/v, gate/up) stacked in one buffer and run as one GEMM in the compiled step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.runner import sibling_linears as sl
+from hf_paged.testing import tiny_model
+
+
+def _prompts() -> list[list[int]]:
+    return [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 60))]
+
+
+def _reference(model, prompts, n=10):
+    return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def test_pack_keeps_parameters_and_values_and_is_idempotent():
+    model = tiny_model("qwen2", dtype=torch.float32)  # q/k/v with biases
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    params = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight]
+    before = [p.detach().clone() for p in params]
+    assert sl.pack_siblings([model]) == 2 * len(model.model.layers)
+    assert [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight] == params
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    stacked = sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert stacked is not None and stacked.shape[0] == sum(m.out_features for m in (attn.q_proj, attn.k_proj,
+                                                                                     attn.v_proj))
+    assert sl._back_to_back([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
+    assert sl.pack_siblings([model]) == 0  # packed already
+
+
+def test_pack_leaves_unlike_or_hooked_siblings_alone():
+    model = tiny_model("llama", dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.register_forward_hook(lambda *a: None)  # a hooked projection runs its own forward
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj.weight.data = mlp.up_proj.weight.data.to(torch.float64)  # unlike dtypes
+    assert sl.pack_siblings([model]) == 2 * len(model.model.layers) - 2
+    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    assert sl._back_to_back([mlp.gate_proj.weight, mlp.up_proj.weight]) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_linear_op_one_gemm_or_one_per_weight(bias):
+    gen = torch.Generator().manual_seed(0)
+    linears = [torch.nn.Linear(16, n, bias=bias) for n in (8, 4, 4)]
+    x = torch.randn(3, 5, 16, generator=gen)
+    expected = torch.cat([lin(x) for lin in linears], dim=-1)
+    weights = [lin.weight for lin in linears]
+    biases = [lin.bias for lin in linears] if bias else []
+    with torch.no_grad():
+        apart = torch.ops.hf_paged.sibling_linear(x, weights, biases)  # separate storages: one GEMM each
+        sl._pack(weights)
+        if bias:
+            sl._pack(biases)
+        assert sl._back_to_back(weights) is not None
+        stacked = torch.ops.hf_paged.sibling_linear(x, weights, biases)
+        linears[1].weight.data = linears[1].weight.data.clone()  # moved: no longer back to back
+        assert sl._back_to_back(weights) is None
+        moved = torch.ops.hf_paged.sibling_linear(x, weights, biases)
+    for out in (apart, stacked, moved):
+        torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compiled_step_fuses_siblings_and_keeps_transformers_tokens(family):
+    model = tiny_model(family, dtype=torch.float32)
+    prompts = _prompts()
+    refs = _reference(model, prompts)
+    hf_paged.enable(model)
+    before = dict(sl.FUSED)
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, compile_decode=True)
+    assert engine.runner.packed_groups == 2 * len(model.model.layers)
+    outs = engine.generate(prompts, max_new_tokens=10)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert sl.FUSED["groups"] - before["groups"] == 2  # q/k/v and gate/up in the one compiled layer graph
+    engine.close()
+
+
+def test_weights_moved_after_compilation_are_stacked_again_and_read_anew():
+    """`param.data = ...` after the step was compiled with one GEMM per group: the op does not read the old place,
+    the engine's weight watch stacks them again, and the tokens follow the new weights."""
+    model = tiny_model("llama", dtype=torch.float32)
+    prompts = _prompts()
+    hf_paged.enable(model)
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, compile_decode=True)
+    engine.generate(prompts, max_new_tokens=4)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5  # a new storage, elsewhere
+    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    outs = engine.generate(prompts, max_new_tokens=10)
+    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    engine.close()
+    fresh = tiny_model("llama", dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    assert [o.outputs[0].token_ids for o in outs] == _reference(fresh, prompts)
+
+
+def test_save_pretrained_after_packing_round_trips(tmp_path):
+    model = tiny_model("llama", dtype=torch.float32)
+    sl.pack_siblings([model])
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
