@@ -94,6 +94,12 @@ def test_triton_search_paths_match_reference(t, k, p):
         kept = ((keys >= thresholds.cpu().long()[:, None]) & finite).sum(1)
         assert torch.equal(kept, want_kept), (cap, kept, want_kept)
         assert torch.equal(got.cpu(), want), (cap, got, want)
+    # min-p on top: the draw among the keys above the list (made while compacting) applies it too
+    args[3] = torch.full((rows,), float(torch.log(torch.tensor(0.02))), device=device)
+    want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
+    for cap in (4, 32, 512):
+        got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32)
+        assert torch.equal(got.cpu(), want), ("min-p", cap, got, want)
 
 
 def _exact(logits_row, t, k, p, mp):

@@ -108,3 +108,28 @@ def test_save_pretrained_after_packing_round_trips(tmp_path):
     loaded = type(model).from_pretrained(tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_fused_graph_stays_cacheable_across_processes():
+    """A warm start reuses AOTAutograd's on-disk cache only for graphs it deems safe: the rewritten nodes carry the
+    example values its check reads (without them the layer graph was compiled again in every process)."""
+    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    model = tiny_model("qwen3", dtype=torch.float32)
+    sl.pack_siblings([model])
+    layer = model.model.layers[0]
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(sl.fuse_sibling_linears(gm, example_inputs))
+        autograd_cache.check_cacheable(gm)  # raises BypassAOTAutogradCache when a node is not safe to cache
+        return gm.forward
+
+    x = torch.randn(1, 5, model.config.hidden_size)
+    position_embeddings = model.model.rotary_emb(x, torch.arange(5)[None])
+    with torch.inference_mode():
+        out = torch.compile(layer.forward, backend=backend)(x, position_embeddings=position_embeddings,
+                                                           attention_mask=None)
+        ref = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+    assert seen == [2]
+    out, ref = (out[0] if isinstance(out, tuple) else out), (ref[0] if isinstance(ref, tuple) else ref)
+    torch.testing.assert_close(out, ref)

@@ -35,7 +35,10 @@ BLOCK = 2048  # tile of a row pass (argmax, max/min/Z, compaction, draw)
 # (benchmarks/results/h100_2026-11-25c/sweep_nc.log). Same tokens with every setting.
 SEARCH_BLOCK = 1024  # tile of a search pass: its [SEARCH_BLOCK, NC] partials stay in registers
 NC = 8  # candidate thresholds per search pass
-CAP = 4096  # scratch list capacity per row
+# scratch list capacity per row: a wider list is taken one search pass earlier. 16384 (vs 4096) took a flat top-p row
+# 10-11 % faster on the H100 at 1 to 256 rows and changed nothing else (benchmarks/results/h100_2026-11-25d/sampler/
+# cmp_cap.log, same tokens); the scratch is rows x CAP x 8 bytes a call (33 MB at 256 rows).
+CAP = 16384
 NUM_WARPS = 16
 PREFETCH = True  # search passes issue the next tile's load first
 _VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates

@@ -165,12 +165,23 @@ def _replace(graph: torch.fx.Graph, order: dict, x: torch.fx.Node, run: list, va
     first = min((m[0] for m in run), key=order.__getitem__)
     weights = [m[1] for m in run]
     biases = [m[2] for m in run] if run[0][2] is not None else []
+    total = sum(values[w].shape[0] for w in weights)
+    # the example values Dynamo's later consumers of a graph read (AOTAutograd's cache checks that a method is called
+    # on a tensor by its `example_value`; without one the graph is not cached, and a warm start compiles it again)
+    example = x.meta.get("example_value")
+    fused = example.new_empty((*example.shape[:-1], total)) if isinstance(example, torch.Tensor) else None
     with graph.inserting_before(first):
         out = graph.call_function(torch.ops.hf_paged.sibling_linear.default, (x, weights, biases))
+        out.meta.update(first.meta)
+        if fused is not None:
+            out.meta["example_value"] = fused
         start = 0
         for node, weight, _ in run:
             rows = values[weight].shape[0]
             part = graph.call_function(operator.getitem, (out, (Ellipsis, slice(start, start + rows))))
+            part.meta.update(node.meta)
+            if fused is not None:
+                part.meta["example_value"] = fused[..., start : start + rows]
             start += rows
             node.replace_all_uses_with(part)
     for node, _, _ in run:  # only now: `first` anchors the insertions above
