@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged.runner import sibling_linears
 from hf_paged.runner.regional import CompiledLayers, layer_kind, regional_layers, repeated_layers
 from hf_paged.testing import FAMILIES, tiny_model
 
@@ -46,7 +47,10 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
     assert engine.runner.decode_mode == "static"  # CPU: the compiled step runs on the static buffers, no graphs
     assert 1 not in engine.runner._bucket_sizes  # a batch of 1 would be specialised: one more compilation
+    fused_before = sibling_linears.FUSED["groups"]
     engine.warm_up(freeze_gc=False)
+    # q/k/v and gate/up stacked (families with separate projections) are one GEMM each in the compiled layers
+    assert (sibling_linears.FUSED["groups"] > fused_before) == (engine.runner.packed_groups > 0)
     results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in new])
     assert [r.outputs[0].token_ids for r in results] == references
     assert engine.runner.graph_steps > 0
