@@ -133,3 +133,21 @@ def test_fused_graph_stays_cacheable_across_processes():
     assert seen == [2]
     out, ref = (out[0] if isinstance(out, tuple) else out), (ref[0] if isinstance(ref, tuple) else ref)
     torch.testing.assert_close(out, ref)
+
+
+def test_building_a_compiled_engine_makes_other_engines_of_the_model_record_their_graphs_again():
+    """Stacking moves the projections' storage: another runner of the same model (its CUDA graphs recorded with the
+    old addresses) drops its graphs; runners of other models keep theirs."""
+    model, other = tiny_model("llama", dtype=torch.float32), tiny_model("llama", dtype=torch.float32)
+    hf_paged.enable(model)
+    hf_paged.enable(other)
+    first = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=4)
+    bystander = hf_paged.Engine(other, num_blocks=64, block_size=16, max_num_seqs=4)
+    for engine in (first, bystander):
+        engine.runner._graphs[2] = object()  # stands in for a recorded graph (no CUDA here)
+    compiled = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, compile_decode=True)
+    assert compiled.runner.packed_groups > 0
+    assert 2 not in first.runner._graphs and 2 in bystander.runner._graphs
+    for engine in (first, bystander, compiled):
+        engine.runner._graphs.clear()
+        engine.close()

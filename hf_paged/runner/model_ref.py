@@ -35,6 +35,10 @@ class ModelRef:
     def is_weak(self) -> bool:
         return self._weak is not None
 
+    def peek(self):
+        """The model, or None if it was freed (never raises)."""
+        return self._strong if self._strong is not None else self._weak()
+
     def __call__(self):
         if self._strong is not None:
             return self._strong

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -38,6 +39,12 @@ from .sibling_linears import fusing_backend, pack_siblings
 # corrupt its caches. A runner's first call of each shape kind (one row / a symbolic batch) holds this lock; the
 # calls after it run the compiled code without it.
 _COMPILE_LOCK = threading.Lock()
+
+# Every live runner: stacking a model's projections (`repack`) moves their storage, so other runners of the same model
+# drop their CUDA graphs (recorded with the old addresses; the old memory is freed in stream order, after any replay
+# already launched) and record them again at their next step.
+_RUNNERS: weakref.WeakSet = weakref.WeakSet()
+_MISSING = object()
 
 __all__ = ["ModelRunner"]
 
@@ -110,6 +117,7 @@ class ModelRunner:
         # sibling projections (q/k/v, gate/up) stacked in one buffer each: the compiled step runs one GEMM for each
         # group (`hf_paged.runner.sibling_linears`); before the engine's weight watch takes its first fingerprint
         self.packed_groups = self.repack() if compile_decode else 0
+        _RUNNERS.add(self)
         # batch sizes a decode step is padded to; a compiled step is traced with a symbolic batch size, and a batch
         # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
         self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
@@ -306,7 +314,12 @@ class ModelRunner:
         model = self.model
         if (getattr(model, "tp_size", None) or 1) > 1:
             return 0
-        return pack_siblings([model])
+        packed = pack_siblings([model])
+        if packed:
+            for runner in list(_RUNNERS):
+                if runner is not self and runner.model_ref.peek() is model:
+                    runner.invalidate_graphs()
+        return packed
 
     def invalidate_graphs(self) -> None:
         """Drop the captured CUDA graphs (the weights moved: the graphs read their old addresses); they are captured
@@ -473,9 +486,9 @@ class ModelRunner:
         scheduled = sched.scheduled
         real = len(scheduled)
         bucket = next(s for s in self._bucket_sizes if s >= real)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
-        run = self._graphs[bucket]
+        run = self._graphs.get(bucket, _MISSING)  # one lookup: another runner's repack may clear the dict meanwhile
+        if run is _MISSING:
+            run = self._graphs[bucket] = self._capture(bucket)
         table_view = self.cache.block_manager.table_view
         row_of = self._row_of
         ids, pos, slots, rows = [], [], [], []

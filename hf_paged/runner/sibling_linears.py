@@ -17,6 +17,9 @@ as they are:
 The op checks at run time that the weights still lie back to back (a `param.data = ...`, `load_state_dict(assign=
 True)` may have moved one: the engine's weight watch then re-packs) and otherwise runs one GEMM per weight, so a moved
 weight is never read from where it used to be. In a CUDA graph the check runs at capture, as every address does.
+
+Packing moves storage once, when a compiled engine is built: the other runners of the same model then drop their CUDA
+graphs, recorded with the old addresses (`ModelRunner.repack`).
 """
 
 from __future__ import annotations
