@@ -10,6 +10,15 @@ from hf_paged.runner import sibling_linears as sl
 from hf_paged.testing import tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles afresh (Dynamo's cache would serve a layer class compiled by an earlier test, and the
+    backend that fuses would not run)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _prompts() -> list[list[int]]:
     return [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 60))]
 
