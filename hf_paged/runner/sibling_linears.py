@@ -75,8 +75,11 @@ def _(x, weights, biases):
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     """An `nn.Linear` running its own forward on plain dense tensors (not a LoRA layer, a quantized or sharded
-    weight, a hooked or parametrized module, a meta tensor)."""
+    weight, a hooked or parametrized module, one whose `forward` was replaced on the instance as accelerate's hooks do,
+    a meta tensor)."""
     if type(module) is not torch.nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if "forward" in vars(module) or getattr(module, "_hf_hook", None) is not None:
         return False
     if getattr(module, "parametrizations", None):
         return False
