@@ -33,7 +33,8 @@ def test_pack_keeps_parameters_and_values_and_is_idempotent():
     params = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight]
     before = [p.detach().clone() for p in params]
     assert sl.pack_siblings([model]) == 2 * len(model.model.layers)
-    assert [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight] == params
+    after = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight]
+    assert all(a is p for a, p in zip(after, params))  # the same Parameter objects (optimizers, hooks keep them)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     stacked = sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     assert stacked is not None and stacked.shape[0] == sum(m.out_features for m in (attn.q_proj, attn.k_proj,
