@@ -36,10 +36,10 @@ def test_pack_keeps_parameters_and_values_and_is_idempotent():
     after = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.up_proj.weight]
     assert all(a is p for a, p in zip(after, params))  # the same Parameter objects (optimizers, hooks keep them)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
-    stacked = sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    stacked = sl._stacked([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     assert stacked is not None and stacked.shape[0] == sum(m.out_features for m in (attn.q_proj, attn.k_proj,
                                                                                      attn.v_proj))
-    assert sl._back_to_back([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
+    assert sl._stacked([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
     assert sl.pack_siblings([model]) == 0  # packed already
 
 
@@ -52,8 +52,8 @@ def test_pack_leaves_unlike_or_hooked_siblings_alone():
     gate = model.model.layers[0].mlp.gate_proj
     gate.forward = gate.forward  # replaced on the instance (accelerate's hooks do that): someone else's module
     assert sl.pack_siblings([model]) == 2 * len(model.model.layers) - 3
-    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
-    assert sl._back_to_back([mlp.gate_proj.weight, mlp.up_proj.weight]) is None
+    assert sl._stacked([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    assert sl._stacked([mlp.gate_proj.weight, mlp.up_proj.weight]) is None
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -69,10 +69,10 @@ def test_sibling_linear_op_one_gemm_or_one_per_weight(bias):
         sl._pack(weights)
         if bias:
             sl._pack(biases)
-        assert sl._back_to_back(weights) is not None
+        assert sl._stacked(weights) is not None
         stacked = torch.ops.hf_paged.sibling_linear(x, weights, biases)
         linears[1].weight.data = linears[1].weight.data.clone()  # moved: no longer back to back
-        assert sl._back_to_back(weights) is None
+        assert sl._stacked(weights) is None
         moved = torch.ops.hf_paged.sibling_linear(x, weights, biases)
     for out in (apart, stacked, moved):
         torch.testing.assert_close(out, expected)
@@ -104,22 +104,50 @@ def test_weights_moved_after_compilation_are_stacked_again_and_read_anew():
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
         attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5  # a new storage, elsewhere
-    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    assert sl._stacked([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
     outs = engine.generate(prompts, max_new_tokens=10)
-    assert sl._back_to_back([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert sl._stacked([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
     engine.close()
     fresh = tiny_model("llama", dtype=torch.float32)
     fresh.load_state_dict(model.state_dict())
     assert [o.outputs[0].token_ids for o in outs] == _reference(fresh, prompts)
 
 
-def test_save_pretrained_after_packing_round_trips(tmp_path):
+def test_checkpoints_after_packing_keep_every_weight(tmp_path):
+    """Each packed parameter has a storage of its own: writers that drop tensors sharing a storage as "tied"
+    (accelerate's `save_model`, safetensors' `save_model`) keep every one, and transformers' round-trips."""
+    from safetensors.torch import load_file, save_model
+
     model = tiny_model("llama", dtype=torch.float32)
     sl.pack_siblings([model])
-    model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path)
-    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    state = model.state_dict()
+    model.save_pretrained(tmp_path / "hf")
+    loaded = type(model).from_pretrained(tmp_path / "hf")
+    for (name, a), (_, b) in zip(state.items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+    save_model(model, str(tmp_path / "st.safetensors"))
+    written = load_file(str(tmp_path / "st.safetensors"))
+    assert written.keys() == state.keys() and all(torch.equal(written[k], v) for k, v in state.items())
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.Accelerator(cpu=True).save_model(model, str(tmp_path / "acc"))
+    written = {}
+    for path in sorted((tmp_path / "acc").glob("*.safetensors")):
+        written.update(load_file(str(path)))
+    assert written.keys() == state.keys()
+
+
+def test_a_dropped_model_takes_its_buffers_along():
+    import gc
+    import weakref
+
+    model = tiny_model("llama", dtype=torch.float32)
+    before = len(sl._STACKS)
+    assert sl.pack_siblings([model]) == 2 * len(model.model.layers)
+    assert len(sl._STACKS) > before  # one buffer per group's weights, one per group's biases
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and len(sl._STACKS) == before
 
 
 def test_fused_graph_stays_cacheable_across_processes():

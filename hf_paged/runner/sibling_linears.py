@@ -7,16 +7,17 @@ own model code does (`QKVParallelLinear`); we run transformers' code, so it is d
 as they are:
 
 1. `pack_siblings` moves each group's weights (and biases) into one buffer, in place: the parameters stay the same
-   `nn.Parameter` objects with the same values, each now a view of its row range (``param.data = buffer[a:b]``). No
-   memory is added (the old storages are freed). transformers' `save_pretrained` clones such disjoint views before
-   writing, optimizers update them in place, so nothing outside notices.
+   `nn.Parameter` objects with the same values, each now over its rows of the buffer, with a storage of its own (a
+   DLPack alias, which keeps the buffer's memory alive). No memory is added (the old storages are freed). Optimizers
+   update them in place; checkpoint writers see separate tensors (none of them "tied": accelerate's `save_model`
+   drops all but one tensor of a shared storage); only this module's registry knows they lie together.
 2. `fusing_backend` (the compiled step's `torch.compile` backend) rewrites the traced graph before Inductor: linears
-   reading the same input whose weights lie back to back in one storage become one `hf_paged::sibling_linear` call,
-   narrowed back into the projections.
+   reading the same input whose weights are the rows of one buffer, in order, become one `hf_paged::sibling_linear`
+   call, narrowed back into the projections.
 
-The op checks at run time that the weights still lie back to back (a `param.data = ...`, `load_state_dict(assign=
-True)` may have moved one: the engine's weight watch then re-packs) and otherwise runs one GEMM per weight, so a moved
-weight is never read from where it used to be. In a CUDA graph the check runs at capture, as every address does.
+The op checks at run time that the weights are still those rows of a registered buffer (a `param.data = ...`,
+`load_state_dict(assign=True)` may have moved one: the engine's weight watch then re-packs) and otherwise runs one GEMM
+per weight, so a moved weight is never read from where it used to be. In a CUDA graph the check runs at capture, as every address does.
 
 Packing moves storage once, when a compiled engine is built: the other runners of the same model then drop their CUDA
 graphs, recorded with the old addresses (`ModelRunner.repack`).
@@ -25,9 +26,11 @@ graphs, recorded with the old addresses (`ModelRunner.repack`).
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import torch.nn.functional as F
+import torch.utils.dlpack
 
 __all__ = ["FUSED", "SIBLING_NAMES", "fusing_backend", "fuse_sibling_linears", "pack_siblings", "sibling_linear"]
 
@@ -36,32 +39,36 @@ __all__ = ["FUSED", "SIBLING_NAMES", "fusing_backend", "fuse_sibling_linears", "
 SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
-def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The `[sum(rows), ...]` view over `tensors` when they are contiguous, alike, and lie one after the other in one
-    storage (as `pack_siblings` leaves them); else None."""
+# the stacked buffers, by the address of their first row: the op finds a group's buffer here. A buffer lives as long
+# as its first parameter object (or until that group is stacked again), not longer: dropped models free it
+_STACKS: dict[int, torch.Tensor] = {}
+_FIRST_ROWS: dict[int, int] = {}  # id() of a live first parameter -> its buffer's key (tensors compare by value)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows of a stacked buffer that `tensors` are, in order from its first row (contiguous, alike, one after the
+    other), as one `[sum(rows), ...]` tensor; else None. Such tensors are its memory: the buffer is alive while it is
+    registered, so nothing else can be allocated at those addresses."""
     first = tensors[0]
-    if not first.is_contiguous():
+    buffer = _STACKS.get(first.data_ptr())
+    if buffer is None:
         return None
-    storage = first.untyped_storage().data_ptr()
-    end = first.data_ptr() + first.numel() * first.element_size()
-    rows = first.shape[0]
-    for t in tensors[1:]:
-        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
-                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != end):
+    end, rows = first.data_ptr(), 0
+    for t in tensors:
+        if (t.dtype != buffer.dtype or t.device != buffer.device or t.shape[1:] != buffer.shape[1:]
+                or not t.is_contiguous() or t.data_ptr() != end):
             return None
         end += t.numel() * t.element_size()
         rows += t.shape[0]
-    if end > storage + first.untyped_storage().nbytes():
-        return None
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
+    return buffer[:rows] if rows <= buffer.shape[0] else None
 
 
 @torch.library.custom_op("hf_paged::sibling_linear", mutates_args=())
 def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
-    """``cat([linear(x, w, b) for ...], -1)``: one GEMM over the stacked weights when they lie back to back, else one
+    """``cat([linear(x, w, b) for ...], -1)``: one GEMM over the stacked buffer when the weights are its rows, else one
     per weight. `biases` is empty or one per weight."""
-    weight = _back_to_back(weights)
-    bias = _back_to_back(biases) if biases else None
+    weight = _stacked(weights)
+    bias = _stacked(biases) if biases else None
     if weight is not None and (bias is not None or not biases):
         return F.linear(x, weight, bias)
     outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
@@ -108,7 +115,7 @@ def pack_siblings(layers: list[torch.nn.Module]) -> int:
                     has_bias = [b is not None for b in biases]
                     if any(has_bias) and not all(has_bias):
                         continue
-                    if _back_to_back(weights) is not None and (not all(has_bias) or _back_to_back(biases) is not None):
+                    if _stacked(weights) is not None and (not all(has_bias) or _stacked(biases) is not None):
                         continue
                     _pack(weights)
                     if all(has_bias):
@@ -118,12 +125,32 @@ def pack_siblings(layers: list[torch.nn.Module]) -> int:
 
 
 def _pack(params: list[torch.nn.Parameter]) -> None:
+    """Copy `params` into one new buffer, each becoming its rows. Each parameter gets a storage of its own over its
+    rows (through DLPack, which keeps the buffer's memory alive while any of them uses it), so checkpoint writers that
+    look for tensors sharing a storage (accelerate's `save_model` drops all but one of them as "tied") see separate
+    tensors; only `_STACKS` knows they lie together."""
     buffer = torch.cat([p.detach() for p in params])
     start = 0
     for p in params:
         rows = p.shape[0]
-        p.data = buffer[start : start + rows]
+        p.data = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(buffer[start : start + rows]))
         start += rows
+    first = params[0]
+    old = _FIRST_ROWS.get(id(first))
+    if old is not None:
+        _STACKS.pop(old, None)
+    else:  # the first packing of this parameter: forget its buffer with it
+        weakref.finalize(first, _forget, id(first))
+    key = first.data_ptr()
+    _STACKS[key] = buffer
+    _FIRST_ROWS[id(first)] = key
+
+
+def _forget(ident: int) -> None:
+    """A first parameter died: drop its buffer's entry (the memory goes when its other rows' users do too)."""
+    key = _FIRST_ROWS.pop(ident, None)
+    if key is not None:
+        _STACKS.pop(key, None)
 
 
 _LINEAR = (torch._C._nn.linear, F.linear)
@@ -131,7 +158,8 @@ _LINEAR = (torch._C._nn.linear, F.linear)
 
 def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
     """Rewrite `gm` (a Dynamo graph): linears reading one input, with weights (and biases) among the graph's inputs
-    lying back to back in one storage, become one `sibling_linear` narrowed back. Returns how many groups were fused.
+    being one stacked buffer's rows in order, become one `sibling_linear` narrowed back. Returns how many groups were
+    fused.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -153,8 +181,8 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
         members.sort(key=lambda m: values[m[1]].data_ptr())
         run: list = []
         for member in members + [None]:
-            if member is not None and run and _back_to_back([values[m[1]] for m in run + [member]]) is not None and (
-                    not has_bias or _back_to_back([values[m[2]] for m in run + [member]]) is not None):
+            if member is not None and run and _stacked([values[m[1]] for m in run + [member]]) is not None and (
+                    not has_bias or _stacked([values[m[2]] for m in run + [member]]) is not None):
                 run.append(member)
                 continue
             if len(run) >= 2:
