@@ -40,9 +40,8 @@ from .sibling_linears import fusing_backend, pack_siblings
 # calls after it run the compiled code without it.
 _COMPILE_LOCK = threading.Lock()
 
-# Every live runner: stacking a model's projections (`repack`) moves their storage, so other runners of the same model
-# drop their CUDA graphs (recorded with the old addresses; the old memory is freed in stream order, after any replay
-# already launched) and record them again at their next step.
+# live runners: `repack` moves a model's projections, so its other runners drop their graphs (old addresses; the old
+# memory is freed in stream order, after any replay already launched) and record them again at their next step
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _MISSING = object()
 
@@ -308,17 +307,13 @@ class ModelRunner:
         self._pool = None
 
     def repack(self) -> int:
-        """Stack the model's sibling projections back to back again (after their weights moved: `param.data = ...`,
-        `load_state_dict(assign=True)`), so the compiled step's one GEMM per group applies; returns the groups packed.
-        Not under tensor parallelism (the shards are the parallel plan's)."""
+        """Stack the model's sibling projections again (after `param.data = ...`, `load_state_dict(assign=True)`), so
+        the compiled step's one GEMM per group applies; returns the groups packed. Not under tensor parallelism."""
         model = self.model
-        if (getattr(model, "tp_size", None) or 1) > 1:
-            return 0
-        packed = pack_siblings([model])
-        if packed:
-            for runner in list(_RUNNERS):
-                if runner is not self and runner.model_ref.peek() is model:
-                    runner.invalidate_graphs()
+        packed = pack_siblings([model]) if (getattr(model, "tp_size", None) or 1) <= 1 else 0
+        for runner in list(_RUNNERS) if packed else ():
+            if runner is not self and runner.model_ref.peek() is model:
+                runner.invalidate_graphs()
         return packed
 
     def invalidate_graphs(self) -> None:
