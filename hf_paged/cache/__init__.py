@@ -9,5 +9,5 @@ from .memory import attention_heads, attention_shape, kv_bytes_per_token, parse_
 from .paged_cache import CacheFullError, PagedCache, device_table
 from .step import StepMetadata
 
-__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_heads", "attention_shape", "device_table", "kv_bytes_per_token",
-           "parse_memory"]
+__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_heads", "attention_shape", "device_table",
+           "kv_bytes_per_token", "parse_memory"]

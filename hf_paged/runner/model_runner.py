@@ -310,9 +310,9 @@ class ModelRunner:
         """Stack the model's sibling projections again (after `param.data = ...`, `load_state_dict(assign=True)`), so
         the compiled step's one GEMM per group applies; returns the groups packed. Not under tensor parallelism."""
         model = self.model
-        packed = pack_siblings([model]) if (getattr(model, "tp_size", None) or 1) <= 1 else 0
-        for runner in list(_RUNNERS) if packed else ():
-            if runner is not self and runner.model_ref.peek() is model:
+        packed = pack_siblings([model]) if (getattr(model, "tp_size", None) or 1) == 1 else 0
+        if packed:
+            for runner in [r for r in list(_RUNNERS) if r is not self and r.model_ref.peek() is model]:
                 runner.invalidate_graphs()
         return packed
 

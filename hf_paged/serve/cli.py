@@ -78,11 +78,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = load(args)
+    device = next(model.parameters()).device
+    budget = args.max_num_batched_tokens or default_max_num_batched_tokens(device, serving=True)
     engine = Engine(
         model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or default_max_num_batched_tokens(next(model.parameters()).device, serving=True),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile_decode,

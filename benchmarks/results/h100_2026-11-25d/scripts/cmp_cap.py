@@ -1,4 +1,10 @@
-"""Sampler: the committed kernel at three scratch-list sizes (CAP), one process (device)."""
+"""Sampler: the committed kernel at three scratch-list sizes (CAP), one process (device).
+
+`sampling_cur` is the kernel before the change: `git show 01afc30:hf_paged/kernels/triton_sampling.py >
+sampling_cur.py` beside this script. sampler/cmp_cap_merged_draw.log came from this script with the timed columns
+calling the working tree's `triton_sampling.sample_tokens`, which then drew while compacting (reverted, never
+committed).
+"""
 import os
 import sys
 

@@ -1,4 +1,11 @@
-"""Current vs per-sequence-split decode kernel, heuristic variants, graph-timed over 16 layers' caches (device)."""
+"""Current vs per-sequence-split decode kernel, heuristic variants, graph-timed over 16 layers' caches (device).
+
+    python sweep_split.py [SHAPES [VARIANTS [BATCHES]]]
+SHAPES "Hq/Hkv/d,...", VARIANTS "no_split/target/min_tokens,...", BATCHES "4,8,...". `decode_cur` is the kernel
+before the change: `git show 43a6245:hf_paged/kernels/triton_decode.py > decode_cur.py` beside this script.
+split/sweep_split.log ran the defaults below; split_d128/sweep_d128.log ran
+    sweep_split.py 16/8/128 4/6/128,8/8/128,8/8/256,6/8/128 4,8,16,32,48,64,96,128,160,192
+"""
 import os
 import sys
 
@@ -34,20 +41,22 @@ def time_layers(fn, replays=15):
     return sorted(ts)[len(ts) // 2]
 
 
-VARIANTS = {  # name -> (NO_SPLIT_PROGRAMS_PER_SM, TARGET_PROGRAMS_PER_SM, MIN_TOKENS_PER_SPLIT)
-    "new 2/3/256": (2, 3, 256),
-    "new 4/6/256": (4, 6, 256),
-    "new 4/6/128": (4, 6, 128),
-    "new 8/8/256": (8, 8, 256),
-}
+def _arg(i, default):
+    return sys.argv[i] if len(sys.argv) > i else default
+
+
+SHAPES = [tuple(int(v) for v in s.split("/")) for s in _arg(1, "32/8/64,16/8/128").split(",")]
+VARIANTS = {s: tuple(int(v) for v in s.split("/")) for s in _arg(2, "2/3/256,4/6/256,4/6/128,8/8/256").split(",")}
+BATCHES = [int(b) for b in _arg(3, "4,8,16,24,32,48,64,96,128,192").split(",")]
+DEFAULTS = new.NO_SPLIT_PROGRAMS_PER_SM, new.TARGET_PROGRAMS_PER_SM, new.MIN_TOKENS_PER_SPLIT
 torch.manual_seed(0)
-for hq, hkv, d in ((32, 8, 64), (16, 8, 128)):
+for hq, hkv, d in SHAPES:
     print(f"\n## Hq {hq} / Hkv {hkv} / d {d}, table {WIDTH} tokens, us per layer (bound = KV bytes at 3.0 TB/s)")
     print("| B | contexts | bound us | cur | " + " | ".join(VARIANTS) + " | splits cur / new |")
     print("|---" * (5 + len(VARIANTS)) + "|")
     bs = 16
     for lo_len, hi_len in ((100, 1100), (500, 2500), (1000, 4000)):
-        for B in (4, 8, 16, 24, 32, 48, 64, 96, 128, 192):
+        for B in BATCHES:
             nblk = WIDTH // bs
             lens = torch.randint(lo_len, hi_len, (B,), device="cuda", dtype=torch.int32)
             need = int(sum(-(-int(n) // bs) for n in lens.tolist()))
@@ -72,7 +81,7 @@ for hq, hkv, d in ((32, 8, 64), (16, 8, 128)):
                 out = new.paged_decode(q, caches[0][0], caches[0][1], bt, lens, d ** -0.5)
                 assert (out.float() - ref.float()).abs().max().item() < 2e-2
                 row.append(time_layers(lambda i: new.paged_decode(q, caches[i][0], caches[i][1], bt, lens, d ** -0.5)))
-            new.NO_SPLIT_PROGRAMS_PER_SM, new.TARGET_PROGRAMS_PER_SM, new.MIN_TOKENS_PER_SPLIT = 2, 3, 256
+            new.NO_SPLIT_PROGRAMS_PER_SM, new.TARGET_PROGRAMS_PER_SM, new.MIN_TOKENS_PER_SPLIT = DEFAULTS
             sc = cur.choose_num_splits(B, hkv, WIDTH, 64, q.device)
             sn = new.choose_num_splits(B, hkv, WIDTH, 64, q.device)
             print(f"| {B} | {lo_len}-{hi_len} | {kv_bytes / BW * 1e6:.1f} | {t_cur:.1f} | "
