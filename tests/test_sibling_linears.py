@@ -9,6 +9,11 @@ import hf_paged
 from hf_paged.runner import sibling_linears as sl
 from hf_paged.testing import tiny_model
 
+try:
+    from tests.helpers import greedy_reference
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import greedy_reference
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -24,7 +29,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _reference(model, prompts, n=10):
-    return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    return [greedy_reference(model, p, n) for p in prompts]
 
 
 def test_pack_keeps_parameters_and_values_and_is_idempotent():
