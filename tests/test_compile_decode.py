@@ -221,7 +221,8 @@ def test_a_dropped_engine_is_freed_without_the_cycle_collector():
     # where the start-up went: buckets 2 and 4 (a compiled step starts at 2), the first one holding the compilation
     phases = engine.warm_up_seconds
     assert phases["decode_buckets"] == 2 and phases["first_decode_bucket"] > phases["other_decode_buckets"] > 0
-    assert phases["prefill"] > 0 and phases["sampler"] >= 0
+    # on the CPU nothing is compiled in threads: the prefill forwards run for real
+    assert phases["kernel_jit"] >= 0 and phases["prefill"] > 0 and phases["sampler"] >= 0
     engine.generate(random_prompts((5, 9), seed=1), max_new_tokens=3)
     engine.generate(random_prompts((6,), seed=2), max_new_tokens=3, num_beams=2)
     engine_ref, cache_ref = weakref.ref(engine), weakref.ref(engine.cache)

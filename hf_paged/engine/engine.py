@@ -20,6 +20,7 @@ import torch
 from ..attention import prepare_model
 from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
+from ..kernels.parallel_jit import compile_only
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .device_sampling import DevicePicker
@@ -266,8 +267,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.
 
         Optional: without it the same happens lazily, the first time each kernel shape or batch bucket is needed.
-        Where the time went is left in `warm_up_seconds` (prefill kernels, first decode bucket: the compilation with
-        `compile_decode`, the other buckets' graph captures).
+        Where the time went is left in `warm_up_seconds` (on CUDA `kernel_jit`: the Triton kernels of the prefill, the
+        sampler and the decode buckets compiled in parallel threads, else the `prefill` and `sampler` forwards; first
+        decode bucket: the compilation with `compile_decode`, the other buckets' graph captures).
 
         `freeze_gc`: then move every object alive (the model, transformers' and torch's modules, ...) to the garbage
         collector's permanent generation (`gc.freeze()`, as vLLM does after graph capture). A busy engine allocates
@@ -277,10 +279,21 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         """
         with self._control():
             start = time.perf_counter()
-            self.runner.warm_up_prefill(self.max_num_batched_tokens)
+            # every Triton kernel the warm-up launches is compiled at once, in threads, by running the warm-up code
+            # with launches that only compile (`kernels.parallel_jit`); what is left to run then finds them compiled
+            with compile_only() as dry:
+                if dry:
+                    self._warm_up_sampler()  # first: the longest compilation (2-3 s)
+                    self.runner.warm_up_prefill(self.max_num_batched_tokens)
+                    self.runner.warm_up_decode_kernels()
+            kernel_jit = time.perf_counter() - start
+            start = time.perf_counter()
+            if not dry:  # after a dry run these forwards would compile nothing more
+                self.runner.warm_up_prefill(self.max_num_batched_tokens)
             prefill = time.perf_counter() - start
             start = time.perf_counter()
-            self._warm_up_sampler()
+            if not dry:
+                self._warm_up_sampler()
             sampler = time.perf_counter() - start
             if self.runner.decode_mode == "graph" or self.runner.compile_decode:
                 self.runner.capture_all()
@@ -290,7 +303,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             captures = sorted(self.runner.capture_seconds.items(), reverse=True)
             # the largest bucket is captured first: with compile_decode its time holds the compilation
             self.warm_up_seconds = {
-                "prefill": prefill, "sampler": sampler, "first_decode_bucket": captures[0][1] if captures else 0.0,
+                "kernel_jit": kernel_jit, "prefill": prefill, "sampler": sampler,
+                "first_decode_bucket": captures[0][1] if captures else 0.0,
                 "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
                 "compiled_prefill": compiled_prefill,
             }

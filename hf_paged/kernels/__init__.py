@@ -27,6 +27,8 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "copy_blocks",
+    "decode_variant",
+    "prefill_tile_lengths",
     "get_backend",
     "triton_available",
 ]
@@ -335,6 +337,17 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
             seen.add(key)
             picked.append(q_len)
     return picked
+
+
+def decode_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_context: int,
+                   device: torch.device | str, head_dim_v: int | None = None) -> tuple:
+    """A key that two `paged_decode` calls (default options, tables of `max_context` keys) share when they launch
+    the same compiled kernels, for batches of `batch` sequences: a JIT warm-up runs one batch per key
+    (`hf_paged.runner.warm_up`). One key for every batch on the torch backend."""
+    if get_backend(torch.device(device)) != "triton":
+        return ()
+    return _triton_module("triton_decode").launch_variant(batch, num_q_heads, num_kv_heads, head_dim,
+                                                          head_dim_v or head_dim, max_context, device)
 
 
 def copy_blocks(

@@ -87,6 +87,33 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, splits)
 
 
+def default_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device) -> int:
+    """The split count `paged_decode` picks when not told (the forced `FORCE_NUM_SPLITS` included)."""
+    block_n = _CONFIGS.get(head_dim, (64, 4, 2))[0]
+    splits = FORCE_NUM_SPLITS
+    if splits is None:
+        splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, device)
+    return _clamp_splits(splits, max_context, block_n)
+
+
+def launch_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
+                   max_context: int, device) -> tuple:
+    """A key equal for two default launches that run the same compiled kernels: whether the keys are split, and
+    how Triton specialises the integer arguments that depend on the split count (an int equal to 1 or divisible by 16
+    gets a variant of its own). It mirrors Triton's rule: were the rule to change, a warm-up that ran one batch per
+    key would leave a variant to compile at its first launch, which costs time, never a wrong result."""
+    splits = default_num_splits(batch, num_kv_heads, head_dim, max_context, device)
+    if splits == 1:
+        return (False,)
+    ints = (num_q_heads * splits * head_dim_v, splits * head_dim_v, num_q_heads * splits, splits)
+    return (True,) + tuple((v == 1, v % 16 == 0) for v in ints)
+
+
+def _clamp_splits(splits: int, max_context: int, block_n: int) -> int:
+    """At least one split, and no more than the tables have tiles."""
+    return max(1, min(int(splits), max(1, triton.cdiv(max_context, block_n))))
+
+
 # The table stride varies with the batch's longest context (eager decode steps): not specialised, so a new width
 # never compiles a new variant mid-serving (see triton_prefill).
 @triton.jit(do_not_specialize=["stride_btb"])
@@ -332,7 +359,7 @@ def paged_decode(
     min_split = block_n if num_splits is not None else MIN_TOKENS_PER_SPLIT
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_context, block_n, query.device)
-    num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(max_context, block_n))))
+    num_splits = _clamp_splits(num_splits, max_context, block_n)
 
     g_pad = max(16, triton.next_power_of_2(G))
     ieee = query.dtype == torch.float32

@@ -27,13 +27,13 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .. import kernels
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata, attention_heads, device_table
+from ..cache import PagedCache, StepMetadata, device_table
 from ..core import SchedulerOutput
 from .model_ref import ModelRef
 from .regional import CompiledLayers
 from .sibling_linears import fusing_backend, pack_siblings
+from .warm_up import WarmUpForwards
 
 # Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
 # corrupt its caches. A runner's first call of each shape kind (one row / a symbolic batch) holds this lock; the
@@ -73,7 +73,7 @@ def _decode_forward(model_ref: ModelRef, cache):
     return forward
 
 
-class ModelRunner:
+class ModelRunner(WarmUpForwards):
     """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
 
     Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
@@ -431,50 +431,6 @@ class ModelRunner:
                     self.capture_seconds[batch] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def warm_up_prefill(self, max_tokens: int) -> None:
-        """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
-
-        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step: one
-        query length per tile shape the kernel can pick for this model's heads is run
-        (`kernels.prefill_tile_lengths`), so each is compiled (a missed one cost a serving step about a second of
-        JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
-        (slot -1) and every table points at block 0.
-        """
-        heads, kv_heads = attention_heads(self.cache.config)  # the group size: the same on every TP rank
-        lengths = kernels.prefill_tile_lengths(heads, kv_heads, self.cache.head_dim, max_tokens, self.device)
-        with torch.inference_mode():
-            for q_len in lengths:
-                self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def warm_up_compiled_prefill(self) -> None:
-        """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
-        first routed prefill's check (`_prefill_layers`) and any compilation it needs happen now."""
-        if not self._prefill_routable():
-            return
-        with torch.inference_mode():
-            self._dummy_prefill(8, 2, compiled=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _dummy_prefill(self, q_len: int, num_seqs: int, compiled: bool = False) -> None:
-        """A prefill forward of `num_seqs` sequences of `q_len` tokens that writes nothing (slot -1) and reads block
-        0; through the compiled layers when `compiled`."""
-        cache = self.cache
-        tokens = num_seqs * q_len
-        table = [0] * -(-q_len // self.block_size)  # every position reads block 0
-        step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
-                                [q_len] * num_seqs, self.device)
-        cache.set_engine_step(step)
-        positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
-        with self._prefill_layers(tokens) if compiled else nullcontext():
-            self.model(
-                input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
-                past_key_values=cache, use_cache=True,
-                logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
-            )
 
     def _execute_static(self, sched: SchedulerOutput, input_tokens=None):
         self._ensure_buffers()

@@ -1,0 +1,98 @@
+"""The runner's warm-up forwards: dummy steps that make Triton compile now what serving steps will launch.
+
+Nothing they compute is kept: every row writes to slot -1 (nowhere) and reads block 0. `Engine.warm_up` runs them
+inside `kernels.parallel_jit.compile_only()`, where the launches only compile, in parallel threads; without it they
+run for real and compile one kernel after another.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .. import kernels
+from ..cache import attention_heads
+
+__all__ = ["WarmUpForwards"]
+
+
+class WarmUpForwards:
+    """Mixed into `ModelRunner` (which provides the cache, the model, the buffers and `_prefill_layers`)."""
+
+    def warm_up_prefill(self, max_tokens: int) -> None:
+        """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
+
+        Triton specialises the prefill kernel on the tile shape, which depends on the longest query of a step: one
+        query length per tile shape the kernel can pick for this model's heads is run
+        (`kernels.prefill_tile_lengths`), so each is compiled (a missed one cost a serving step about a second of
+        JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
+        (slot -1) and every table points at block 0.
+        """
+        heads, kv_heads = attention_heads(self.cache.config)  # the group size: the same on every TP rank
+        lengths = kernels.prefill_tile_lengths(heads, kv_heads, self.cache.head_dim, max_tokens, self.device)
+        with torch.inference_mode():
+            for q_len in lengths:
+                self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warm_up_decode_kernels(self) -> None:
+        """Run the decode step's model code eagerly over the static buffers, once per distinct kernel variant of the
+        batch buckets, so their attention kernels are compiled before the graphs are captured.
+
+        The decode kernels' variant depends on the batch only through its split count, and only through whether it
+        is 1 and how Triton specialises the integers it makes (`kernels.decode_variant`): one bucket per variant is
+        run (two of the fifteen buckets for llama-1b). The rows are the capture's dummies (slot -1, length 0). Meant
+        for `compile_only()`: run for real it adds forwards without compiling anything the captures would not.
+        """
+        if self.decode_mode != "graph":
+            return
+        self._ensure_buffers()
+        b = self._buffers
+        b["slots"].fill_(-1)
+        b["lens"].zero_()
+        b["rows"].zero_()
+        key_cache, value_cache = self.cache.layer_caches(0)
+        heads, kv_heads = attention_heads(self.cache.config)
+        local_kv = key_cache.shape[1]  # this rank's
+        local_q = local_kv * max(1, heads // max(1, kv_heads))
+        max_context = self.max_blocks_per_seq * self.block_size
+        seen = set()
+        with torch.inference_mode():
+            for batch in sorted(self._bucket_sizes):
+                variant = kernels.decode_variant(batch, local_q, local_kv, key_cache.shape[-1], max_context,
+                                                 self.device, value_cache.shape[-1])
+                if variant in seen:
+                    continue
+                seen.add(variant)
+                torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
+                self.cache.set_engine_step(self._step_metadata(batch))
+                self._forward(b["ids"][:batch][None], b["pos"][:batch][None])
+
+    def warm_up_compiled_prefill(self) -> None:
+        """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
+        first routed prefill's check (`_prefill_layers`) and any compilation it needs happen now."""
+        if not self._prefill_routable():
+            return
+        with torch.inference_mode():
+            self._dummy_prefill(8, 2, compiled=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_prefill(self, q_len: int, num_seqs: int, compiled: bool = False) -> None:
+        """A prefill forward of `num_seqs` sequences of `q_len` tokens that writes nothing (slot -1) and reads block
+        0; through the compiled layers when `compiled`."""
+        cache = self.cache
+        tokens = num_seqs * q_len
+        table = [0] * -(-q_len // self.block_size)  # every position reads block 0
+        step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
+                                [q_len] * num_seqs, self.device)
+        cache.set_engine_step(step)
+        positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
+        with self._prefill_layers(tokens) if compiled else nullcontext():
+            self.model(
+                input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device), position_ids=positions,
+                past_key_values=cache, use_cache=True,
+                logits_to_keep=torch.arange(q_len - 1, tokens, q_len, device=self.device),
+            )

@@ -1,0 +1,151 @@
+"""`kernels.parallel_jit`: a warm-up's Triton kernels compiled in threads, without running them (GPU checks skip
+without CUDA; the CPU check is that nothing changes there)."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import kernels
+from hf_paged.kernels import parallel_jit
+from hf_paged.testing import tiny_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_compile_only_changes_nothing_without_cuda(monkeypatch):
+    """Where it cannot serve (here: no CUDA, as in CI) the block is told so and launches are left alone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with parallel_jit.compile_only() as dry:
+        assert dry is False
+        assert not parallel_jit.compiling_only()
+    assert not parallel_jit.compiling_only()
+
+
+def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
+    key = torch.randn(tokens, heads, head_dim, device="cuda")
+    value = torch.randn_like(key)
+    key_cache = torch.zeros(4, heads, block_size, head_dim, device="cuda")
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.arange(tokens, device="cuda") + 3
+    return key, value, key_cache, value_cache, slots
+
+
+def _cached(fn) -> int:
+    """How many compiled variants `fn` holds for the current device."""
+    device = torch.cuda.current_device()
+    return len(fn.device_caches[device][0]) if device in fn.device_caches else 0
+
+
+@needs_cuda
+def test_launches_inside_only_compile_and_the_kernel_is_ready_after():
+    from hf_paged.kernels import triton_cache
+
+    fn = triton_cache._write_kv_kernel
+    fn.device_caches.clear()  # forget in-memory variants: the block must compile (from disk or anew)
+    key, value, key_cache, value_cache, slots = _write_kv_inputs()
+    with parallel_jit.compile_only() as dry:
+        assert dry and parallel_jit.compiling_only()
+        kernels.write_kv(key, value, key_cache, value_cache, slots)
+        torch.cuda.synchronize()
+        assert not key_cache.any() and not value_cache.any()  # compiled, not run
+    assert not parallel_jit.compiling_only()
+    assert _cached(fn) == 1  # the block's end finished the compilation
+    kernels.write_kv(key, value, key_cache, value_cache, slots)
+    assert _cached(fn) == 1  # the real launch found it
+    flat_k = key_cache.permute(0, 2, 1, 3).reshape(-1, key.shape[1], key.shape[2])
+    assert torch.equal(flat_k[3:3 + key.shape[0]], key)
+
+
+@needs_cuda
+def test_other_threads_launch_for_real_meanwhile():
+    key, value, key_cache, value_cache, slots = _write_kv_inputs()
+    with parallel_jit.compile_only() as dry:
+        assert dry
+        worker = threading.Thread(target=kernels.write_kv, args=(key, value, key_cache, value_cache, slots))
+        worker.start()
+        worker.join()
+        torch.cuda.synchronize()
+    assert key_cache.any() and value_cache.any()
+
+
+@needs_cuda
+def test_a_failed_compilation_raises_at_the_end_and_launches_run_after():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def broken(x):
+        tl.store(x, not_defined_anywhere)  # noqa: F821
+
+    x = torch.zeros(1, device="cuda")
+    with pytest.raises(Exception, match="not_defined_anywhere"):
+        with parallel_jit.compile_only() as dry:
+            assert dry
+            broken[(1,)](x)
+    assert not parallel_jit.compiling_only()
+    key, value, key_cache, value_cache, slots = _write_kv_inputs()
+    kernels.write_kv(key, value, key_cache, value_cache, slots)
+    assert key_cache.any() and value_cache.any()
+
+
+@contextmanager
+def _never(*args, **kwargs):
+    """`compile_only` as it behaves where it cannot serve: yields False, changes nothing."""
+    yield False
+
+
+@needs_cuda
+def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch):
+    """The variants a dry warm-up compiles include every one that the same warm-up run for real compiles, so its
+    captures and first steps compile nothing more; the engine then gives transformers' tokens."""
+    import hf_paged.engine.engine as engine_module
+    from hf_paged.kernels import triton_cache, triton_decode, triton_prefill, triton_sampling
+
+    fns = [triton_cache._write_kv_kernel, triton_prefill._paged_prefill_kernel, triton_decode._paged_decode_kernel,
+           triton_decode._paged_decode_reduce_kernel, triton_sampling._sample_kernel]
+
+    def variants():
+        device = torch.cuda.current_device()
+        return {fn: set(fn.device_caches[device][0]) if device in fn.device_caches else set() for fn in fns}
+
+    def warmed_engine(model):
+        for fn in fns:
+            fn.device_caches.clear()
+        engine = hf_paged.Engine(model, block_size=16, num_blocks=64, max_num_seqs=48)
+        engine.warm_up(freeze_gc=False)
+        return engine
+
+    after_dry_block = []
+
+    @contextmanager
+    def recording(*args, **kwargs):
+        with parallel_jit.compile_only(*args, **kwargs) as dry:
+            yield dry
+        after_dry_block.append(variants())
+
+    model = tiny_model("llama", seed=3).cuda()
+    hf_paged.enable(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "compile_only", _never)
+        real_engine = warmed_engine(model)  # the forwards and captures run for real, compiling as they go
+    real_variants = variants()
+    assert real_engine.warm_up_seconds["prefill"] > 0
+    real_engine.close()
+    monkeypatch.setattr(engine_module, "compile_only", recording)
+    dry_engine = warmed_engine(model)
+    assert dry_engine.warm_up_seconds["kernel_jit"] > 0 and dry_engine.warm_up_seconds["prefill"] < 0.1
+    dry_variants = after_dry_block[0]  # what the block compiled, before any capture ran
+    for fn in fns:
+        assert real_variants[fn] <= dry_variants[fn], fn
+    assert len(dry_variants[triton_prefill._paged_prefill_kernel]) > 1
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    outs = dry_engine.generate(prompts, max_new_tokens=8)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    dry_engine.close()
