@@ -100,9 +100,11 @@ def _never(*args, **kwargs):
 
 
 @needs_cuda
-def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch):
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch, compile_decode):
     """The variants a dry warm-up compiles include every one that the same warm-up run for real compiles, so its
-    captures and first steps compile nothing more; the engine then gives transformers' tokens."""
+    captures and first steps compile nothing more (with `compile_decode`, the decode step is compiled inside the
+    block too); the engine then gives transformers' tokens."""
     import hf_paged.engine.engine as engine_module
     from hf_paged.kernels import triton_cache, triton_decode, triton_prefill, triton_sampling
 
@@ -116,17 +118,21 @@ def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch):
     def warmed_engine(model):
         for fn in fns:
             fn.device_caches.clear()
-        engine = hf_paged.Engine(model, block_size=16, num_blocks=64, max_num_seqs=48)
+        engine = hf_paged.Engine(model, block_size=16, num_blocks=64, max_num_seqs=48, compile_decode=compile_decode)
+        engines.append(engine)
         engine.warm_up(freeze_gc=False)
         return engine
 
-    after_dry_block = []
+    after_dry_block, engines = [], []
 
     @contextmanager
     def recording(*args, **kwargs):
         with parallel_jit.compile_only(*args, **kwargs) as dry:
             yield dry
         after_dry_block.append(variants())
+        compiled_in_block.append(engines[-1].runner._compiled is not None)
+
+    compiled_in_block = []
 
     model = tiny_model("llama", seed=3).cuda()
     hf_paged.enable(model)
@@ -140,6 +146,7 @@ def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch):
     dry_engine = warmed_engine(model)
     assert dry_engine.warm_up_seconds["kernel_jit"] > 0 and dry_engine.warm_up_seconds["prefill"] < 0.1
     dry_variants = after_dry_block[0]  # what the block compiled, before any capture ran
+    assert compiled_in_block == [compile_decode]
     for fn in fns:
         assert real_variants[fn] <= dry_variants[fn], fn
     assert len(dry_variants[triton_prefill._paged_prefill_kernel]) > 1

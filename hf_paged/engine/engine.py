@@ -267,9 +267,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.
 
         Optional: without it the same happens lazily, the first time each kernel shape or batch bucket is needed.
-        Where the time went is left in `warm_up_seconds` (on CUDA `kernel_jit`: the Triton kernels of the prefill, the
-        sampler and the decode buckets compiled in parallel threads, else the `prefill` and `sampler` forwards; first
-        decode bucket: the compilation with `compile_decode`, the other buckets' graph captures).
+        Where the time went is left in `warm_up_seconds`: on CUDA `kernel_jit` (the Triton kernels of the prefill, the
+        sampler and the decode buckets compiled in parallel threads while this thread traces and compiles the decode
+        step with `compile_decode`), else the `prefill`, `sampler` and `compiled_prefill` forwards and, in the first
+        decode bucket's time, the compilation; then the graph captures of the buckets.
 
         `freeze_gc`: then move every object alive (the model, transformers' and torch's modules, ...) to the garbage
         collector's permanent generation (`gc.freeze()`, as vLLM does after graph capture). A busy engine allocates
@@ -278,35 +279,39 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         CPU profile. Frozen objects are still freed by reference counting; only garbage cycles among them stay.
         """
         with self._control():
+            runner = self.runner
             start = time.perf_counter()
             # every Triton kernel the warm-up launches is compiled at once, in threads, by running the warm-up code
-            # with launches that only compile (`kernels.parallel_jit`); what is left to run then finds them compiled
+            # with launches that only compile (`kernels.parallel_jit`), while this thread traces and compiles the
+            # decode step (`compile_decode`); what is left to run then finds them compiled
             with compile_only() as dry:
                 if dry:
                     self._warm_up_sampler()  # first: the longest compilation (2-3 s)
-                    self.runner.warm_up_prefill(self.max_num_batched_tokens)
-                    self.runner.warm_up_decode_kernels()
+                    runner.warm_up_prefill(self.max_num_batched_tokens)
+                    runner.warm_up_decode_kernels()
+                    runner.warm_up_compiled_prefill()
             kernel_jit = time.perf_counter() - start
-            start = time.perf_counter()
+            seconds = {"prefill": 0.0, "sampler": 0.0, "compiled_prefill": 0.0}
             if not dry:  # after a dry run these forwards would compile nothing more
-                self.runner.warm_up_prefill(self.max_num_batched_tokens)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            if not dry:
+                start = time.perf_counter()
+                runner.warm_up_prefill(self.max_num_batched_tokens)
+                seconds["prefill"] = time.perf_counter() - start
+                start = time.perf_counter()
                 self._warm_up_sampler()
-            sampler = time.perf_counter() - start
-            if self.runner.decode_mode == "graph" or self.runner.compile_decode:
-                self.runner.capture_all()
-            start = time.perf_counter()
-            self.runner.warm_up_compiled_prefill()  # prefill steps through the layers just compiled
-            compiled_prefill = time.perf_counter() - start
-            captures = sorted(self.runner.capture_seconds.items(), reverse=True)
-            # the largest bucket is captured first: with compile_decode its time holds the compilation
+                seconds["sampler"] = time.perf_counter() - start
+            if runner.decode_mode == "graph" or runner.compile_decode:
+                runner.capture_all()
+            if not dry:
+                start = time.perf_counter()
+                runner.warm_up_compiled_prefill()  # prefill steps through the layers just compiled
+                seconds["compiled_prefill"] = time.perf_counter() - start
+            captures = sorted(runner.capture_seconds.items(), reverse=True)
+            # the largest bucket is captured first: with compile_decode (and no dry run) its time holds the compilation
             self.warm_up_seconds = {
-                "kernel_jit": kernel_jit, "prefill": prefill, "sampler": sampler,
+                "kernel_jit": kernel_jit, "prefill": seconds["prefill"], "sampler": seconds["sampler"],
                 "first_decode_bucket": captures[0][1] if captures else 0.0,
                 "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
-                "compiled_prefill": compiled_prefill,
+                "compiled_prefill": seconds["compiled_prefill"],
             }
             if freeze_gc:
                 gc.collect()

@@ -38,13 +38,16 @@ class WarmUpForwards:
             torch.cuda.synchronize(self.device)
 
     def warm_up_decode_kernels(self) -> None:
-        """Run the decode step's model code eagerly over the static buffers, once per distinct kernel variant of the
-        batch buckets, so their attention kernels are compiled before the graphs are captured.
+        """Run the decode step over the static buffers, once per distinct kernel variant of the batch buckets, so
+        their attention kernels are compiled before the graphs are captured; with `compile_decode` the step runs in
+        its compiled form, so its Dynamo trace and Inductor compilation happen here too.
 
         The decode kernels' variant depends on the batch only through its split count, and only through whether it
         is 1 and how Triton specialises the integers it makes (`kernels.decode_variant`): one bucket per variant is
-        run (two of the fifteen buckets for llama-1b). The rows are the capture's dummies (slot -1, length 0). Meant
-        for `compile_only()`: run for real it adds forwards without compiling anything the captures would not.
+        run (two of the fifteen buckets for llama-1b), the largest first (the one `capture_all` would compile the
+        step with). The rows are the capture's dummies (slot -1, length 0). Meant for `compile_only()`: there the
+        torch.compile work of the main thread overlaps the Triton compilations of the pool; run for real it adds
+        forwards without compiling anything the captures would not.
         """
         if self.decode_mode != "graph":
             return
@@ -60,15 +63,13 @@ class WarmUpForwards:
         max_context = self.max_blocks_per_seq * self.block_size
         seen = set()
         with torch.inference_mode():
-            for batch in sorted(self._bucket_sizes):
+            for batch in sorted(self._bucket_sizes, reverse=True):
                 variant = kernels.decode_variant(batch, local_q, local_kv, key_cache.shape[-1], max_context,
                                                  self.device, value_cache.shape[-1])
                 if variant in seen:
                     continue
                 seen.add(variant)
-                torch.index_select(b["store"], 0, b["rows"][:batch], out=b["tables"][:batch])
-                self.cache.set_engine_step(self._step_metadata(batch))
-                self._forward(b["ids"][:batch][None], b["pos"][:batch][None])
+                self._run_model(batch)  # compiled (and compiling, the first time) with `compile_decode`
 
     def warm_up_compiled_prefill(self) -> None:
         """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
