@@ -55,6 +55,8 @@ def test_launches_inside_only_compile_and_the_kernel_is_ready_after():
         assert not key_cache.any() and not value_cache.any()  # compiled, not run
     assert not parallel_jit.compiling_only()
     assert _cached(fn) == 1  # the block's end finished the compilation
+    (compiled,) = fn.device_caches[torch.cuda.current_device()][0].values()
+    assert compiled.module is not None  # and the pool loaded it (module, launcher): its first launch will not
     kernels.write_kv(key, value, key_cache, value_cache, slots)
     assert _cached(fn) == 1  # the real launch found it
     flat_k = key_cache.permute(0, 2, 1, 3).reshape(-1, key.shape[1], key.shape[2])

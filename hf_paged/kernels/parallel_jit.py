@@ -8,7 +8,8 @@ row: seconds each, 8-10 s in all on an H100 host. Most of a compilation (LLVM's 
 
 How: `compile_only()` runs its body with this thread's Triton launches turned into `warmup` calls (compile, do not
 run) under Triton's `AsyncCompileMode`, which hands each compilation to a thread pool and finishes them all when the
-block ends. The body is the warm-up code itself (a dummy forward, a sampler call), so what is compiled is exactly
+block ends; the pool's threads also load each kernel they compiled (module and launcher), which Triton would do at
+its first real launch. The body is the warm-up code itself (a dummy forward, a sampler call), so what is compiled is exactly
 what the real launches will need, with no list of signatures to keep in step with the kernels.
 
 While the block runs, no Triton kernel of this thread runs: the tensors they would write hold whatever was in
@@ -118,7 +119,7 @@ def compile_only(max_workers: int | None = None) -> Iterator[bool]:
     _install_launch_patch()
     _STATE.key_hash = _start_key_hash()
     executor = ThreadPoolExecutor(max_workers=max_workers or _workers(), thread_name_prefix="hf_paged-jit")
-    mode = mode_class(executor)
+    mode = _loading_mode(mode_class)(executor)
     try:
         with mode:
             _STATE.active = True
@@ -130,6 +131,34 @@ def compile_only(max_workers: int | None = None) -> Iterator[bool]:
     finally:
         executor.shutdown(wait=True)
         _leave(mode)
+
+
+def _loading_mode(mode_class):
+    """`mode_class` whose pool threads also load each kernel they compiled, on the launching thread's device.
+
+    Triton loads a compiled kernel (its module into the CUDA context, and its launcher, which some Triton versions
+    build with the C compiler on a cache miss: tenths of a second each) at its first real launch. A warm-up whose
+    launches only compiled would leave that to the graph captures and the first request; done here it runs in
+    parallel too. A kernel that fails to load is left as it is: its first launch tries again and raises there."""
+
+    class LoadingMode(mode_class):
+        def submit(self, key, compile_fn, finalize_fn, cleanup_fn):
+            device = torch.cuda.current_device()
+
+            def compile_and_load():
+                kernel = compile_fn()
+                init = getattr(kernel, "_init_handles", None)
+                if init is not None:
+                    try:
+                        with torch.cuda.device(device):
+                            init()
+                    except Exception:  # raised again, where it belongs, by the kernel's first launch
+                        pass
+                return kernel
+
+            return super().submit(key, compile_and_load, finalize_fn, cleanup_fn)
+
+    return LoadingMode
 
 
 def _leave(mode) -> None:
