@@ -3,6 +3,7 @@ without CUDA; the CPU check is that nothing changes there)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from contextlib import contextmanager
 
@@ -158,3 +159,36 @@ def test_an_engine_warm_up_compiles_what_the_real_forwards_would(monkeypatch, co
     outs = dry_engine.generate(prompts, max_new_tokens=8)
     assert [o.outputs[0].token_ids for o in outs] == refs
     dry_engine.close()
+
+
+def test_the_pool_loads_what_it_compiled(monkeypatch):
+    """The pool thread that compiled a kernel also loads it (Triton's `_init_handles`), on the launching thread's
+    device; a kernel that fails to load is handed over all the same (its first launch raises). CPU-only: Triton's
+    `AsyncCompileMode` with a stand-in compilation, the callbacks passed as this Triton's `_do_compile` passes them."""
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+
+    mode_class = pytest.importorskip("triton.runtime._async_compile").AsyncCompileMode
+    devices = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: devices.append(d) or contextlib.nullcontext())
+
+    class Kernel:
+        def __init__(self, fails):
+            self.fails, self.loaded_by = fails, None
+
+        def _init_handles(self):
+            self.loaded_by = threading.current_thread().name
+            if self.fails:
+                raise RuntimeError("out of resources")
+
+    finalized = []
+    callbacks = [finalized.append, lambda future: None][: len(inspect.signature(mode_class.submit).parameters) - 3]
+    with ThreadPoolExecutor(2, thread_name_prefix="pool") as executor:
+        with parallel_jit._loading_mode(mode_class)(executor) as mode:
+            futures = [mode.submit(key, lambda fails=fails: Kernel(fails), *callbacks)
+                       for key, fails in (("ok", False), ("bad", True))]
+    kernels_done = [f.result() for f in futures]
+    assert [k.fails for k in finalized] == [False, True] or [k.fails for k in finalized] == [True, False]
+    assert all(k.loaded_by.startswith("pool") for k in kernels_done)
+    assert devices == [3, 3]

@@ -142,7 +142,7 @@ def _loading_mode(mode_class):
     parallel too. A kernel that fails to load is left as it is: its first launch tries again and raises there."""
 
     class LoadingMode(mode_class):
-        def submit(self, key, compile_fn, finalize_fn, cleanup_fn):
+        def submit(self, key, compile_fn, *callbacks):  # (finalize[, cleanup]): their number varies by version
             device = torch.cuda.current_device()
 
             def compile_and_load():
@@ -156,7 +156,7 @@ def _loading_mode(mode_class):
                         pass
                 return kernel
 
-            return super().submit(key, compile_and_load, finalize_fn, cleanup_fn)
+            return super().submit(key, compile_and_load, *callbacks)
 
     return LoadingMode
 
