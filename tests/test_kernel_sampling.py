@@ -208,3 +208,44 @@ def test_gpu_triton_matches_reference(monkeypatch, rows, vocab, dtype):
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     ref = sample_tokens(logits, *params)
     assert torch.equal(tri.cpu(), ref.cpu()), (tri != ref).nonzero()
+
+
+def _temperatures():
+    """Temperatures whose inverse rounds every way: tiny, huge, subnormal, zero, negative, random."""
+    g = torch.Generator().manual_seed(5)
+    special = torch.tensor([0.0, -1.0, 1e-38, 1e-30, 1e-31, 3e38, 1.0, 0.7, 0.1, 1 / 3, 2.0 ** -126, 1e-45])
+    return torch.cat([special, torch.rand(4000, generator=g) * 3, torch.exp(torch.randn(4000, generator=g) * 20)])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_host_normalisation_is_bitwise_the_devices(device):
+    """The picker computes the inverse temperature and the effective top-k on the host (numpy); the dispatcher
+    computes them with torch on the logits' device. They must agree to the bit, or a picked token could change."""
+    from hf_paged.kernels.sampling import _effective_top_k, effective_top_k, inverse_temperature
+
+    t = _temperatures().float()
+    host = torch.from_numpy(inverse_temperature(t.numpy()))
+    on_device = inverse_temperature(t.to(device)).cpu()
+    assert host.dtype == on_device.dtype == torch.float32
+    assert torch.equal(host.view(torch.int32), on_device.view(torch.int32))
+    k = torch.tensor([-3, 0, 1, 5, 99, 100, 101, 2**40])
+    assert torch.equal(torch.from_numpy(effective_top_k(k.numpy(), 100)), _effective_top_k(k.to(device), 100).cpu())
+
+
+def test_engine_picker_draws_what_sample_tokens_draws(monkeypatch):
+    """`DevicePicker.pick` (normalised on the host, min-p log on the device only when a row has min-p) gives the
+    tokens of `sample_tokens` for the same rows: mixed greedy / top-k / top-p / min-p rows, and rows without
+    min-p."""
+    from hf_paged.engine.device_sampling import DevicePicker
+
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    for rows, with_min_p in ((8, True), (8, False), (19, True)):
+        logits, params = _mixed(rows, 300, gen_seed=rows)
+        temps, ks, ps, mps, seeds, offs = (p.tolist() for p in params)
+        if not with_min_p:
+            mps = [0.0] * rows
+            params = params[:3] + (torch.zeros(rows),) + params[4:]
+        picker = DevicePicker(torch.device("cpu"), max_rows=4, seed=0)  # grows to the step
+        specs = list(zip(temps, ks, ps, mps, seeds))
+        assert torch.equal(picker.pick(logits, specs, offs), sample_tokens(logits, *params))
+        assert torch.equal(picker.pick(logits, specs, offs), sample_tokens(logits, *params))  # the other buffer set

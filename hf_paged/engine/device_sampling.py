@@ -3,8 +3,10 @@
 A "plain" request (one sequence per sample, no logits processors, no repetition penalty, no `min_new_tokens`, no
 scores, no beams) has its next token as a pure function of its logits row and five numbers: temperature (0 for
 greedy), top-k, top-p, min-p and a seed, plus the position it draws for. `DevicePicker.pick` takes every such row of a
-step at once: the parameters travel in one pinned upload, the draw is one kernel (`hf_paged.kernels.sampling.sample_tokens`),
-nothing waits for the host, so sampled requests take the pipelined, graph-replayed decode path of greedy ones.
+step at once: the parameters travel in one pinned upload, already in the kernel's form (inverse temperature, effective
+top-k: computed on the host, bitwise as `hf_paged.kernels.sampling.sample_tokens` computes them on the device), the
+draw is one kernel, nothing waits for the host, so sampled requests take the pipelined, graph-replayed decode path of
+greedy ones.
 
 Seeds: the draw of a token is a function of (seed, offset) only, where offset = the token's position in its
 sequence plus the sample index of a parallel-sampling request shifted by 32 bits. So a seeded request gives the same
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from ..core import Sequence
-from ..kernels.sampling import sample_tokens
+from ..kernels.sampling import effective_top_k, inverse_temperature, log_min_p, sample_normalised
 from .params import SamplingParams
 
 __all__ = ["DevicePicker", "device_params", "offset", "SAMPLE_INDEX_SHIFT"]
@@ -42,16 +45,21 @@ def device_params(params: SamplingParams, seed: int) -> tuple[float, int, float,
 
 class DevicePicker:
     """Per-row parameters uploaded through pinned buffers (two sets, alternated: a pipelined step fills one while the
-    step before may still read the other), then one `kernels.sample_tokens` call for the whole step."""
+    step before may still read the other), then one sampling kernel for the whole step."""
 
     def __init__(self, device: torch.device, max_rows: int, seed: int | None) -> None:
         self.device = device
         self._rng = random.Random(seed if seed is not None else torch.initial_seed())
-        pin = device.type == "cuda"
-        self._host = [(torch.zeros((3, max_rows), dtype=torch.float32, pin_memory=pin),
-                       torch.zeros((3, max_rows), dtype=torch.long, pin_memory=pin)) for _ in range(2)]
-        self._dev_f = torch.zeros((3, max_rows), dtype=torch.float32, device=device)
-        self._dev_i = torch.zeros((3, max_rows), dtype=torch.long, device=device)
+        self._allocate(max_rows)
+
+    def _allocate(self, rows: int) -> None:
+        """Host (pinned on CUDA, two sets) and device buffers for `rows` rows: float32 [inverse temperature, top-p,
+        min-p or its log], int64 [seed, offset], int32 [effective top-k]."""
+        pin = self.device.type == "cuda"
+        shapes = (((3, rows), torch.float32), ((2, rows), torch.long), ((1, rows), torch.int32))
+        self._host = [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
+                      for _ in range(2)]
+        self._dev = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in shapes)
 
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
         """Compile the sampling kernel for `[rows, vocab]` logits of `dtype` now (2-3 s on a cold cache, 0.1 s from
@@ -66,33 +74,32 @@ class DevicePicker:
         """The seed a request draws with: its own, or the next one of the engine's random stream."""
         return seed if seed is not None else self._rng.getrandbits(62)
 
-    def _grow(self, rows: int) -> None:
-        if rows > self._dev_f.shape[1]:
-            size = max(rows, 2 * self._dev_f.shape[1])
-            pin = self.device.type == "cuda"
-            self._host = [(torch.zeros((3, size), dtype=torch.float32, pin_memory=pin),
-                           torch.zeros((3, size), dtype=torch.long, pin_memory=pin)) for _ in range(2)]
-            self._dev_f = torch.zeros((3, size), dtype=torch.float32, device=self.device)
-            self._dev_i = torch.zeros((3, size), dtype=torch.long, device=self.device)
-
     def pick(self, logits: torch.Tensor, specs: list[tuple], offsets: list[int]) -> torch.Tensor:
         """Next token of every row of `logits` `[R, V]`, on the device: row i draws with `specs[i]` (from
         `device_params`) at `offsets[i]` (see `offset`)."""
         if not any(spec[0] for spec in specs):
             return logits.argmax(dim=-1)  # all greedy: no parameters to upload
         n = len(specs)
-        self._grow(n)
-        self._host.reverse()
-        host_f, host_i = self._host[0]
-        f, i = host_f.numpy(), host_i.numpy()
+        if n > self._dev[0].shape[1]:
+            self._allocate(max(n, 2 * self._dev[0].shape[1]))
+        self._host.reverse()  # never the set a step still in flight may be reading
+        host = self._host[0]
+        f, i, k = (t.numpy() for t in host)
         temperature, top_k, top_p, min_p, seed = zip(*specs)
-        f[0, :n], f[1, :n], f[2, :n] = temperature, top_p, min_p
-        i[0, :n], i[1, :n], i[2, :n] = top_k, seed, offsets
-        dev_f, dev_i = self._dev_f, self._dev_i
-        dev_f.copy_(host_f, non_blocking=True)
-        dev_i.copy_(host_i, non_blocking=True)
-        return sample_tokens(logits, dev_f[0, :n], dev_i[0, :n], dev_f[1, :n], dev_f[2, :n], dev_i[1, :n],
-                             dev_i[2, :n])
+        f[0, :n] = temperature
+        f[0, :n] = inverse_temperature(f[0, :n])
+        f[1, :n], f[2, :n] = top_p, min_p
+        with_min_p = bool((f[2, :n] > 0).any())
+        if not with_min_p:
+            f[2, :n] = -np.inf  # log_min_p of rows without min-p
+        i[0, :n], i[1, :n] = seed, offsets
+        k[0, :n] = effective_top_k(np.asarray(top_k), logits.shape[1])
+        for dev, staged in zip(self._dev, host):
+            dev.copy_(staged, non_blocking=True)
+        dev_f, dev_i, dev_k = self._dev
+        log_min = log_min_p(dev_f[2, :n]) if with_min_p else dev_f[2, :n]
+        return sample_normalised(logits, dev_f[0, :n], dev_k[0, :n], dev_f[1, :n], log_min, dev_i[0, :n],
+                                 dev_i[1, :n])
 
 
 def offset(seq: Sequence, sample_index: int | None = None) -> int:

@@ -13,11 +13,12 @@ only on the row's (seed, offset), never on its batch. The preparation here is a 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
-__all__ = ["sample_tokens"]
+__all__ = ["sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -43,16 +44,48 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         raise ValueError("logits must have a non-empty vocabulary dimension")
     if vocab >= 2**31:
         raise ValueError(f"logits vocabulary {vocab} is too large (< 2**31)")
-    temperature = temperature.float()
-    inv_t = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-30), torch.zeros_like(temperature))
-    top_k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k)).to(torch.int32)
-    top_p = top_p.float()
-    min_p = min_p.float()
-    log_min_p = torch.where(min_p > 0, torch.log(min_p.clamp_min(1e-38)), torch.full_like(min_p, float("-inf")))
-    args = (inv_t.contiguous(), top_k.contiguous(), top_p.contiguous(), log_min_p.contiguous(),
-            seed.long().contiguous(), offset.long().contiguous())
+    args = (inverse_temperature(temperature.float()), _effective_top_k(top_k, vocab), top_p.float().contiguous(),
+            log_min_p(min_p.float()), seed.long().contiguous(), offset.long().contiguous())
+    return sample_normalised(logits, *args)
+
+
+def sample_normalised(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """`sample_tokens` for parameters already in the kernels' form: ``inv_t`` (float32, 0 for greedy), ``top_k``
+    (int32, 0 when off), ``top_p`` (float32), ``log_min_p`` (float32, -inf when off), ``seed`` and ``offset``
+    (int64), all contiguous ``[R]`` on the logits' device.
+
+    Why: the engine's picker computes that form on the host while it fills its upload (`inverse_temperature`,
+    `effective_top_k`), so a sampled step spends no dozen element-wise launches on it. Nothing is checked here."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    if get_backend(dev) == "triton":
-        return _triton_module("triton_sampling").sample_tokens(logits, *args)
-    return reference_sampling.sample_tokens(logits, *args).to(dev)
+    if get_backend(logits.device) == "triton":
+        return _triton_module("triton_sampling").sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset)
+    return reference_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset).to(logits.device)
+
+
+def inverse_temperature(temperature):
+    """``1 / temperature`` where it is > 0, else 0 (greedy), in float32: of a tensor (on its device) or of a numpy
+    array (on the host). Both round the one IEEE division the same way (correctly), so a picker that computes it on
+    the host draws exactly the tokens `sample_tokens` draws."""
+    if isinstance(temperature, torch.Tensor):
+        return torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-30),
+                           torch.zeros_like(temperature)).contiguous()
+    t = np.asarray(temperature, dtype=np.float32)
+    return np.where(t > 0, np.float32(1.0) / np.maximum(t, np.float32(1e-30)), np.float32(0.0)).astype(np.float32)
+
+
+def effective_top_k(top_k: np.ndarray, vocab: int) -> np.ndarray:
+    """Host form of the top-k rule: 0 (off) unless ``0 < k < vocab``; int32."""
+    k = np.asarray(top_k)
+    return np.where((k > 0) & (k < vocab), k, 0).astype(np.int32)
+
+
+def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k)).to(torch.int32).contiguous()
+
+
+def log_min_p(min_p: torch.Tensor) -> torch.Tensor:
+    """``log(min_p)`` where min-p is on (> 0), else -inf: on the device (float32), where the kernel reads it. The
+    picker runs it only for steps with a min-p row, and uploads -inf otherwise."""
+    return torch.where(min_p > 0, torch.log(min_p.clamp_min(1e-38)), torch.full_like(min_p, float("-inf"))).contiguous()
