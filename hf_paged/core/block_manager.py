@@ -423,6 +423,16 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         """All known sequence ids, in creation order."""
         return list(self._seqs)
 
+    def table_views(self, seq_ids: Sequence[Hashable]) -> list[list[int]]:
+        """`table_view` of each id, in one call (a runner's per-step pass over 256 sequences)."""
+        seqs = self._seqs
+        try:
+            return [seqs[seq_id].table for seq_id in seq_ids]
+        except (KeyError, TypeError):
+            for seq_id in seq_ids:
+                self._get(seq_id, "seq_ids entry")  # raises the documented ValueError
+            raise
+
     def table_view(self, seq_id: Hashable) -> list[int]:
         """The live table itself, not a copy (hot paths): read it, never modify it, and do not keep it across
         operations that may replace it (swaps). Released entries (a prefix) are :data:`NULL_BLOCK`."""

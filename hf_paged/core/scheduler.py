@@ -182,7 +182,8 @@ class Scheduler:
 
     def num_running_seqs(self) -> int:
         """Live sequences of the running groups."""
-        return sum(1 if len(g.seqs) == 1 else len(g.live_seqs()) for g in self.running)
+        running = self.running
+        return len(running) + sum(len(g.live_seqs()) - 1 for g in running if len(g.seqs) != 1)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -304,16 +305,26 @@ class Scheduler:
         seqs: list[Sequence] = []
         owners: list[SequenceGroup] = []
         seq_budget = 0
+        running_status = SequenceStatus.RUNNING
         for group in running:
             group_seqs = group.seqs
-            live = group_seqs if len(group_seqs) == 1 else group.live_seqs()
-            for seq in live:
-                if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed != 1:
+            if len(group_seqs) == 1:  # most groups: one sequence (its loop spelled out: the hot path)
+                seq = group_seqs[0]
+                if seq.status is not running_status or len(seq.token_ids) - seq.num_computed != 1:
                     return False
                 seqs.append(seq)
                 owners.append(group)
-            # what _reserve charges: max(len(plan), group.max_running_seqs()) (a group about to fork needs its width)
-            seq_budget += max(group.width, len(live)) if len(group_seqs) == 1 else len(live)
+                # what _reserve charges: max(len(plan), group.max_running_seqs()) (a group about to fork: its width)
+                width = group.width
+                seq_budget += width if width > 1 else 1
+                continue
+            live = group.live_seqs()
+            for seq in live:
+                if seq.status is not running_status or len(seq.token_ids) - seq.num_computed != 1:
+                    return False
+                seqs.append(seq)
+                owners.append(group)
+            seq_budget += len(live)
         if len(seqs) > budget[0] or seq_budget > budget[1]:
             return False
         bm = self.block_manager
@@ -324,9 +335,8 @@ class Scheduler:
             result = bm.append_decode_slots(ids)
         if result is None:
             return False
-        scheduled = out.scheduled
-        for group, seq, slot in zip(owners, seqs, result.slots):
-            scheduled.append(ScheduledSeq(seq, group, seq.num_computed, 1, [slot]))
+        out.scheduled.extend([ScheduledSeq(seq, group, seq.num_computed, 1, [slot])
+                              for group, seq, slot in zip(owners, seqs, result.slots)])
         out.copies.extend(result.copies)
         budget[0] -= len(seqs)
         budget[1] -= seq_budget

@@ -390,9 +390,12 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
 
     def _track(self, sched: SchedulerOutput) -> None:
         self.stats["steps"] += 1
-        for item in sched.scheduled:
-            key = "decode_tokens" if item.num_tokens == 1 else "prefill_tokens"
-            self.stats[key] += item.num_tokens
+        if sched.decode_step:  # one token per item (`Scheduler.schedule_decode_step`)
+            self.stats["decode_tokens"] += len(sched.scheduled)
+        else:
+            for item in sched.scheduled:
+                key = "decode_tokens" if item.num_tokens == 1 else "prefill_tokens"
+                self.stats[key] += item.num_tokens
         running = self.scheduler.num_running_seqs()
         self.stats["max_running"] = max(self.stats["max_running"], running)
         self.stats["running_sum"] += running

@@ -91,8 +91,7 @@ class PipelinedDecode:
             try:
                 self.runner.apply_block_ops(sched)
                 track_sharing(self.stats, *self.block_manager.usage())
-                rows = {id(item.seq): k for k, item in enumerate(current.sched.scheduled)}
-                source = (current.tokens, [rows[id(item.seq)] for item in sched.scheduled])
+                source = (current.tokens, _source_rows(current.sched.scheduled, sched.scheduled))
                 with torch.inference_mode():
                     logits, _ = self.runner.execute(sched, input_tokens=source)
                     launched = self._launch(sched, logits)
@@ -178,3 +177,13 @@ class PipelinedDecode:
             advanced = self._apply(current)
             self._track(current.sched)
             self._unreported.extend(g for g in advanced if g.is_finished)
+
+
+def _source_rows(previous: list, scheduled: list) -> list[int]:
+    """For each item of the step to launch, the row of its sequence in the step before (whose picked tokens are its
+    input ids). Usually the same sequences in the same order (nothing finished, nothing admitted): checked in one
+    pass, without the map."""
+    if len(previous) == len(scheduled) and all(a.seq is b.seq for a, b in zip(previous, scheduled)):
+        return list(range(len(scheduled)))
+    rows = {id(item.seq): k for k, item in enumerate(previous)}
+    return [rows[id(item.seq)] for item in scheduled]

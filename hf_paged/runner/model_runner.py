@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 
 from ..attention import active_cache
@@ -440,24 +441,18 @@ class ModelRunner(WarmUpForwards):
         run = self._graphs.get(bucket, _MISSING)  # one lookup: another runner's repack may clear the dict meanwhile
         if run is _MISSING:
             run = self._graphs[bucket] = self._capture(bucket)
-        table_view = self.cache.block_manager.table_view
         row_of = self._row_of
-        ids, pos, slots, rows = [], [], [], []
+        pos = [item.start for item in scheduled]
+        slots = [item.slots[0] for item in scheduled]
+        seq_ids = [item.seq.seq_id for item in scheduled]
+        rows = []
         changed: list[tuple[int, list[int]]] = []
         live = None
-        for item in scheduled:
-            seq = item.seq
-            start = item.start
-            if input_tokens is None:
-                ids.append(seq.token_ids[start])
-            pos.append(start)
-            slots.append(item.slots[0])
-            seq_id = seq.seq_id
-            table = table_view(seq_id)
+        for seq_id, table in zip(seq_ids, self.cache.block_manager.table_views(seq_ids)):
             entry = row_of.get(seq_id)
             if entry is None:
                 if live is None:
-                    live = {i.seq.seq_id for i in scheduled}
+                    live = set(seq_ids)
                 entry = row_of[seq_id] = [self._take_row(live), -1, -1]
             if entry[1] != len(table) or entry[2] != table[-1]:
                 # a table only grows or has its last block replaced between two steps of a running sequence;
@@ -473,12 +468,12 @@ class ModelRunner(WarmUpForwards):
         host_set = self._host_sets[0]
         host = host_set["meta"].numpy()
         if input_tokens is None:
-            host[0, :real] = ids
+            host[0, :real] = [item.seq.token_ids[item.start] for item in scheduled]
         else:
             host[5, :real] = input_tokens[1]
         host[1, :real] = pos
         host[2, :real] = slots
-        host[3, :real] = [p + 1 for p in pos]
+        np.add(host[1, :real], 1, out=host[3, :real])
         host[4, :real] = rows
         host[2, real:bucket] = -1
         host[3, real:bucket] = 0
