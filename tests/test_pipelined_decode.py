@@ -103,6 +103,33 @@ def test_pipelined_decode_honours_each_requests_length(model, prompts):
     assert_clean(engine, results)
 
 
+def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
+    """The pipelined apply skips the stop checks of a token that cannot stop its request (no EOS of it, under its
+    length, no stop criteria); requests with their own EOS ids (met mid-way, one or two of them), `ignore_eos` and
+    lengths stop exactly where unpipelined steps stop them."""
+    full = [greedy_reference(model, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    params = []
+    for i, continuation in enumerate(full):
+        eos = [continuation[3 + i % 7]] + ([continuation[1]] if i % 4 == 2 else [])
+        params.append(hf_paged.SamplingParams(max_new_tokens=MAX_NEW - (i % 5), eos_token_id=eos,
+                                              ignore_eos=i % 4 == 1))
+    pipelined_engine = make_engine(model, num_blocks=300)
+    pipelined = pipelined_engine.generate(prompts, params)
+    assert pipelined_engine.pipelined_steps > 5
+    plain_engine = make_engine(model, num_blocks=300)
+    for prompt, p in zip(prompts, params):
+        plain_engine.add_request(prompt, params=p)
+    unpipelined = {}
+    for out in plain_engine.stream():  # steps without finished_only: never pipelined
+        unpipelined[out.request_id] = out
+    assert plain_engine.pipelined_steps == 0
+    assert tokens(pipelined) == [unpipelined[r.request_id].outputs[0].token_ids for r in pipelined]
+    assert [r.outputs[0].finish_reason for r in pipelined] == \
+        [unpipelined[r.request_id].outputs[0].finish_reason for r in pipelined]
+    assert {r.outputs[0].finish_reason for r in pipelined} == {"eos", "length"}
+    assert_clean(pipelined_engine, pipelined)
+
+
 def test_failing_pipelined_launch_fails_only_its_requests(model, prompts, references):
     engine = make_engine(model, num_blocks=200, max_num_seqs=6)
     trigger = PrelaunchTrigger(engine, 3, RuntimeError("injected forward failure"))

@@ -66,6 +66,8 @@ class SchedulerOutput:
     # every item is one sampled token of a running sequence (`Scheduler.schedule_decode_step`): lets the runner skip
     # its per-item check of the static decode path
     decode_step: bool = False
+    # its items' groups are distinct (a decode step where no group gave two rows: no parallel samples running)
+    distinct_groups: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -194,6 +196,7 @@ class Scheduler:
         if self.release_window is not None:
             self._release_out_of_window(self.running)
         decoded = self._schedule_decodes(out, budget)
+        out.distinct_groups = False  # admissions below may add several rows of one group (swapped-in samples)
         if caching and not decoded:
             self._commit_running()
 
@@ -306,6 +309,7 @@ class Scheduler:
         owners: list[SequenceGroup] = []
         seq_budget = 0
         running_status = SequenceStatus.RUNNING
+        distinct = True  # no group gives two rows (no parallel samples running)
         for group in running:
             group_seqs = group.seqs
             if len(group_seqs) == 1:  # most groups: one sequence (its loop spelled out: the hot path)
@@ -324,6 +328,7 @@ class Scheduler:
                     return False
                 seqs.append(seq)
                 owners.append(group)
+            distinct = distinct and len(live) <= 1
             seq_budget += len(live)
         if len(seqs) > budget[0] or seq_budget > budget[1]:
             return False
@@ -338,6 +343,7 @@ class Scheduler:
         out.scheduled.extend([ScheduledSeq(seq, group, seq.num_computed, 1, [slot])
                               for group, seq, slot in zip(owners, seqs, result.slots)])
         out.copies.extend(result.copies)
+        out.distinct_groups = distinct and len(out.scheduled) == len(seqs)  # (`schedule` resets it)
         budget[0] -= len(seqs)
         budget[1] -= seq_budget
         return True

@@ -65,8 +65,9 @@ class PipelinedDecode:
         else:
             host = tokens
         for item in sched.scheduled:
-            item.seq.num_computed += item.num_tokens
-            item.seq.token_ids.append(_IN_FLIGHT)
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            seq.token_ids.append(_IN_FLIGHT)
         return _InFlight(sched, tokens, host, event)
 
     def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
@@ -145,23 +146,26 @@ class PipelinedDecode:
             if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
                 del ids[at:]
                 continue
+            group = item.group
+            advanced.append(group)
+            params = group.params
+            produced = at + 1 - seq.prompt_len
+            if len(ids) == at + 2 and not (token in params.eos_token_id or produced >= params.max_new_tokens
+                                           or params.stop_strings or params.stopping_criteria):
+                ids[at] = token  # the common case: no stop condition can hold (`_check_stop` would find none)
+                continue
             # the next launched step's placeholder, if any, is set aside while the stop conditions read the tokens
-            if len(ids) == at + 2:
-                later = [ids.pop()]
-                ids[at] = token
-            else:
-                later = ids[at + 1 :]
-                del ids[at:]
-                ids.append(token)
-            check_stop(seq, item.group.params)
-            advanced.append(item.group)
+            later = ids[at + 1 :]
+            del ids[at:]
+            ids.append(token)
+            check_stop(seq, params)
             if seq.status.is_finished:
-                finished.append(item.group)
+                finished.append(group)
             elif later:
                 ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)
-        return unique_groups(advanced)
+        return advanced if current.sched.distinct_groups else unique_groups(advanced)
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""

@@ -145,6 +145,8 @@ class TokenUpdates:
         return child
 
     def _check_stop(self, seq: Sequence, p: SamplingParams) -> None:
+        # `PipelinedDecode._apply` skips this call for a token that is no EOS, under max_new_tokens, of a request
+        # without stop strings or criteria: a new condition here must be added to its pre-check too
         token_ids = seq.token_ids
         produced = len(token_ids) - seq.prompt_len
         if not p.ignore_eos and token_ids[-1] in p.eos_token_id and produced >= p.min_new_tokens:
