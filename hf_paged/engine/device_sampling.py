@@ -17,6 +17,7 @@ the engine's own random stream (`Engine(seed=...)`) when it is added.
 from __future__ import annotations
 
 import random
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -85,15 +86,19 @@ class DevicePicker:
         self._host.reverse()  # never the set a step still in flight may be reading
         host = self._host[0]
         f, i, k = (t.numpy() for t in host)
-        temperature, top_k, top_p, min_p, seed = zip(*specs)
-        f[0, :n] = temperature
-        f[0, :n] = inverse_temperature(f[0, :n])
-        f[1, :n], f[2, :n] = top_p, min_p
+
+        def column(index: int, dtype) -> np.ndarray:  # no zip(*specs): its 256 iterators woke the cycle collector
+            return np.fromiter(map(itemgetter(index), specs), dtype, n)
+
+        f[0, :n] = inverse_temperature(column(0, np.float32))
+        f[1, :n] = column(2, np.float32)
+        f[2, :n] = column(3, np.float32)
         with_min_p = bool((f[2, :n] > 0).any())
         if not with_min_p:
             f[2, :n] = -np.inf  # log_min_p of rows without min-p
-        i[0, :n], i[1, :n] = seed, offsets
-        k[0, :n] = effective_top_k(np.asarray(top_k), logits.shape[1])
+        i[0, :n] = column(4, np.int64)
+        i[1, :n] = offsets
+        k[0, :n] = effective_top_k(column(1, np.int64), logits.shape[1])
         for dev, staged in zip(self._dev, host):
             dev.copy_(staged, non_blocking=True)
         dev_f, dev_i, dev_k = self._dev
