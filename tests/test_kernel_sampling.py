@@ -232,13 +232,14 @@ def test_host_normalisation_is_bitwise_the_devices(device):
     assert torch.equal(torch.from_numpy(effective_top_k(k.numpy(), 100)), _effective_top_k(k.to(device), 100).cpu())
 
 
-def test_engine_picker_draws_what_sample_tokens_draws(monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_picker_draws_what_sample_tokens_draws(monkeypatch, backend):
     """`DevicePicker.pick` (normalised on the host, min-p log on the device only when a row has min-p) gives the
     tokens of `sample_tokens` for the same rows: mixed greedy / top-k / top-p / min-p rows, and rows without
-    min-p."""
+    min-p; through the reference and through the Triton kernel (the interpreter on the CPU)."""
     from hf_paged.engine.device_sampling import DevicePicker
 
-    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     for rows, with_min_p in ((8, True), (8, False), (19, True)):
         logits, params = _mixed(rows, 300, gen_seed=rows)
         temps, ks, ps, mps, seeds, offs = (p.tolist() for p in params)

@@ -311,7 +311,12 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
             raise ValueError("token_ids and num_computed are required with prefix caching")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("seq_ids lists a sequence twice")
-        states: list[_Seq] = []
+        if not caching and len(seq_ids) <= gpu.num_free:
+            # each sequence takes at most one block (a new one or a copy-on-write): it all fits, no planning pass
+            states = [seqs.get(seq_id) for seq_id in seq_ids]
+            if None not in states and not any(seq.swapped for seq in states):
+                return self._append_one_each(states)
+        states = []
         need = 0
         cow_holders: dict[int, int] = {}  # shared partial last block -> appending holders
         refs = gpu._ref
@@ -333,19 +338,26 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
             else:
                 need += 1
             states.append(seq)
-        new_blocks = need
         for block, holders in cow_holders.items():
             need += holders - 1 if holders == refs[block] else holders
         if need > gpu.num_free:
             return None
+        return self._append_one_each(states)
+
+    def _append_one_each(self, states: list[_Seq]) -> AppendResult:
+        """`append_decode_slots` once it is known to fit: one slot each, new blocks and copy-on-writes as needed."""
+        mask, shift, gpu = self._mask, self._shift, self.gpu
+        refs = gpu._ref
         allocate = gpu.allocate
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
+        new_blocks = 0
         for seq in states:
             n = seq.num_tokens
             table = seq.table
             if not n & mask:
                 table.append(allocate())
+                new_blocks += 1
             elif refs[table[-1]] > 1:  # shared partial last block: copy it (the last holder finds ref 1: in place)
                 old = table[-1]
                 new = allocate()
