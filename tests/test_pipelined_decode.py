@@ -130,6 +130,55 @@ def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
     assert_clean(pipelined_engine, pipelined)
 
 
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [dict(num_blocks=200), dict(num_blocks=24, max_num_batched_tokens=32),
+     dict(num_blocks=24, preemption_mode="swap", swap_space=0.01, max_num_seqs=8),
+     dict(num_blocks=60, enable_prefix_caching=True), dict(num_blocks=200, eager_every=3)],
+    ids=["roomy", "recompute", "swap", "prefix-caching", "eager-steps-between"],
+)
+def test_store_rows_match_the_tables_after_every_static_step(model, prompts, references, engine_kwargs, monkeypatch):
+    """A decode step of the sequences of the last static step looks only at the tables its reservation changed
+    (`SchedulerOutput.table_changes`). After every static step, fast or not, each row's record must equal its
+    table's (length, last block), as a comparison of every table would leave it; and the tokens are transformers'.
+    `eager_every`: every so many steps run eagerly (their reservations change tables too)."""
+    from hf_paged.runner.model_runner import ModelRunner
+
+    fast_steps = []
+    execute_static, changed_rows = ModelRunner._execute_static, ModelRunner._changed_rows
+    engine_kwargs = dict(engine_kwargs)
+    eager_every = engine_kwargs.pop("eager_every", 0)
+    if eager_every:
+        static_eligible, calls = ModelRunner.static_eligible, [0]
+
+        def sometimes_eager(self, sched):  # never a pipelined launch's step: those must be static
+            calls[0] += 1
+            return static_eligible(self, sched) and (sched.decode_step or calls[0] % eager_every != 0)
+
+        monkeypatch.setattr(ModelRunner, "static_eligible", sometimes_eager)
+
+    def counting(self, seq_ids, indices):
+        fast_steps.append(len(indices))
+        return changed_rows(self, seq_ids, indices)
+
+    def checked(self, sched, input_tokens=None):
+        result = execute_static(self, sched, input_tokens)
+        if self.last_static and self._last_rows is not None:
+            bm = self.cache.block_manager
+            for item in sched.scheduled:
+                table = bm.table_view(item.seq.seq_id)
+                assert self._row_of[item.seq.seq_id][1:] == [len(table), table[-1]], item.seq.seq_id
+        return result
+
+    monkeypatch.setattr(ModelRunner, "_execute_static", checked)
+    monkeypatch.setattr(ModelRunner, "_changed_rows", counting)
+    engine = make_engine(model, **engine_kwargs)
+    results = engine.generate(prompts + prompts[:5], max_new_tokens=MAX_NEW)
+    assert tokens(results) == references + references[:5]
+    assert len(fast_steps) > 5 and any(fast_steps)  # the fast path ran, new blocks included
+    assert_clean(engine, results)
+
+
 def test_failing_pipelined_launch_fails_only_its_requests(model, prompts, references):
     engine = make_engine(model, num_blocks=200, max_num_seqs=6)
     trigger = PrelaunchTrigger(engine, 3, RuntimeError("injected forward failure"))

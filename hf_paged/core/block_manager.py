@@ -351,13 +351,13 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         allocate = gpu.allocate
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
-        new_blocks = 0
-        for seq in states:
+        changed: list[int] = []
+        for index, seq in enumerate(states):
             n = seq.num_tokens
             table = seq.table
             if not n & mask:
                 table.append(allocate())
-                new_blocks += 1
+                changed.append(index)
             elif refs[table[-1]] > 1:  # shared partial last block: copy it (the last holder finds ref 1: in place)
                 old = table[-1]
                 new = allocate()
@@ -366,10 +366,11 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
                     gpu._num_shared -= 1
                 table[-1] = new
                 copies.append((old, new))
+                changed.append(index)
             slots.append((table[-1] << shift) | (n & mask))
             seq.num_tokens = n + 1
-        self._num_logical += new_blocks
-        return AppendResult(slots=slots, copies=copies)
+        self._num_logical += len(changed) - len(copies)  # the new blocks
+        return AppendResult(slots=slots, copies=copies, changed=changed)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens and release the blocks past them (cache cropping).

@@ -97,4 +97,6 @@ class AppendResult:
 
     slots: list[int]  # physical slot = block_id * block_size + offset, one per new token, in order
     copies: list[tuple[int, int]]  # (src_block, dst_block) copy-on-write pairs
+    # `append_decode_slots`: positions (in its `seq_ids`) of the tables that changed, by a new block or a copy-on-write
+    changed: list[int] | None = None
 

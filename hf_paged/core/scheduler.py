@@ -68,6 +68,9 @@ class SchedulerOutput:
     decode_step: bool = False
     # its items' groups are distinct (a decode step where no group gave two rows: no parallel samples running)
     distinct_groups: bool = False
+    # a decode step's items whose block table changed in its reservation (new block, copy-on-write), by index; None:
+    # unknown (the runner then compares every table with the one it uploaded)
+    table_changes: list[int] | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -197,6 +200,7 @@ class Scheduler:
             self._release_out_of_window(self.running)
         decoded = self._schedule_decodes(out, budget)
         out.distinct_groups = False  # admissions below may add several rows of one group (swapped-in samples)
+        out.table_changes = None  # and change other tables
         if caching and not decoded:
             self._commit_running()
 
@@ -340,6 +344,8 @@ class Scheduler:
             result = bm.append_decode_slots(ids)
         if result is None:
             return False
+        if not out.scheduled:
+            out.table_changes = result.changed
         out.scheduled.extend([ScheduledSeq(seq, group, seq.num_computed, 1, [slot])
                               for group, seq, slot in zip(owners, seqs, result.slots)])
         out.copies.extend(result.copies)

@@ -170,6 +170,7 @@ class ModelRunner(WarmUpForwards):
         if input_tokens is not None:
             raise ValueError("input_tokens needs a decode step on the static path")
         self.last_static = False
+        self._last_rows = None  # this step's reservation may change tables the rows' records do not see
         return self._execute_eager(sched, extra_rows)
 
     def static_eligible(self, sched: SchedulerOutput) -> bool:
@@ -325,8 +326,45 @@ class ModelRunner(WarmUpForwards):
     def invalidate_tables(self) -> None:
         """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
         self._row_of: dict = {}  # seq_id -> [store row, table length, last block] as uploaded
+        self._last_rows = None  # (row_of, seq ids, their rows) of the last static step, if no other step ran since
         if self._buffers is not None:
             self._free_rows = list(range(self._store_capacity - 1, 0, -1))  # row 0: the padding rows' row
+
+    def _rows_and_changes(self, seq_ids: list) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """Each sequence's store row (a new one for a new sequence), and the (row, table) pairs to upload: tables
+        whose (length, last block) differ from what their row holds."""
+        row_of = self._row_of
+        rows = []
+        changed: list[tuple[int, list[int]]] = []
+        live = None
+        for seq_id, table in zip(seq_ids, self.cache.block_manager.table_views(seq_ids)):
+            entry = row_of.get(seq_id)
+            if entry is None:
+                if live is None:
+                    live = set(seq_ids)
+                entry = row_of[seq_id] = [self._take_row(live), -1, -1]
+            if entry[1] != len(table) or entry[2] != table[-1]:
+                # a table only grows or has its last block replaced between two steps of a running sequence;
+                # anything else (preemption, swaps, failed steps) invalidated every row before we got here. Entries
+                # released out of the sliding window keep their old id in the store: a valid id no kernel reads
+                # (they lie wholly before every query's window), so releasing needs no upload
+                entry[1], entry[2] = len(table), table[-1]
+                changed.append((entry[0], table))
+            rows.append(entry[0])
+        return rows, changed
+
+    def _changed_rows(self, seq_ids: list, indices: list[int]) -> list[tuple[int, list[int]]]:
+        """The (row, table) pairs to upload for the sequences at `indices`, whose tables changed; their rows' records
+        are updated."""
+        changed = []
+        if indices:
+            row_of = self._row_of
+            picked = [seq_ids[i] for i in indices]
+            for seq_id, table in zip(picked, self.cache.block_manager.table_views(picked)):
+                entry = row_of[seq_id]
+                entry[1], entry[2] = len(table), table[-1]
+                changed.append((entry[0], table))
+        return changed
 
     def _take_row(self, live: set) -> int:
         """A free store row; when none is left, rows of sequences not in this step are swept first."""
@@ -445,25 +483,18 @@ class ModelRunner(WarmUpForwards):
         pos = [item.start for item in scheduled]
         slots = [item.slots[0] for item in scheduled]
         seq_ids = [item.seq.seq_id for item in scheduled]
-        rows = []
-        changed: list[tuple[int, list[int]]] = []
-        live = None
-        for seq_id, table in zip(seq_ids, self.cache.block_manager.table_views(seq_ids)):
-            entry = row_of.get(seq_id)
-            if entry is None:
-                if live is None:
-                    live = set(seq_ids)
-                entry = row_of[seq_id] = [self._take_row(live), -1, -1]
-            if entry[1] != len(table) or entry[2] != table[-1]:
-                # a table only grows or has its last block replaced between two steps of a running sequence;
-                # anything else (preemption, swaps, failed steps) invalidated every row before we got here. Entries
-                # released out of the sliding window keep their old id in the store: a valid id no kernel reads
-                # (they lie wholly before every query's window), so releasing needs no upload
-                entry[1], entry[2] = len(table), table[-1]
-                changed.append((entry[0], table))
-            rows.append(entry[0])
+        last = self._last_rows
+        if sched.decode_step and sched.table_changes is not None and last is not None and last[0] is row_of \
+                and last[1] == seq_ids:
+            # the sequences of the last static step, nothing else ran since: only the tables this step's reservation
+            # changed (a new block, a copy-on-write) need a look
+            rows, changed = last[2], self._changed_rows(seq_ids, sched.table_changes)
+        else:
+            rows, changed = self._rows_and_changes(seq_ids)
         if any(len(t) > self.max_blocks_per_seq for _, t in changed):
+            self._last_rows = None
             return self._execute_eager(sched)
+        self._last_rows = (row_of, seq_ids, rows)
         self._host_sets.reverse()
         host_set = self._host_sets[0]
         host = host_set["meta"].numpy()
