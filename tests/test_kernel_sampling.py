@@ -221,7 +221,7 @@ def _temperatures():
 def test_host_normalisation_is_bitwise_the_devices(device):
     """The picker computes the inverse temperature and the effective top-k on the host (numpy); the dispatcher
     computes them with torch on the logits' device. They must agree to the bit, or a picked token could change."""
-    from hf_paged.kernels.sampling import _effective_top_k, effective_top_k, inverse_temperature
+    from hf_paged.kernels.sampling import effective_top_k, inverse_temperature
 
     t = _temperatures().float()
     host = torch.from_numpy(inverse_temperature(t.numpy()))
@@ -229,7 +229,7 @@ def test_host_normalisation_is_bitwise_the_devices(device):
     assert host.dtype == on_device.dtype == torch.float32
     assert torch.equal(host.view(torch.int32), on_device.view(torch.int32))
     k = torch.tensor([-3, 0, 1, 5, 99, 100, 101, 2**40])
-    assert torch.equal(torch.from_numpy(effective_top_k(k.numpy(), 100)), _effective_top_k(k.to(device), 100).cpu())
+    assert torch.equal(torch.from_numpy(effective_top_k(k.numpy(), 100)), effective_top_k(k.to(device), 100).cpu())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

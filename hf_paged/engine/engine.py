@@ -291,27 +291,21 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                     runner.warm_up_decode_kernels()
                     runner.warm_up_compiled_prefill()
             kernel_jit = time.perf_counter() - start
-            seconds = {"prefill": 0.0, "sampler": 0.0, "compiled_prefill": 0.0}
+            prefill = sampler = compiled_prefill = 0.0
             if not dry:  # after a dry run these forwards would compile nothing more
-                start = time.perf_counter()
-                runner.warm_up_prefill(self.max_num_batched_tokens)
-                seconds["prefill"] = time.perf_counter() - start
-                start = time.perf_counter()
-                self._warm_up_sampler()
-                seconds["sampler"] = time.perf_counter() - start
+                prefill = _timed(runner.warm_up_prefill, self.max_num_batched_tokens)
+                sampler = _timed(self._warm_up_sampler)
             if runner.decode_mode == "graph" or runner.compile_decode:
                 runner.capture_all()
             if not dry:
-                start = time.perf_counter()
-                runner.warm_up_compiled_prefill()  # prefill steps through the layers just compiled
-                seconds["compiled_prefill"] = time.perf_counter() - start
+                compiled_prefill = _timed(runner.warm_up_compiled_prefill)  # through the layers just compiled
             captures = sorted(runner.capture_seconds.items(), reverse=True)
             # the largest bucket is captured first: with compile_decode (and no dry run) its time holds the compilation
             self.warm_up_seconds = {
-                "kernel_jit": kernel_jit, "prefill": seconds["prefill"], "sampler": seconds["sampler"],
+                "kernel_jit": kernel_jit, "prefill": prefill, "sampler": sampler,
                 "first_decode_bucket": captures[0][1] if captures else 0.0,
                 "other_decode_buckets": sum(t for _, t in captures[1:]), "decode_buckets": len(captures),
-                "compiled_prefill": seconds["compiled_prefill"],
+                "compiled_prefill": compiled_prefill,
             }
             if freeze_gc:
                 gc.collect()
@@ -496,6 +490,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     def sharing_stats(self) -> SharingStats:
         """Blocks saved by sharing (parallel sampling, beam search) now and averaged over the engine's steps."""
         return sharing_stats(self.stats, self.block_manager.stats())
+
+
+def _timed(fn, *args) -> float:
+    """Seconds `fn(*args)` took."""
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 def _stamp_first_token(groups: list[SequenceGroup]) -> list[SequenceGroup]:

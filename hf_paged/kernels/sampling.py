@@ -44,7 +44,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         raise ValueError("logits must have a non-empty vocabulary dimension")
     if vocab >= 2**31:
         raise ValueError(f"logits vocabulary {vocab} is too large (< 2**31)")
-    args = (inverse_temperature(temperature.float()), _effective_top_k(top_k, vocab), top_p.float().contiguous(),
+    args = (inverse_temperature(temperature.float()), effective_top_k(top_k, vocab), top_p.float().contiguous(),
             log_min_p(min_p.float()), seed.long().contiguous(), offset.long().contiguous())
     return sample_normalised(logits, *args)
 
@@ -75,14 +75,13 @@ def inverse_temperature(temperature):
     return np.where(t > 0, np.float32(1.0) / np.maximum(t, np.float32(1e-30)), np.float32(0.0)).astype(np.float32)
 
 
-def effective_top_k(top_k: np.ndarray, vocab: int) -> np.ndarray:
-    """Host form of the top-k rule: 0 (off) unless ``0 < k < vocab``; int32."""
+def effective_top_k(top_k, vocab: int):
+    """The top-k rule: ``k`` where ``0 < k < vocab``, else 0 (off); int32, of a tensor (on its device) or of a numpy
+    array (on the host)."""
+    if isinstance(top_k, torch.Tensor):
+        return torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k)).to(torch.int32).contiguous()
     k = np.asarray(top_k)
     return np.where((k > 0) & (k < vocab), k, 0).astype(np.int32)
-
-
-def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    return torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k)).to(torch.int32).contiguous()
 
 
 def log_min_p(min_p: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 def default_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device) -> int:
     """The split count `paged_decode` picks when not told (the forced `FORCE_NUM_SPLITS` included)."""
     block_n = _CONFIGS.get(head_dim, (64, 4, 2))[0]
-    splits = FORCE_NUM_SPLITS
-    if splits is None:
-        splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, device)
-    return _clamp_splits(splits, max_context, block_n)
+    return _launch_splits(FORCE_NUM_SPLITS, batch, num_kv_heads, max_context, block_n, device)
+
+
+def _launch_splits(num_splits: int | None, batch: int, num_kv_heads: int, max_context: int, block_n: int,
+                   device) -> int:
+    """The split count a launch uses: `num_splits` when given (or forced), else the heuristic's; clamped."""
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, device)
+    return _clamp_splits(num_splits, max_context, block_n)
 
 
 def launch_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
@@ -357,9 +362,7 @@ def paged_decode(
         num_splits = FORCE_NUM_SPLITS
     # a forced count (tests, sweeps) cuts even short sequences into one-tile runs; the heuristic's runs are longer
     min_split = block_n if num_splits is not None else MIN_TOKENS_PER_SPLIT
-    if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, max_context, block_n, query.device)
-    num_splits = _clamp_splits(num_splits, max_context, block_n)
+    num_splits = _launch_splits(num_splits, B, Hkv, max_context, block_n, query.device)
 
     g_pad = max(16, triton.next_power_of_2(G))
     ieee = query.dtype == torch.float32

@@ -356,14 +356,13 @@ class ModelRunner(WarmUpForwards):
     def _changed_rows(self, seq_ids: list, indices: list[int]) -> list[tuple[int, list[int]]]:
         """The (row, table) pairs to upload for the sequences at `indices`, whose tables changed; their rows' records
         are updated."""
+        row_of = self._row_of
+        picked = [seq_ids[i] for i in indices]
         changed = []
-        if indices:
-            row_of = self._row_of
-            picked = [seq_ids[i] for i in indices]
-            for seq_id, table in zip(picked, self.cache.block_manager.table_views(picked)):
-                entry = row_of[seq_id]
-                entry[1], entry[2] = len(table), table[-1]
-                changed.append((entry[0], table))
+        for seq_id, table in zip(picked, self.cache.block_manager.table_views(picked)):
+            entry = row_of[seq_id]
+            entry[1], entry[2] = len(table), table[-1]
+            changed.append((entry[0], table))
         return changed
 
     def _take_row(self, live: set) -> int:
@@ -431,12 +430,16 @@ class ModelRunner(WarmUpForwards):
             torch._dynamo.mark_dynamic(pos, 1)
         return self._compiled(ids, pos)
 
-    def _capture(self, batch: int):
-        """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
+    def _dummy_rows(self) -> None:
+        """Fill the static buffers with dummy rows (slot -1, length 0, table row 0): no writes, no reads."""
         b = self._buffers
         b["slots"].fill_(-1)
         b["lens"].zero_()
         b["rows"].zero_()
+
+    def _capture(self, batch: int):
+        """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
+        self._dummy_rows()
         if self.decode_mode != "graph":
             if self.compile_decode:
                 with torch.inference_mode():

@@ -18,7 +18,8 @@ __all__ = ["WarmUpForwards"]
 
 
 class WarmUpForwards:
-    """Mixed into `ModelRunner` (which provides the cache, the model, the buffers and `_prefill_layers`)."""
+    """Mixed into `ModelRunner` (which provides the cache, the model, the buffers, `_dummy_rows`, `_run_model` and
+    `_prefill_layers`)."""
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
@@ -52,10 +53,7 @@ class WarmUpForwards:
         if self.decode_mode != "graph":
             return
         self._ensure_buffers()
-        b = self._buffers
-        b["slots"].fill_(-1)
-        b["lens"].zero_()
-        b["rows"].zero_()
+        self._dummy_rows()
         key_cache, value_cache = self.cache.layer_caches(0)
         heads, kv_heads = attention_heads(self.cache.config)
         local_kv = key_cache.shape[1]  # this rank's
@@ -72,8 +70,9 @@ class WarmUpForwards:
                 self._run_model(batch)  # compiled (and compiling, the first time) with `compile_decode`
 
     def warm_up_compiled_prefill(self) -> None:
-        """Run one dummy ragged step through the compiled layers (once `capture_all` compiled them), so that the
-        first routed prefill's check (`_prefill_layers`) and any compilation it needs happen now."""
+        """Run one dummy ragged step through the compiled layers (once the decode step compiled them:
+        `warm_up_decode_kernels` or `capture_all`), so that the first routed prefill's check (`_prefill_layers`) and
+        any compilation it needs happen now."""
         if not self._prefill_routable():
             return
         with torch.inference_mode():
