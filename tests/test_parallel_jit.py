@@ -3,9 +3,8 @@ without CUDA; the CPU check is that nothing changes there)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -171,7 +170,7 @@ def test_the_pool_loads_what_it_compiled(monkeypatch):
     mode_class = pytest.importorskip("triton.runtime._async_compile").AsyncCompileMode
     devices = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: devices.append(d) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: devices.append(d) or nullcontext())
 
     class Kernel:
         def __init__(self, fails):
