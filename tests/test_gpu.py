@@ -132,3 +132,38 @@ def test_prompt_logprobs_on_cuda(caching, budget):
     for out, ref in zip(outs[len(prompts):], gen_refs):
         assert out.outputs[0].token_ids == ref
     assert engine.kv_stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("family", ["gemma3n_text", "mixtral"])
+def test_model_that_cannot_be_captured_decodes_without_graphs(family):
+    """Gemma3n's decoder copies a CPU tensor in its forward, and float32 mixture-of-experts layers copy their
+    expert offsets through the host: both run eagerly but fail a CUDA graph capture. The engine must warn, decode on
+    the static path without graphs (pipelined), and give the tokens of an engine without graphs; it used to fail
+    every request with the capture's error. (Compiled, Gemma3n's step can be recorded: Inductor keeps no host copy.)"""
+    import warnings
+
+    from hf_paged import model_zoo
+
+    model = model_zoo.tiny_model(family, seed=0).cuda().eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in torch.randint(3, 40, (6,), generator=gen)]
+    results = []
+    for graphs, compiled in ((False, False), (True, False), (True, True)):
+        engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=8, use_cuda_graph=graphs,
+                                 compile_decode=compiled)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.warm_up()
+        fell_back = any("cannot be recorded in a CUDA graph" in str(w.message) for w in caught)
+        if graphs and not compiled:
+            assert fell_back
+        assert fell_back == (engine.runner.graph_failure is not None)
+        assert engine.runner.decode_mode == ("graph" if graphs and not fell_back else "static" if graphs or compiled
+                                             else "eager")
+        outs = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)
+        assert all(o.error is None and o.finished for o in outs)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if graphs:
+            assert engine.pipelined_steps > 0 and engine.runner.graph_steps > 0
+        engine.close()
+    assert all(r == results[0] for r in results[1:])

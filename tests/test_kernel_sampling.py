@@ -240,13 +240,14 @@ def test_engine_picker_draws_what_sample_tokens_draws(monkeypatch, backend):
     from hf_paged.engine.device_sampling import DevicePicker
 
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter only runs without a GPU
     for rows, with_min_p in ((8, True), (8, False), (19, True)):
-        logits, params = _mixed(rows, 300, gen_seed=rows)
+        logits, params = _mixed(rows, 300, device=device, gen_seed=rows)
         temps, ks, ps, mps, seeds, offs = (p.tolist() for p in params)
         if not with_min_p:
             mps = [0.0] * rows
-            params = params[:3] + (torch.zeros(rows),) + params[4:]
-        picker = DevicePicker(torch.device("cpu"), max_rows=4, seed=0)  # grows to the step
+            params = params[:3] + (torch.zeros(rows, device=device),) + params[4:]
+        picker = DevicePicker(device, max_rows=4, seed=0)  # grows to the step
         specs = list(zip(temps, ks, ps, mps, seeds))
         assert torch.equal(picker.pick(logits, specs, offs), sample_tokens(logits, *params))
         assert torch.equal(picker.pick(logits, specs, offs), sample_tokens(logits, *params))  # the other buffer set

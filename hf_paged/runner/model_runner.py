@@ -20,7 +20,6 @@ CPU tests cover the decode path of the GPU token for token) or "eager".
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -31,6 +30,7 @@ import torch
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata, device_table
 from ..core import SchedulerOutput
+from .graphs import GraphCapture
 from .model_ref import ModelRef
 from .regional import CompiledLayers
 from .sibling_linears import fusing_backend, pack_siblings
@@ -74,7 +74,7 @@ def _decode_forward(model_ref: ModelRef, cache):
     return forward
 
 
-class ModelRunner(WarmUpForwards):
+class ModelRunner(GraphCapture, WarmUpForwards):
     """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
 
     Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
@@ -132,6 +132,7 @@ class ModelRunner(WarmUpForwards):
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (the first one compiles)
         self.table_rows_uploaded = 0
         self.last_static = False
+        self.graph_failure: str | None = None  # why the decode step runs without CUDA graphs (`_give_up_graphs`)
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -429,50 +430,6 @@ class ModelRunner(WarmUpForwards):
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
         return self._compiled(ids, pos)
-
-    def _dummy_rows(self) -> None:
-        """Fill the static buffers with dummy rows (slot -1, length 0, table row 0): no writes, no reads."""
-        b = self._buffers
-        b["slots"].fill_(-1)
-        b["lens"].zero_()
-        b["rows"].zero_()
-
-    def _capture(self, batch: int):
-        """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
-        self._dummy_rows()
-        if self.decode_mode != "graph":
-            if self.compile_decode:
-                with torch.inference_mode():
-                    self._run_model(batch)  # compile now (warm_up), not in a serving step
-            return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run_model(batch)
-
-        def replay(graph=graph, logits=logits):
-            graph.replay()
-            return logits
-
-        return replay
-
-    def capture_all(self) -> None:
-        """Capture every bucket up front (largest first, sharing one memory pool)."""
-        self._ensure_buffers()
-        with torch.inference_mode():
-            for batch in sorted(self._bucket_sizes, reverse=True):
-                if batch not in self._graphs:
-                    start = time.perf_counter()
-                    self._graphs[batch] = self._capture(batch)
-                    self.capture_seconds[batch] = time.perf_counter() - start
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _execute_static(self, sched: SchedulerOutput, input_tokens=None):
         self._ensure_buffers()

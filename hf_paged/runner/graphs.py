@@ -1,0 +1,89 @@
+"""CUDA graphs of the decode step: one recording per batch bucket, and the way back when a model cannot be recorded.
+
+A graph replays the decode forward over the runner's static buffers (ids, positions, slots, lengths, table rows)
+with no host work per kernel. All buckets share one memory pool, captured largest first. A model whose forward does
+host work (a copy from an unpinned CPU tensor, a `.tolist()`) runs eagerly but cannot be recorded: the runner then
+decodes on the same static buffers without graphs (`_give_up_graphs`) instead of failing every request.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+__all__ = ["GraphCapture"]
+
+
+class GraphCapture:
+    """Mixed into `ModelRunner` (which provides the buffers, `_run_model`, the bucket sizes and the model)."""
+
+    def _dummy_rows(self) -> None:
+        """Fill the static buffers with dummy rows (slot -1, length 0, table row 0): no writes, no reads."""
+        b = self._buffers
+        b["slots"].fill_(-1)
+        b["lens"].zero_()
+        b["rows"].zero_()
+
+    def _capture(self, batch: int):
+        """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads)."""
+        self._dummy_rows()
+        if self.decode_mode != "graph":
+            if self.compile_decode:
+                with torch.inference_mode():
+                    self._run_model(batch)  # compile now (warm_up), not in a serving step
+            return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._run_model(batch)
+        except Exception as error:  # the forward ran above, outside a capture: it is not capturable
+            self._give_up_graphs(error)
+            return None
+
+        def replay(graph=graph, logits=logits):
+            graph.replay()
+            return logits
+
+        return replay
+
+    def _give_up_graphs(self, error: Exception) -> None:
+        """Decode without CUDA graphs from now on: the model's forward cannot be recorded in one.
+
+        Some transformers models do host work in their forward, e.g. a copy from an unpinned CPU tensor (Gemma3n's
+        decoder; the mixture-of-experts layers' `grouped_mm` in float32) or a `.tolist()` (their compiled float32
+        fallback). They run eagerly, but a capture of them fails, and before this every request of such a model
+        failed with the capture's error. The decode steps now keep the static buffers (and the compiled layers, with
+        `compile_decode`) and run the model each step; `graph_failure` says why.
+        """
+        try:
+            torch.cuda.synchronize(self.device)  # a failed capture leaves no sticky error; surface any other now
+        except Exception:  # noqa: BLE001 - nothing more to learn: the warning below names the capture's error
+            pass
+        self._graphs.clear()
+        self._pool = None
+        self.decode_mode = "static"
+        self.graph_failure = f"{type(error).__name__}: {error}"
+        warnings.warn(f"hf-paged: the decode step of {type(self.model).__name__} cannot be recorded in a CUDA graph "
+                      f"({self.graph_failure.splitlines()[0][:200]}); decoding without CUDA graphs", RuntimeWarning,
+                      stacklevel=2)
+
+    def capture_all(self) -> None:
+        """Capture every bucket up front (largest first, sharing one memory pool)."""
+        self._ensure_buffers()
+        with torch.inference_mode():
+            for batch in sorted(self._bucket_sizes, reverse=True):
+                if batch not in self._graphs:
+                    start = time.perf_counter()
+                    self._graphs[batch] = self._capture(batch)
+                    self.capture_seconds[batch] = time.perf_counter() - start
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
