@@ -20,6 +20,7 @@ CPU tests cover the decode path of the GPU token for token) or "eager".
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -91,6 +92,7 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         max_model_len: int | None,
         use_cuda_graph: bool | None = None,
         compile_decode: bool = False,
+        compile_auto: bool = False,
     ) -> None:
         self.model_ref = model_ref  # weak when the model owns the engine (hf_paged.runner.model_ref)
         self.cache = cache
@@ -103,6 +105,7 @@ class ModelRunner(GraphCapture, WarmUpForwards):
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
+        self.compile_auto = compile_auto  # compile_decode was chosen, not asked for: a failed compile falls back
         # ragged (prefill-carrying) steps run through the decode step's compiled layers once they exist (see
         # `_prefill_layers`); set False to keep them on the model's own code
         self.compile_prefill = compile_decode
@@ -132,6 +135,7 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (the first one compiles)
         self.table_rows_uploaded = 0
         self.last_static = False
+        self.compile_failure: str | None = None  # why an automatic compile_decode was given up (`_give_up_compiling`)
         self.graph_failure: str | None = None  # why the decode step runs without CUDA graphs (`_give_up_graphs`)
 
     @property
@@ -409,7 +413,14 @@ class ModelRunner(GraphCapture, WarmUpForwards):
                     from torch._dynamo.utils import counters
 
                     graphs = counters["stats"]["unique_graphs"]
-                    logits = self._call_compiled(ids, pos)
+                    try:
+                        logits = self._call_compiled(ids, pos)
+                    except Exception as error:
+                        if not self.compile_auto:
+                            raise
+                        self._give_up_compiling(error)
+                        self.cache.set_engine_step(self._step_metadata(batch))  # as before the failed call
+                        return self._forward(ids, pos)
                     if regional and not self._compiled_kinds \
                             and counters["stats"]["unique_graphs"] - graphs > self._compiled.max_graphs:
                         # the layers kept recompiling (constants that differ per layer): compile the whole forward
@@ -420,6 +431,19 @@ class ModelRunner(GraphCapture, WarmUpForwards):
                 return logits
         finally:
             self.cache._engine_step_pending = False
+
+    def _give_up_compiling(self, error: Exception) -> None:
+        """An automatic `compile_decode` (`Engine(compile_decode=None)` on CUDA) that failed to compile: run the
+        model's own code from now on, as `compile_decode=False` would, and say why once. (Every architecture hf-paged
+        accepts compiles; a model whose modules Dynamo cannot trace, e.g. a custom quantised linear, would not.)"""
+        self.compile_decode = self.compile_prefill = False
+        self._compiled = None
+        self.cache._defer_write = False
+        self._graphs.clear()  # nothing was recorded with the compiled code yet (it compiles before any capture)
+        self.compile_failure = f"{type(error).__name__}: {error}"
+        warnings.warn(f"hf-paged: the decode step of {type(self.model).__name__} could not be compiled "
+                      f"({self.compile_failure.splitlines()[0][:200]}); running the model's own code "
+                      "(pass compile_decode=False to skip the attempt)", RuntimeWarning, stacklevel=2)
 
     def _call_compiled(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         batch = ids.shape[1]

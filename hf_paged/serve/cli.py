@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped blocks")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on CUDA with CUDA graphs; --no-compile-decode: never)")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-warm-up", action="store_true", help="skip compiling kernels / capturing graphs up front")
     p.add_argument("--seed", type=int, default=None)
