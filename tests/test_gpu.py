@@ -167,3 +167,23 @@ def test_model_that_cannot_be_captured_decodes_without_graphs(family):
             assert engine.pipelined_steps > 0 and engine.runner.graph_steps > 0
         engine.close()
     assert all(r == results[0] for r in results[1:])
+
+
+def test_default_engine_compiles_the_decode_step_on_cuda():
+    """`compile_decode=None` (the default) compiles on CUDA, and so does the engine behind `generate()`; its greedy
+    tokens equal those of `compile_decode=False` (float32)."""
+    model = tiny_model("qwen3", dtype=torch.float32).cuda()
+    hf_paged.enable(model)
+    prompts = _prompts(8, seed=4)
+    engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=16)
+    assert engine.runner.compile_decode and engine.runner.compile_auto
+    compiled = [o.outputs[0].token_ids for o in engine.generate(prompts, max_new_tokens=16)]
+    assert engine.runner.compile_failure is None and engine.runner.graph_steps > 0
+    engine.close()
+    eager = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=16, compile_decode=False)
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, max_new_tokens=16)] == compiled
+    eager.close()
+    ids = torch.tensor([prompts[0]], device="cuda")
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="paged")
+    assert out[0, ids.shape[1]:].tolist() == compiled[0]
+    assert model._hf_paged_engine.runner.compile_decode
