@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .decode_batch import DecodeBatch
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
@@ -71,6 +72,8 @@ class SchedulerOutput:
     # a decode step's items whose block table changed in its reservation (new block, copy-on-write), by index; None:
     # unknown (the runner then compares every table with the one it uploaded)
     table_changes: list[int] | None = None
+    # a pipelined decode step of the scheduler's `DecodeBatch`: its rows' positions and slots are in the batch's arrays
+    batch: DecodeBatch | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -106,6 +109,7 @@ class Scheduler:
         if preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a CPU swap pool (swap_space > 0)")
         self.block_manager = block_manager
+        self._batch: DecodeBatch | None = None  # the rows of the pipelined decode steps (`schedule_decode_step`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -160,6 +164,7 @@ class Scheduler:
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
         """Mark every live sequence of `group` finished with `status`, free its blocks, drop it from the queues."""
+        self._batch = None
         for seq in group.seqs:
             if not seq.status.is_finished:
                 seq.status = status
@@ -178,6 +183,7 @@ class Scheduler:
         """Free and drop the finished running groups; only `candidates` are looked at when given (hot path)."""
         done = [g for g in (self.running if candidates is None else candidates) if g.is_finished]
         if done:
+            self._batch = None  # (it would keep the finished groups alive until the next step)
             for group in done:
                 for seq in group.seqs:
                     self.free_seq(seq)
@@ -188,10 +194,14 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         """Live sequences of the running groups."""
         running = self.running
+        batch = self._batch
+        if batch is not None and running == batch.groups:  # one sequence each (`DecodeBatch`): no need to look
+            return len(running)
         return len(running) + sum(len(g.live_seqs()) - 1 for g in running if len(g.seqs) != 1)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
+        self._batch = None  # what this step does to the running sequences is not a batch's one-token advance
         out = SchedulerOutput()
         bm = self.block_manager
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
@@ -273,6 +283,17 @@ class Scheduler:
         """The next step if it is a batched decode step of every running group but those whose `id()` is in `skip`
         (groups known to finish before it), else None with nothing reserved. For a pipelined engine, which plans a
         step before the previous one's tokens are known; no admission, swap or preemption happens here."""
+        batch = self._batch
+        if batch is not None:
+            if not skip and self.running == batch.groups and self.release_window is None:
+                # the same sequences as the last step (see `DecodeBatch` for why that suffices): advance its rows
+                advanced = batch.advance(self.block_manager)
+                if advanced is None:
+                    return None  # the pool cannot hold the new blocks: nothing was reserved
+                items, fresh = advanced
+                return SchedulerOutput(scheduled=items, decode_step=True, distinct_groups=True, table_changes=fresh,
+                                       batch=batch)
+            self._batch = None
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens, self.max_num_seqs]
         groups = [g for g in self.running if id(g) not in skip] if skip else self.running
@@ -281,7 +302,16 @@ class Scheduler:
         if not self._schedule_decodes(out, budget, groups):
             return None
         out.decode_step = True
+        if not skip and self.release_window is None:  # seed a batch for the next steps, if this step can
+            records = DecodeBatch.records(self.running, out.scheduled, self.block_manager)
+            if records is not None:
+                self._batch = out.batch = DecodeBatch(self.running, out.scheduled, records)
         return out
+
+    @property
+    def decode_batch(self) -> DecodeBatch | None:
+        """The batch the next `schedule_decode_step` would advance, if it still applies (see `DecodeBatch`)."""
+        return self._batch
 
     def _release_out_of_window(self, groups: list[SequenceGroup]) -> None:
         """Give back the blocks of running sequences that no future query attends (see `release_window`).

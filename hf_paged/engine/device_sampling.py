@@ -51,6 +51,7 @@ class DevicePicker:
     def __init__(self, device: torch.device, max_rows: int, seed: int | None) -> None:
         self.device = device
         self._rng = random.Random(seed if seed is not None else torch.initial_seed())
+        self._sampled: tuple[list | None, bool] = (None, False)
         self._allocate(max_rows)
 
     def _allocate(self, rows: int) -> None:
@@ -61,6 +62,18 @@ class DevicePicker:
         self._host = [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
                       for _ in range(2)]
         self._dev = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in shapes)
+        # per host set: the spec list whose parameter columns it holds, and whether one of them has min-p (a
+        # `DecodeBatch` passes one list for all its steps: its columns are filled once per set); the list itself is
+        # kept, so its id cannot be reused
+        self._filled: list[tuple[list, bool] | None] = [None, None]
+
+    def any_sampled(self, specs: list[tuple]) -> bool:
+        """Whether some row samples (else every pick is an argmax); remembered for the last list asked about."""
+        last, answer = self._sampled
+        if specs is not last:
+            answer = any(spec[0] for spec in specs)
+            self._sampled = (specs, answer)
+        return answer
 
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
         """Compile the sampling kernel for `[rows, vocab]` logits of `dtype` now (2-3 s on a cold cache, 0.1 s from
@@ -78,23 +91,29 @@ class DevicePicker:
     def pick(self, logits: torch.Tensor, specs: list[tuple], offsets: list[int]) -> torch.Tensor:
         """Next token of every row of `logits` `[R, V]`, on the device: row i draws with `specs[i]` (from
         `device_params`) at `offsets[i]` (see `offset`)."""
-        if not any(spec[0] for spec in specs):
+        if not self.any_sampled(specs):
             return logits.argmax(dim=-1)  # all greedy: no parameters to upload
         n = len(specs)
         if n > self._dev[0].shape[1]:
             self._allocate(max(n, 2 * self._dev[0].shape[1]))
         self._host.reverse()  # never the set a step still in flight may be reading
+        self._filled.reverse()
         host = self._host[0]
         f, i, k = (t.numpy() for t in host)
-        f[0, :n] = inverse_temperature(_column(specs, 0, np.float32))
-        f[1, :n] = _column(specs, 2, np.float32)
-        f[2, :n] = _column(specs, 3, np.float32)
-        with_min_p = bool((f[2, :n] > 0).any())
-        if not with_min_p:
-            f[2, :n] = -np.inf  # log_min_p of rows without min-p
-        i[0, :n] = _column(specs, 4, np.int64)
+        filled = self._filled[0]
+        if filled is not None and filled[0] is specs:
+            with_min_p = filled[1]
+        else:  # this set holds other rows' columns: fill them
+            f[0, :n] = inverse_temperature(_column(specs, 0, np.float32))
+            f[1, :n] = _column(specs, 2, np.float32)
+            f[2, :n] = _column(specs, 3, np.float32)
+            with_min_p = bool((f[2, :n] > 0).any())
+            if not with_min_p:
+                f[2, :n] = -np.inf  # log_min_p of rows without min-p
+            i[0, :n] = _column(specs, 4, np.int64)
+            k[0, :n] = effective_top_k(_column(specs, 1, np.int64), logits.shape[1])
+            self._filled[0] = (specs, with_min_p)
         i[1, :n] = offsets
-        k[0, :n] = effective_top_k(_column(specs, 1, np.int64), logits.shape[1])
         for dev, staged in zip(self._dev, host):
             dev.copy_(staged, non_blocking=True)
         dev_f, dev_i, dev_k = self._dev

@@ -50,7 +50,7 @@ class PipelinedDecode:
         Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
         can plan the next step (one more token for each) before the token is known.
         """
-        tokens = self._share(self._pick(sched.scheduled, logits))
+        tokens = self._share(self._pick(sched.scheduled, logits, sched.batch))
         n = tokens.shape[0]
         event = None
         if tokens.is_cuda:
@@ -75,8 +75,12 @@ class PipelinedDecode:
         scheduler = self.scheduler
         if scheduler.waiting or scheduler.swapped:
             return None  # admissions need the normal scheduler: let the pipeline drain
-        done = {id(item.group) for item in current.sched.scheduled
-                if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
+        batch = current.sched.batch
+        if batch is not None and batch is scheduler.decode_batch and not batch.finishing():
+            done = frozenset()  # the batch's length limits say no row finishes: no need to look at each
+        else:
+            done = {id(item.group) for item in current.sched.scheduled
+                    if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
         sched = scheduler.schedule_decode_step(done)
         if sched is None:
             return None  # nothing was reserved
@@ -92,7 +96,7 @@ class PipelinedDecode:
             try:
                 self.runner.apply_block_ops(sched)
                 track_sharing(self.stats, *self.block_manager.usage())
-                source = (current.tokens, _source_rows(current.sched.scheduled, sched.scheduled))
+                source = (current.tokens, _source_rows(current.sched, sched))
                 with torch.inference_mode():
                     logits, _ = self.runner.execute(sched, input_tokens=source)
                     launched = self._launch(sched, logits)
@@ -183,10 +187,13 @@ class PipelinedDecode:
             self._unreported.extend(g for g in advanced if g.is_finished)
 
 
-def _source_rows(previous: list, scheduled: list) -> list[int]:
+def _source_rows(before: SchedulerOutput, step: SchedulerOutput) -> list[int]:
     """For each item of the step to launch, the row of its sequence in the step before (whose picked tokens are its
-    input ids). Usually the same sequences in the same order (nothing finished, nothing admitted): checked in one
-    pass, without the map."""
+    input ids). Usually the same sequences in the same order (nothing finished, nothing admitted): known without a
+    look when both steps are rows of one `DecodeBatch`, else checked in one pass, without the map."""
+    if step.batch is not None and before.batch is step.batch:
+        return step.batch.same_rows
+    previous, scheduled = before.scheduled, step.scheduled
     if len(previous) == len(scheduled) and all(a.seq is b.seq for a, b in zip(previous, scheduled)):
         return list(range(len(scheduled)))
     rows = {id(item.seq): k for k, item in enumerate(previous)}

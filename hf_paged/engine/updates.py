@@ -87,8 +87,13 @@ class TokenUpdates:
         self.scheduler.remove_finished(groups)
         return groups
 
-    def _pick(self, scheduled, logits: torch.Tensor) -> torch.Tensor:
-        """The next token of every scheduled plain sequence (one logits row each), picked on the device."""
+    def _pick(self, scheduled, logits: torch.Tensor, batch=None) -> torch.Tensor:
+        """The next token of every scheduled plain sequence (one logits row each), picked on the device. A
+        `DecodeBatch` step takes its rows' parameters from the batch (one list for all its steps) and their offsets
+        from its positions: one sequence per group (sample index 0), whose tokens end at its position."""
+        if batch is not None:
+            specs = batch.specs
+            return self.picker.pick(logits, specs, batch.offsets() if self.picker.any_sampled(specs) else [])
         specs = [item.group.data["device_params"] for item in scheduled]
         offsets = [offset(item.seq) for item in scheduled] if any(spec[0] for spec in specs) else []
         return self.picker.pick(logits, specs, offsets)

@@ -464,9 +464,13 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         if run is _MISSING:
             run = self._graphs[bucket] = self._capture(bucket)
         row_of = self._row_of
-        pos = [item.start for item in scheduled]
-        slots = [item.slots[0] for item in scheduled]
-        seq_ids = [item.seq.seq_id for item in scheduled]
+        batch = sched.batch
+        if batch is not None:  # a pipelined step of a `DecodeBatch`: its rows are in arrays already
+            pos, slots, seq_ids = batch.starts, batch.slots, batch.seq_ids
+        else:
+            pos = [item.start for item in scheduled]
+            slots = [item.slots[0] for item in scheduled]
+            seq_ids = [item.seq.seq_id for item in scheduled]
         last = self._last_rows
         if sched.decode_step and sched.table_changes is not None and last is not None and last[0] is row_of \
                 and last[1] == seq_ids:

@@ -1,0 +1,112 @@
+"""`DecodeBatch`: the pipelined decode steps of the same sequences advance their rows in arrays. Every step must
+reserve what the per-sequence path would (the same positions, slots, new blocks and prefix-cache commits), and every
+request must get the same tokens, under stops, aborts, prefix caching, sampling and pool pressure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import hf_paged
+from hf_paged.core import decode_batch
+from hf_paged.engine import _IN_FLIGHT
+from hf_paged.testing import tiny_model
+
+try:
+    from tests.helpers import random_prompts
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=4)
+
+
+def _run(model, requests, *, batched: bool, monkeypatch, **engine_kwargs):
+    """Generate `requests` with the batch fast path on or off; return the outputs, every pipelined step's rows
+    (sequence id, position, slot, committed blocks) and table changes, the number of batch steps and the final pool statistics."""
+    with monkeypatch.context() as patch:
+        if not batched:
+            patch.setattr(decode_batch.DecodeBatch, "records", staticmethod(lambda *args: None))
+        engine = hf_paged.Engine(model, **engine_kwargs)
+        engine.runner.decode_mode = "static"
+        steps, batch_steps = [], [0]
+        schedule = engine.scheduler.schedule_decode_step
+
+        def recorded(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            if out is not None:  # with each row the block manager's count of keyed (prefix-cache committed) blocks
+                records = engine.block_manager._seqs
+                steps.append(([(i.seq.seq_id, i.start, list(i.slots), records[i.seq.seq_id].committed)
+                               for i in out.scheduled], out.table_changes))
+                batch_steps[0] += out.batch is not None
+            return out
+
+        engine.scheduler.schedule_decode_step = recorded
+        outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
+        stats = engine.kv_stats()
+        prefix = engine.prefix_cache_stats()
+        engine.close()
+    base = min(row[0] for rows, _ in steps for row in rows)  # sequence ids count on across engines
+    steps = [([(row[0] - base, *row[1:]) for row in rows], changes) for rows, changes in steps]
+    results = [[o.token_ids for o in r.outputs] for r in outs]
+    assert all(_IN_FLIGHT not in t for r in results for t in r)
+    assert stats.used_blocks == 0
+    return results, steps, batch_steps[0], (prefix.hit_tokens, prefix.cached_blocks)
+
+
+def _requests(seed: int, count: int, *, sampled: bool = False, eos: bool = False, shared: int = 0):
+    rng = random.Random(seed)
+    prompts = random_prompts(tuple(rng.randint(1, 40) for _ in range(count)), seed=seed)
+    base = prompts[0][:shared] if shared else []
+    requests = []
+    for k, prompt in enumerate(prompts):
+        kw = dict(max_new_tokens=rng.randint(1, 45), ignore_eos=not eos)
+        if eos:
+            kw["eos_token_id"] = rng.sample(range(3, 384), 25)  # a stop every ~15 tokens (384-token vocabulary)
+        if sampled and k % 3:
+            kw.update(do_sample=True, temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([1.0, 0.9]),
+                      top_k=rng.choice([0, 20]), min_p=rng.choice([0.0, 0.05]), seed=k if k % 2 else None)
+        requests.append((base + prompt, kw))
+    return requests
+
+
+@pytest.mark.parametrize(("case", "engine_kwargs"), [
+    ("greedy", dict(block_size=4, num_blocks=400, max_num_seqs=24)),
+    ("sampled", dict(block_size=8, num_blocks=300, max_num_seqs=24, seed=7)),
+    ("eos", dict(block_size=4, num_blocks=400, max_num_seqs=24)),
+    ("prefix", dict(block_size=4, num_blocks=400, max_num_seqs=24)),
+    ("pressure", dict(block_size=4, num_blocks=60, max_num_seqs=16)),
+    ("no_caching", dict(block_size=4, num_blocks=400, max_num_seqs=24, enable_prefix_caching=False)),
+])
+def test_batch_steps_reserve_what_the_per_sequence_path_does(model, monkeypatch, case, engine_kwargs):
+    requests = _requests(11 + len(case), 30, sampled=case == "sampled", eos=case == "eos",
+                         shared=12 if case in ("prefix", "pressure") else 0)
+    fast = _run(model, requests, batched=True, monkeypatch=monkeypatch, **engine_kwargs)
+    slow = _run(model, requests, batched=False, monkeypatch=monkeypatch, **engine_kwargs)
+    assert fast[2] > 0 and slow[2] == 0  # the fast path ran (and only there)
+    assert fast[0] == slow[0]  # every request's tokens
+    assert len(fast[1]) == len(slow[1])
+    for k, (a, b) in enumerate(zip(fast[1], slow[1])):
+        assert a == b, f"pipelined step {k} differs"
+    assert fast[3] == slow[3]  # prefix-cache hits and cached blocks: the same commits
+
+
+def test_batch_ends_when_the_running_groups_change(model, monkeypatch):
+    """An abort between steps (another thread's, through the engine's lock) drops the batch; the rest go on."""
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=300, max_num_seqs=8)
+    engine.runner.decode_mode = "static"
+    ids = [engine.add_request(p, max_new_tokens=30, ignore_eos=True) for p in random_prompts((5, 9, 13), seed=2)]
+    seen = []
+    while engine.has_unfinished():
+        engine.step(finished_only=True)
+        batch = engine.scheduler.decode_batch
+        seen.append(batch is not None)
+        if engine.stats["steps"] == 12:
+            engine.abort(ids[1])
+            assert engine.scheduler.decode_batch is None or engine.scheduler.running != engine.scheduler.decode_batch.groups
+    assert any(seen)
+    assert engine.kv_stats().used_blocks == 0
+    engine.close()
