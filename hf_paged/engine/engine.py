@@ -394,7 +394,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                 if current is None:
                     self._track(sched)
                     return self._outputs(_stamp_first_token(advanced), finished_only)
-            return self._outputs(_stamp_first_token(self._advance_pipeline(current, finished_only)), finished_only)
+            advanced, finished = self._advance_pipeline(current, finished_only)
+            return self._outputs(_stamp_first_token(advanced), finished_only, finished)
 
     def _learn_release_window(self) -> None:
         """Once a forward has shown every layer's window, let the scheduler release what no layer reads any more."""

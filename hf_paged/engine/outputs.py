@@ -49,9 +49,12 @@ class RequestOutput:
 class Outputs:
     """Builds `RequestOutput`s; a mixin of `Engine`."""
 
-    def _outputs(self, advanced: list[SequenceGroup], finished_only: bool) -> list[RequestOutput]:
+    def _outputs(self, advanced: list[SequenceGroup], finished_only: bool,
+                 finished: list[SequenceGroup] | None = None) -> list[RequestOutput]:
+        """Outputs of the groups that advanced (only the finished ones if asked: `finished` when the caller knows
+        them, in `advanced`'s order), then of those finished outside a step."""
         if finished_only:
-            advanced = [g for g in advanced if g.is_finished]
+            advanced = finished if finished is not None else [g for g in advanced if g.is_finished]
         return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
 
     def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:

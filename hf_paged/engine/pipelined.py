@@ -88,8 +88,10 @@ class PipelinedDecode:
         assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
         return sched
 
-    def _advance_pipeline(self, current: _InFlight, finished_only: bool) -> list[SequenceGroup]:
-        """Launch the step after `current` (when it can), then wait for `current`'s tokens and apply them."""
+    def _advance_pipeline(self, current: _InFlight, finished_only: bool
+                          ) -> tuple[list[SequenceGroup], list[SequenceGroup] | None]:
+        """Launch the step after `current` (when it can), then wait for `current`'s tokens and apply them. Returns
+        the groups that advanced and, when known without a look at each, those of them that finished (see `_apply`)."""
         sched = self._schedule_next(current) if finished_only else None
         launched, failure, interrupt = None, None, None
         if sched is not None:
@@ -105,7 +107,7 @@ class PipelinedDecode:
             except BaseException as error:
                 interrupt = error
         try:
-            advanced = self._apply(current)
+            advanced, finished = self._apply(current)
         except BaseException as error:  # tokens half applied: fail both steps' requests (as in _interrupted)
             failed = []
             for step in (sched, current.sched):
@@ -113,7 +115,7 @@ class PipelinedDecode:
                     self._drop_in_flight(step)
                     failed += [g for g in self._fail(step, error, "sample") if g not in failed]
             if isinstance(error, Exception):
-                return failed
+                return failed, None
             self._unreported.extend(failed)
             raise
         self._track(current.sched)
@@ -121,6 +123,7 @@ class PipelinedDecode:
             self._drop_in_flight(sched)
             failed = self._fail(sched, failure, "forward")
             advanced += [g for g in failed if g not in advanced]
+            finished = None
         elif interrupt is not None:  # nothing of it was applied: requeue its requests, lose nothing
             self._drop_in_flight(sched)
             self._interrupted(sched, interrupt, "forward")
@@ -129,10 +132,12 @@ class PipelinedDecode:
         elif launched is not None:
             self._in_flight = launched
             self.pipelined_steps += 1
-        return advanced
+        return advanced, finished
 
-    def _apply(self, current: _InFlight) -> list[SequenceGroup]:
+    def _apply(self, current: _InFlight) -> tuple[list[SequenceGroup], list[SequenceGroup] | None]:
         """Wait for a launched step's tokens; put each where `_IN_FLIGHT` stands, then apply the stop conditions.
+        Returns the groups that advanced and, for a step of distinct groups, those of them that finished, in the same
+        order (a finished row then means a finished group); else None (`Outputs._outputs` looks at each group).
 
         A request that stops here may already be in the next launched step: its token from that step is dropped
         (its blocks are freed now; the stream runs that step before any later use of them). A request aborted while
@@ -169,7 +174,9 @@ class PipelinedDecode:
                 ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)
-        return advanced if current.sched.distinct_groups else unique_groups(advanced)
+        if current.sched.distinct_groups:
+            return advanced, finished
+        return unique_groups(advanced), None
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""
@@ -182,7 +189,7 @@ class PipelinedDecode:
         """Apply the launched step, if any, before the engine's state is read or changed outside a step."""
         current, self._in_flight = self._in_flight, None
         if current is not None:
-            advanced = self._apply(current)
+            advanced, _ = self._apply(current)
             self._track(current.sched)
             self._unreported.extend(g for g in advanced if g.is_finished)
 
