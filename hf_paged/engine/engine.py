@@ -56,10 +56,10 @@ def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, te
     There the compiled step is 1.4-1.6x faster (H100: llama-1b greedy ShareGPT 30,369 vs 19,551 tok/s, Qwen3-0.6B
     sampled 16,861 vs 11,855) and starts in seconds (llama-1b 9.6 s cold / 3.9 s warm, Qwen3-0.6B 11.3 / 4.4 s, against
     3.1 / 1.7 s eager), and every accepted architecture compiles to the eager step's tokens
-    (`benchmarks/probe_compiled.py`). Not on the CPU (Inductor's CPU code is no faster there, and compiling takes
-    longer than most CPU runs), not without CUDA graphs (`use_cuda_graph=False` is the debugging setting), not under
-    tensor parallelism or with `compile_modules` (neither measured with it). An automatic compilation that fails
-    falls back to the eager step with a warning (`ModelRunner.compile_auto`); an explicit `True` raises instead.
+    (`benchmarks/probe_compiled.py`). Not on the CPU (not measured to pay there, and compiling takes longer than most
+    CPU runs), not without CUDA graphs (`use_cuda_graph=False` is the debugging setting), not under tensor parallelism
+    or with `compile_modules` (neither measured with it). An automatic compilation that fails falls back to the eager
+    step with a warning (`ModelRunner.compile_auto`); with an explicit `True` the error fails the step's requests.
     """
     return device.type == "cuda" and use_cuda_graph is not False and not tensor_parallel and not compile_modules
 
