@@ -54,8 +54,8 @@ def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, te
     """`compile_decode=None`: compile the decode step where it is measured to pay, on CUDA with CUDA graphs.
 
     There the compiled step is 1.4-1.5x faster (H100, one process: llama-1b greedy ShareGPT 29,921 vs 19,707 tok/s,
-    Qwen3-0.6B sampled 17,047 vs 11,971) and starts in seconds (llama-1b 9.6 s cold / 3.9 s warm, Qwen3-0.6B 11.3 / 4.4 s, against
-    3.1 / 1.7 s eager), and every accepted architecture compiles to the eager step's tokens
+    Qwen3-0.6B sampled 17,047 vs 11,971) and starts in seconds (llama-1b 9.6 s cold / 3.9 s warm, Qwen3-0.6B
+    11.3 / 4.4 s, against 3.1 / 1.7 s eager), and every accepted architecture compiles to the eager step's tokens
     (`benchmarks/probe_compiled.py`). Not on the CPU (not measured to pay there, and compiling takes longer than most
     CPU runs), not without CUDA graphs (`use_cuda_graph=False` is the debugging setting), not under tensor parallelism
     or with `compile_modules` (neither measured with it). An automatic compilation that fails falls back to the eager
