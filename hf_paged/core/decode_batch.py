@@ -26,7 +26,7 @@ class DecodeBatch:
     """The running single-sequence groups of the last pipelined decode step, with its rows in lists."""
 
     __slots__ = ("groups", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks", "headroom",
-                 "items", "spare", "same_rows")
+                 "items", "spare", "same_rows", "eos", "limits", "token_stops_only")
 
     def __init__(self, groups: list, items: list, records: list) -> None:
         self.groups = list(groups)  # == scheduler.running while the batch is valid
@@ -39,8 +39,13 @@ class DecodeBatch:
         self.last_blocks = [record.table[-1] for record in records]
         # steps until the first row reaches its length limit (prompt + max_new_tokens tokens); every row advances by
         # one token a step, so the smallest gap is all there is to track
-        self.headroom = min(seq.prompt_len + group.params.max_new_tokens - item.start
-                            for seq, group, item in zip(self.seqs, self.groups, items))
+        self.limits = [seq.prompt_len + group.params.max_new_tokens for seq, group in zip(self.seqs, self.groups)]
+        self.headroom = min(limit - item.start for limit, item in zip(self.limits, items))
+        # what stops a row, for `PipelinedDecode._apply`: its EOS ids and its length limit, unless some row also has
+        # stop strings or stopping criteria (then every token goes through the engine's full stop check)
+        self.eos = [group.params.eos_token_id for group in self.groups]
+        self.token_stops_only = not any(group.params.stop_strings or group.params.stopping_criteria
+                                        for group in self.groups)
         self.items = items  # the last step's ScheduledSeq items
         self.spare: list | None = None  # the items of the step before it (applied: free to reuse)
         self.same_rows = list(range(len(items)))  # row k of a step is row k of the step before

@@ -146,6 +146,9 @@ class PipelinedDecode:
         if current.event is not None:
             current.event.synchronize()
         tokens = current.host.tolist()
+        batch = current.sched.batch
+        if batch is not None and batch.token_stops_only:
+            return self._apply_batch(current, batch, tokens)
         check_stop = self._check_stop
         advanced, finished = [], []
         for item, token in zip(current.sched.scheduled, tokens):
@@ -177,6 +180,45 @@ class PipelinedDecode:
         if current.sched.distinct_groups:
             return advanced, finished
         return unique_groups(advanced), None
+
+    def _apply_batch(self, current: _InFlight, batch, tokens: list[int]
+                     ) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
+        """`_apply` for a step of a `DecodeBatch` whose requests stop only on tokens (EOS ids, length): each row's
+        token goes in place unless it is an EOS id or reaches the row's length limit, or the row's sequence stopped
+        or changed meanwhile; those rows (a few a step at most) then take `_apply`'s full path, in row order."""
+        rows = current.sched.scheduled
+        others = []
+        for k, (seq, item, token, eos, limit) in enumerate(zip(batch.seqs, rows, tokens, batch.eos, batch.limits)):
+            at = item.start + 1  # where this step's token goes (one token per row)
+            ids = seq.token_ids
+            if token in eos or at + 1 >= limit or len(ids) != at + 2 or seq.status.is_finished:
+                others.append(k)
+            else:
+                ids[at] = token
+        if not others:
+            return list(batch.groups), []
+        check_stop = self._check_stop
+        skipped, finished = set(), []
+        for k in others:
+            seq, item, token = batch.seqs[k], rows[k], tokens[k]
+            ids = seq.token_ids
+            at = item.start + 1
+            if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
+                del ids[at:]
+                skipped.add(k)
+                continue
+            later = ids[at + 1 :]  # the next launched step's placeholder, set aside while the stop conditions read
+            del ids[at:]
+            ids.append(token)
+            check_stop(seq, item.group.params)
+            if seq.status.is_finished:
+                finished.append(item.group)
+            elif later:
+                ids.extend(later)
+        if finished:
+            self.scheduler.remove_finished(finished)
+        groups = batch.groups
+        return ([g for k, g in enumerate(groups) if k not in skipped] if skipped else list(groups)), finished
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""
