@@ -94,19 +94,30 @@ def test_batch_steps_reserve_what_the_per_sequence_path_does(model, monkeypatch,
     assert fast[3] == slow[3]  # prefix-cache hits and cached blocks: the same commits
 
 
-def test_batch_ends_when_the_running_groups_change(model, monkeypatch):
-    """An abort between steps (another thread's, through the engine's lock) drops the batch; the rest go on."""
-    engine = hf_paged.Engine(model, block_size=4, num_blocks=300, max_num_seqs=8)
-    engine.runner.decode_mode = "static"
-    ids = [engine.add_request(p, max_new_tokens=30, ignore_eos=True) for p in random_prompts((5, 9, 13), seed=2)]
-    seen = []
-    while engine.has_unfinished():
-        engine.step(finished_only=True)
-        batch = engine.scheduler.decode_batch
-        seen.append(batch is not None)
-        if engine.stats["steps"] == 12:
-            engine.abort(ids[1])
-            assert engine.scheduler.decode_batch is None or engine.scheduler.running != engine.scheduler.decode_batch.groups
-    assert any(seen)
-    assert engine.kv_stats().used_blocks == 0
-    engine.close()
+def test_abort_between_batch_steps_leaves_the_others_whole(model):
+    """An abort between pipelined steps (with a step in flight) drops the batch; the other requests go on to the very
+    tokens they get without the abort, and every block comes back."""
+    prompts = random_prompts((5, 9, 13), seed=2)
+
+    def run(abort_at: int | None):
+        engine = hf_paged.Engine(model, block_size=4, num_blocks=300, max_num_seqs=8)
+        engine.runner.decode_mode = "static"
+        ids = [engine.add_request(p, max_new_tokens=30, ignore_eos=True) for p in prompts]
+        outputs, batched = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step(finished_only=True):
+                outputs[out.request_id] = out
+            batched += engine.scheduler.decode_batch is not None
+            if engine.stats["steps"] == abort_at:
+                assert engine.scheduler.decode_batch is not None  # the abort lands in the middle of a batch
+                engine.abort(ids[1])
+                assert engine.scheduler.decode_batch is None
+        assert engine.kv_stats().used_blocks == 0
+        engine.close()
+        return [outputs[i].outputs[0].token_ids for i in ids], outputs[ids[1]].outputs[0].finish_reason, batched
+
+    full, _, batched = run(None)
+    cut, reason, _ = run(12)
+    assert batched > 10
+    assert cut[0] == full[0] and cut[2] == full[2] and len(full[1]) == 30
+    assert reason == "abort" and full[1][:len(cut[1])] == cut[1] and len(cut[1]) < 30
