@@ -435,7 +435,8 @@ class ModelRunner(GraphCapture, WarmUpForwards):
     def _give_up_compiling(self, error: Exception) -> None:
         """An automatic `compile_decode` (`Engine(compile_decode=None)` on CUDA) that failed to compile: run the
         model's own code from now on, as `compile_decode=False` would, and say why once. (Every architecture hf-paged
-        accepts compiles; a model whose modules Dynamo cannot trace, e.g. a custom quantised linear, would not.)"""
+        accepts compiled on an H100; a model whose modules Dynamo cannot trace, e.g. a custom quantised linear,
+        might not.)"""
         self.compile_decode = self.compile_prefill = False
         self._compiled = None
         self.cache._defer_write = False
