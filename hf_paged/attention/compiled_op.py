@@ -57,8 +57,10 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float, sliding_window: int | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then attend with `query`
-    `[T, Hq, D]`: a decode step (one token per sequence) through `kernels.paged_decode`, a ragged step with longer
-    queries (prefill chunks, possibly beside decodes) through `kernels.paged_prefill`, as the eager attention does.
+    `[T, Hq, D]`: a decode step (one token per sequence) through `kernels.write_and_paged_decode` (the decode kernel
+    writes them, and combines its splits with the step's `split_counters`), a ragged step with longer queries (prefill
+    chunks, possibly beside decodes) through `kernels.write_kv` and `kernels.paged_prefill`, as the eager attention
+    does.
 
     The options are the layer's (see `kernels.paged_decode`); constants of the traced graph except `sinks`.
     """
@@ -67,13 +69,15 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled step (no active cache)")
     step = cache._step
     key_cache, value_cache = cache.layer_caches(layer_idx)
+    if step.decode_only:  # the write is done by the decode kernel, which takes the new K/V from its input
+        return kernels.write_and_paged_decode(
+            query, key, value, key_cache, value_cache, step.slot_mapping, step.block_tables, step.seq_lens, scale,
+            step.kv_start, split_counters=step.split_counters, sliding_window=sliding_window, softcap=softcap,
+            sinks=sinks, chunk_size=chunk_size)
     kernels.write_kv(key, value, key_cache, value_cache, step.slot_mapping)
-    if not step.decode_only:
-        return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
-                                     step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
-                                     softcap=softcap, sinks=sinks, chunk_size=chunk_size)
-    return kernels.paged_decode(query, key_cache, value_cache, step.block_tables, step.seq_lens, scale, step.kv_start,
-                                sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+    return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
+                                 step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
+                                 softcap=softcap, sinks=sinks, chunk_size=chunk_size)
 
 
 @write_and_decode.register_fake

@@ -134,6 +134,10 @@ def _paged_decode_kernel(
     PM,
     PL,
     SINK,
+    KNEW,
+    VNEW,
+    SLOT,
+    CNT,
     qk_scale,
     sm_scale,
     softcap,
@@ -155,6 +159,10 @@ def _paged_decode_kernel(
     stride_pas,
     stride_pmb,
     stride_pmh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -170,6 +178,8 @@ def _paged_decode_kernel(
     MIN_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    WRITE: tl.constexpr,
+    FUSE_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -214,6 +224,21 @@ def _paged_decode_kernel(
     bt_row = BT + b64 * stride_btb
     k_base = KC + kvh.to(tl.int64) * stride_kh
     v_base = VC + kvh.to(tl.int64) * stride_vh
+    if WRITE:
+        # the step's own key/value (position seq_len - 1) go to the row's slot first, written by the one program that
+        # reads that position (split 0 when no program does, e.g. a range that ends before it); a CTA barrier makes
+        # the store visible to the program's other threads before the loop loads the tile holding it
+        new_pos = seq_len - 1
+        owner = ((new_pos >= lo) & (new_pos < hi)) | ((sp == 0) & (new_pos < kv_lo))
+        slot = tl.load(SLOT + b).to(tl.int64)
+        if owner & (slot >= 0):
+            blk_new = slot // BLOCK_SIZE
+            off_new = slot % BLOCK_SIZE
+            k_new = tl.load(KNEW + b64 * stride_knb + kvh * stride_knh + offs_d)
+            v_new = tl.load(VNEW + b64 * stride_vnb + kvh * stride_vnh + offs_dv)
+            tl.store(k_base + blk_new * stride_kb + off_new * stride_kt + offs_d, k_new.to(KC.dtype.element_ty))
+            tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv, v_new.to(VC.dtype.element_ty))
+        tl.debug_barrier()
     start = (lo // BLOCK_N) * BLOCK_N
     for t0 in range(start, hi, BLOCK_N):
         tok = t0 + offs_n
@@ -263,6 +288,17 @@ def _paged_decode_kernel(
         pm = b64 * stride_pmb + head * stride_pmh + sp
         tl.store(PM + pm, m_i, mask=gmask)
         tl.store(PL + pm, l_i, mask=gmask)
+        if FUSE_REDUCE:
+            # the last split of (sequence, KV head) to finish combines the partials, so no second kernel is launched:
+            # every thread's stores are done (barrier) before the counter is bumped (release); the last one reads
+            # them after its acquire, past L1 (`_combine_splits`), and resets the counter for the next launch
+            tl.debug_barrier()
+            counter = CNT + b * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == tl.num_programs(2) - 1:
+                _combine_splits(PACC, PM, PL, SINK, OUT, b64, head, gmask, tl.num_programs(2), stride_pab, stride_pah,
+                                stride_pas, stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM_V, HAS_SINKS)
+                tl.atomic_xchg(counter, 0)
     else:
         if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
             sink = tl.load(SINK + head, mask=gmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
@@ -275,6 +311,40 @@ def _paged_decode_kernel(
         o = acc / l_safe[:, None]
         po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def _combine_splits(PACC, PM, PL, SINK, OUT, b64, heads, hmask, num_splits, stride_pab, stride_pah, stride_pas,
+                    stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Combine the split partials of sequence `b64`'s `heads` (masked by `hmask`) in split order, into `OUT`.
+
+    A plain loop, not a vector reduction: splits a sequence did not use hold (m = -inf, l = 0, acc = 0) and add exact
+    zeros, so the sum does not depend on how many such splits the grid had (a tree reduction over a padded vector
+    would round differently for another count). Element-wise in the heads, so the reduce kernel and the decode
+    kernel's fused combine give the same bits. Loads bypass L1 (`.cg`): in the fused combine other programs wrote
+    the partials during this launch."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    pm = b64 * stride_pmb + heads * stride_pmh
+    m_max = tl.load(PM + pm, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(PM + pm + s, mask=hmask, other=float("-inf"), cache_modifier=".cg"))
+    if HAS_SINKS:
+        sink = tl.load(SINK + heads, mask=hmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros_like(m_use)
+    o = tl.zeros([m_use.shape[0], HEAD_DIM], dtype=tl.float32)
+    pa = PACC + b64 * stride_pab + heads[:, None] * stride_pah + offs_d[None, :]
+    for s in range(0, num_splits):
+        w = tl.math.exp2(tl.load(PM + pm + s, mask=hmask, other=float("-inf"), cache_modifier=".cg") - m_use)
+        l_tot += tl.load(PL + pm + s, mask=hmask, other=0.0, cache_modifier=".cg") * w
+        o += tl.load(pa + s * stride_pas, mask=hmask[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
+    if HAS_SINKS:
+        l_tot += tl.math.exp2(sink - m_use)
+    l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
+    o = o / l_safe[:, None]
+    tl.store(OUT + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], o.to(OUT.dtype.element_ty),
+             mask=hmask[:, None])
 
 
 @triton.jit
@@ -292,35 +362,17 @@ def _paged_decode_reduce_kernel(
     stride_pmh,
     stride_ob,
     stride_oh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Combine one (sequence, head)'s split partials in split order. A plain loop, not a vector reduction: splits a
-    sequence did not use hold (m = -inf, l = 0, acc = 0) and add exact zeros, so the sum does not depend on how many
-    such splits the grid had (a tree reduction over a padded vector would round differently for another count)."""
+    """Combine the partials of one (sequence, KV head): its `G` query heads (when the decode kernel did not)."""
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    pm = b * stride_pmb + h * stride_pmh
-    m_max = tl.load(PM + pm)
-    for s in range(1, num_splits):
-        m_max = tl.maximum(m_max, tl.load(PM + pm + s))
-    if HAS_SINKS:
-        sink = tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
-        m_max = tl.maximum(m_max, sink)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_tot = tl.zeros([], dtype=tl.float32)
-    o = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    pa = PACC + b * stride_pab + h * stride_pah + offs_d
-    for s in range(0, num_splits):
-        w = tl.math.exp2(tl.load(PM + pm + s) - m_use)
-        l_tot += tl.load(PL + pm + s) * w
-        o += tl.load(pa + s * stride_pas) * w
-    if HAS_SINKS:
-        l_tot += tl.math.exp2(sink - m_use)
-    l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
-    o = o / l_safe
-    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
+    offs_g = tl.arange(0, G_PAD)
+    heads = tl.program_id(1) * G + offs_g
+    _combine_splits(PACC, PM, PL, SINK, OUT, b, heads, offs_g < G, num_splits, stride_pab, stride_pah, stride_pas,
+                    stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 def paged_decode(
@@ -342,8 +394,14 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the decode kernel(s). Inputs are assumed validated (see ``hf_paged.kernels``)."""
+    """Launch the decode kernel(s). Inputs are assumed validated (see ``hf_paged.kernels``).
+
+    `new_kv = (key, value, slot_mapping)`: the step's own K/V ``[B, Hkv, D]``, written at the slots by the decode
+    kernel itself (and attended at position ``seq_lens - 1``). `split_counters`: int32 zeros, ``>= B * Hkv``; when
+    given, the split partials are combined inside the decode kernel (the counters are left at zero)."""
     B, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
     Dv = value_cache.shape[-1]
@@ -369,6 +427,13 @@ def paged_decode(
     has_kv_start = kv_start is not None
     kvs = kv_start if has_kv_start else seq_lens
 
+    fuse_reduce = num_splits > 1 and split_counters is not None and split_counters.numel() >= B * Hkv
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
+    else:
+        k_new = v_new = slots = query  # unused
+        new_strides = (0, 0, 0, 0)
     if num_splits > 1:
         pacc = torch.empty(B, Hq, num_splits, Dv, device=query.device, dtype=torch.float32)
         pm = torch.empty(B, Hq, num_splits, device=query.device, dtype=torch.float32)
@@ -390,6 +455,10 @@ def paged_decode(
         pm,
         pl,
         sinks if sinks is not None else out,
+        k_new,
+        v_new,
+        slots,
+        split_counters if fuse_reduce else seq_lens,
         float(scale) * _LOG2E,
         float(scale),
         float(softcap) if softcap is not None else 1.0,
@@ -407,6 +476,7 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         *pstrides,
+        *new_strides,
         G=G,
         G_PAD=g_pad,
         HEAD_DIM=D,
@@ -422,11 +492,13 @@ def paged_decode(
         MIN_SPLIT=min_split,
         IEEE=ieee,
         DOT_F32=not query.is_cuda,
+        WRITE=new_kv is not None,
+        FUSE_REDUCE=fuse_reduce,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        _paged_decode_reduce_kernel[(B, Hq)](
+    if num_splits > 1 and not fuse_reduce:
+        _paged_decode_reduce_kernel[(B, Hkv)](
             pacc,
             pm,
             pl,
@@ -436,6 +508,8 @@ def paged_decode(
             *pstrides,
             out.stride(0),
             out.stride(1),
+            G=G,
+            G_PAD=triton.next_power_of_2(G),
             HEAD_DIM=Dv,
             HAS_SINKS=sinks is not None,
             num_warps=4 if D >= 128 else 2,

@@ -291,6 +291,8 @@ class ModelRunner(GraphCapture, WarmUpForwards):
             "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
             "staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            # the fused decode op's split counters (`StepMetadata.split_counters`); each launch leaves them at zero
+            "counters": torch.zeros(n * self.cache.num_kv_heads, dtype=torch.int32, device=dev),
         }
         # Host sides of the uploads, twice: a copy from pinned memory is read by the GPU after copy_() returns, and a
         # pipelined step writes its inputs before the step launched just before it has run. Alternating two sets,
@@ -382,6 +384,7 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         return StepMetadata(
             layout="ragged", slot_mapping=b["slots"][:batch], block_tables=b["tables"][:batch],
             seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
+            split_counters=b["counters"],
         )
 
     def _run_model(self, batch: int) -> torch.Tensor:
