@@ -12,7 +12,8 @@ For rows in 1..256 and vocab 32,000 / 128,256 / 151,936, and parameter sets ``gr
   device copy per second),
 
 prints a markdown table (µs and the kernel's fraction of the bound), writes ``sampling.json`` and ``sampling.png``
-under ``--out``.
+under ``--out``. A second table times the all-greedy pick, ``argmax_rows`` (the engine's, a two-kernel Triton argmax
+spread over every SM) against ``torch.argmax(dim=-1)``, for float32 and bfloat16 logits, and checks they agree.
 
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench [--quick]
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from hf_paged.kernels.sampling import sample_tokens  # noqa: E402
+from hf_paged.kernels.sampling import argmax_rows, sample_tokens  # noqa: E402
 
 PARAMS = {  # name -> (temperature, top_k, top_p, min_p)
     "greedy": (0.0, 0, 1.0, 0.0),
@@ -78,10 +79,55 @@ def _time_one(logits, name, values, gen, bw, do_bench) -> dict:
                 torch_fraction_of_bound=bound_ms / torch_ms)
 
 
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """GPU time of one `fn()` in ms: `calls` calls recorded in a CUDA graph, replayed. The engine launches the pick
+    right behind the step's graph, so the host's launch cost overlaps the GPU; `do_bench` would time the launches of
+    a kernel this short, not the kernel."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / (calls * replays)
+
+
+def time_argmax(rows_list, vocabs, bw) -> list[dict]:
+    """`argmax_rows` vs `torch.argmax` on random logits with ties (values rounded), float32 and bfloat16, GPU time of
+    each in a CUDA graph (`graph_ms`)."""
+    out = []
+    print("\n| greedy pick | dtype | rows | vocab | argmax_rows µs | torch.argmax µs | bound µs | argmax_rows/bound | "
+          "torch/argmax_rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in vocabs:
+            for rows in rows_list:
+                logits = (torch.randn(rows, vocab, device="cuda") * 4).round().to(dtype)
+                if not torch.equal(argmax_rows(logits), logits.argmax(dim=-1)):
+                    raise SystemExit(f"argmax_rows differs from torch.argmax at {rows} x {vocab} {dtype}")
+                ours = graph_ms(lambda x=logits: argmax_rows(x))
+                ref = graph_ms(lambda x=logits: x.argmax(dim=-1))
+                bound = rows * vocab * logits.element_size() / bw * 1e3
+                row = dict(dtype=str(dtype).replace("torch.", ""), rows=rows, vocab=vocab, argmax_rows_us=ours * 1e3,
+                           torch_argmax_us=ref * 1e3, bound_us=bound * 1e3)
+                out.append(row)
+                print(f"| | {row['dtype']} | {rows} | {vocab} | {ours * 1e3:.1f} | {ref * 1e3:.1f} | {bound * 1e3:.1f} | "
+                      f"{bound / ours:.0%} | {ref / ours:.1f}x |", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--greedy-only", action="store_true", help="only the greedy-pick table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_sampling.py needs CUDA")
@@ -90,14 +136,15 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
-    rows_list = [1, 8, 64, 256] if args.quick else [1, 4, 16, 32, 64, 128, 256]
+    rows_list = [1, 8, 24, 64, 256] if args.quick else [1, 4, 16, 24, 32, 64, 128, 256]
     vocabs = [32000, 151936] if args.quick else [32000, 128256, 151936]
+    vocabs = [32000, 128256] if args.quick and args.greedy_only else vocabs
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     print("| params | rows | vocab | kernel µs | torch µs | bound µs | kernel/bound | torch/kernel |")
     print("|---|---|---|---|---|---|---|---|")
-    for vocab in vocabs:
+    for vocab in vocabs if not args.greedy_only else []:
         for rows in rows_list:
             logits = torch.randn(rows, vocab, device="cuda") * 4
             for name, values in PARAMS.items():
@@ -107,10 +154,11 @@ def main() -> None:
                       f"{row['bound_us']:.1f} | {row['kernel_fraction_of_bound']:.0%} | "
                       f"{row['torch_us'] / row['kernel_us']:.1f}x |", flush=True)
             del logits
+    greedy_picks = time_argmax(rows_list, vocabs, bw)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_bandwidth_bytes_per_s=bw)
     with open(os.path.join(args.out, "sampling.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+        json.dump(dict(meta=meta, results=results, greedy_picks=greedy_picks), f, indent=1)
     try:
         import matplotlib
 
@@ -125,6 +173,9 @@ def main() -> None:
             sel = [r for r in results if r["vocab"] == vocab and r["params"] == name]
             ax.plot([r["rows"] for r in sel], [r["kernel_us"] for r in sel], marker="o", label=f"kernel {name}")
             ax.plot([r["rows"] for r in sel], [r["torch_us"] for r in sel], ls=":", marker="x", label=f"torch {name}")
+        sel = [r for r in greedy_picks if r["vocab"] == vocab and r["dtype"] == "float32"]
+        ax.plot([r["rows"] for r in sel], [r["argmax_rows_us"] for r in sel], marker="s", label="argmax_rows fp32")
+        ax.plot([r["rows"] for r in sel], [r["torch_argmax_us"] for r in sel], ls="--", label="torch.argmax fp32")
         sel = [r for r in results if r["vocab"] == vocab and r["params"] == "greedy"]
         ax.plot([r["rows"] for r in sel], [r["bound_us"] for r in sel], color="k", lw=2, label="bound")
         ax.set(xscale="log", yscale="log", xlabel="rows", ylabel="µs", title=f"vocab {vocab}")

@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from ..core import Sequence
-from ..kernels.sampling import effective_top_k, inverse_temperature, log_min_p, sample_normalised
+from ..kernels.sampling import (
+    argmax_rows,
+    argmax_workspace,
+    effective_top_k,
+    inverse_temperature,
+    log_min_p,
+    sample_normalised,
+)
 from .params import SamplingParams
 
 __all__ = ["DevicePicker", "device_params", "offset", "SAMPLE_INDEX_SHIFT"]
@@ -52,6 +59,7 @@ class DevicePicker:
         self.device = device
         self._rng = random.Random(seed if seed is not None else torch.initial_seed())
         self._sampled: tuple[list | None, bool] = (None, False)
+        self._argmax = argmax_workspace(device)  # the greedy pick's scratch, kept (the picker's steps run in order)
         self._allocate(max_rows)
 
     def _allocate(self, rows: int) -> None:
@@ -77,11 +85,14 @@ class DevicePicker:
 
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
         """Compile the sampling kernel for `[rows, vocab]` logits of `dtype` now (2-3 s on a cold cache, 0.1 s from
-        Triton's on-disk cache) rather than in the first sampled step. Only CUDA compiles anything."""
+        Triton's on-disk cache) rather than in the first sampled step, and the greedy pick's kernel for `dtype` and
+        float32 (models that upcast their logits) rather than in the first greedy step. Only CUDA compiles anything."""
         if self.device.type != "cuda" or vocab <= 0:
             return
         logits = torch.zeros((1, vocab), dtype=dtype, device=self.device)
         self.pick(logits, [(1.0, 2, 0.5, 0.0, 0)], [0])
+        for pick_dtype in {dtype, torch.float32}:
+            self.pick(logits.to(pick_dtype), [(0.0, 0, 1.0, 0.0, 0)], [0])
         torch.cuda.synchronize(self.device)
 
     def request_seed(self, seed: int | None) -> int:
@@ -92,7 +103,7 @@ class DevicePicker:
         """Next token of every row of `logits` `[R, V]`, on the device: row i draws with `specs[i]` (from
         `device_params`) at `offsets[i]` (see `offset`)."""
         if not self.any_sampled(specs):
-            return logits.argmax(dim=-1)  # all greedy: no parameters to upload
+            return argmax_rows(logits, self._argmax)  # all greedy: no parameters to upload
         n = len(specs)
         if n > self._dev[0].shape[1]:
             self._allocate(max(n, 2 * self._dev[0].shape[1]))

@@ -18,7 +18,7 @@ import torch
 
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
-__all__ = ["sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
+__all__ = ["argmax_rows", "argmax_workspace", "sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -62,6 +62,33 @@ def sample_normalised(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Te
     if get_backend(logits.device) == "triton":
         return _triton_module("triton_sampling").sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset)
     return reference_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset).to(logits.device)
+
+
+def argmax_rows(logits: torch.Tensor, workspace=None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``logits [R, V]``: the greedy pick of every row, as int64 ``[R]``.
+
+    Same result on either backend (the first index of the maximum; the first NaN of a row with one). On CUDA the Triton
+    kernel spreads a few rows over every SM, where torch's reduction gives each row one block
+    (:mod:`hf_paged.kernels.triton_argmax`). `workspace` (from `argmax_workspace`) keeps its scratch between calls.
+    No device sync: safe under CUDA-graph capture."""
+    _check_tensor("logits", logits, 2, _FLOATS)
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if logits.shape[1] >= 2**31:
+        raise ValueError(f"logits vocabulary {logits.shape[1]} is too large (< 2**31)")
+    if get_backend(logits.device) == "triton":
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        return _triton_module("triton_argmax").argmax_rows(logits, workspace)
+    return logits.argmax(dim=-1)
+
+
+def argmax_workspace(device: torch.device | str):
+    """Scratch for repeated `argmax_rows` calls on `device`, issued one after another on one stream (an engine's
+    picker): no allocation per call. None where the torch backend runs (it needs none)."""
+    if get_backend(device) != "triton":
+        return None
+    return _triton_module("triton_argmax").ArgmaxWorkspace(torch.device(device))
 
 
 def inverse_temperature(temperature):
