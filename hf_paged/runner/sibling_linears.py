@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -226,10 +227,19 @@ def _replace(graph: torch.fx.Graph, order: dict, x: torch.fx.Node, run: list, va
 FUSED = {"graphs": 0, "groups": 0}
 
 
+#: Inductor's combo kernels (independent point-wise kernels of a graph launched as one): in a decode layer, the
+#: rotary and layout copies of q, k and v are three kernels of about 1.2 us each, plus a launch gap each, in a step
+#: bound by its launches at small batches. Off where the installed Inductor lacks the option.
+COMBO_KERNELS = True
+
+
 def fusing_backend(gm: torch.fx.GraphModule, example_inputs):
-    """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, then Inductor."""
+    """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, then Inductor (with `COMBO_KERNELS`)."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     FUSED["graphs"] += 1
     FUSED["groups"] += fuse_sibling_linears(gm, example_inputs)
-    return compile_fx(gm, example_inputs)
+    combo = COMBO_KERNELS and hasattr(inductor_config, "combo_kernels")
+    with inductor_config.patch(combo_kernels=True) if combo else nullcontext():
+        return compile_fx(gm, example_inputs)
