@@ -2,7 +2,8 @@
 
 The Triton kernel cuts rows into chunks and lets the last chunk of a row pick among them; the tests force one and
 many chunks per row (by pretending the GPU has 8 or 64 SMs; with more rows than SMs torch's argmax runs), and check ties (first index), NaN (first NaN), rows
-of -inf, half precision, strided rows, a workspace reused across shapes (its counters left at zero).
+of -inf, half precision, strided rows, the engine's picker (`greedy_picker`) reusing its scratch across shapes
+(its counters left at zero).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.kernels.sampling import argmax_rows, argmax_workspace  # noqa: E402
+from hf_paged.kernels.sampling import argmax_rows, greedy_picker  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [
@@ -50,18 +51,17 @@ def test_argmax_rows_equals_torch(backend, sms, kind, monkeypatch):
         from hf_paged.kernels import triton_argmax
 
         monkeypatch.setattr(triton_argmax, "_device_sms", lambda device: sms)
-    elif sms > 1:
-        pytest.skip("chunks are a Triton option")
+    elif sms != 8:
+        pytest.skip("chunks are a Triton option: the torch backend runs once")
     gen = torch.Generator().manual_seed(0)
-    workspace = argmax_workspace(DEVICE)
-    for rows, vocab in ((1, 5), (3, 1500), (5, 4097), (1, 9000), (2, 3000)):
+    pick = greedy_picker(DEVICE)  # one scratch for every call below, as the engine's picker keeps it
+    for rows, vocab in ((1, 5), (3, 1500), (5, 4097), (1, 9000), (2, 3000), (9, 2000)):
         x = _rows(kind, rows, vocab, gen)
-        for ws in (None, workspace):
-            got = argmax_rows(x, ws)
+        for got in (argmax_rows(x), pick(x)):
             assert got.dtype == torch.int64 and got.device == x.device
             assert torch.equal(got, x.argmax(dim=-1)), (rows, vocab)
-    if workspace is not None:
-        assert not workspace.counters.any(), "every launch must leave the row counters at zero"
+    if backend == "triton":
+        assert not pick.counters.any(), "every launch must leave the row counters at zero"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -71,6 +71,7 @@ def test_argmax_rows_strided_and_empty(backend, monkeypatch):
     assert torch.equal(argmax_rows(x[::2]), x[::2].argmax(-1))  # row stride 6000
     assert torch.equal(argmax_rows(x[:, 7:2000]), x[:, 7:2000].argmax(-1))
     assert torch.equal(argmax_rows(x.t().contiguous().t()), x.argmax(-1))  # not unit stride in the vocabulary
+    assert torch.equal(greedy_picker(DEVICE)(x.t().contiguous().t()), x.argmax(-1))
     assert argmax_rows(x[:0]).shape == (0,)
 
 

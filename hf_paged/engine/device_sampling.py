@@ -24,9 +24,8 @@ import torch
 
 from ..core import Sequence
 from ..kernels.sampling import (
-    argmax_rows,
-    argmax_workspace,
     effective_top_k,
+    greedy_picker,
     inverse_temperature,
     log_min_p,
     sample_normalised,
@@ -59,7 +58,7 @@ class DevicePicker:
         self.device = device
         self._rng = random.Random(seed if seed is not None else torch.initial_seed())
         self._sampled: tuple[list | None, bool] = (None, False)
-        self._argmax = argmax_workspace(device)  # the greedy pick's scratch, kept (the picker's steps run in order)
+        self._argmax = greedy_picker(device)  # the greedy pick, resolved once (it runs every greedy step)
         self._allocate(max_rows)
 
     def _allocate(self, rows: int) -> None:
@@ -103,7 +102,7 @@ class DevicePicker:
         """Next token of every row of `logits` `[R, V]`, on the device: row i draws with `specs[i]` (from
         `device_params`) at `offsets[i]` (see `offset`)."""
         if not self.any_sampled(specs):
-            return argmax_rows(logits, self._argmax)  # all greedy: no parameters to upload
+            return self._argmax(logits)  # all greedy: no parameters to upload
         n = len(specs)
         if n > self._dev[0].shape[1]:
             self._allocate(max(n, 2 * self._dev[0].shape[1]))

@@ -18,7 +18,7 @@ import torch
 
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
-__all__ = ["argmax_rows", "argmax_workspace", "sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
+__all__ = ["argmax_rows", "greedy_picker", "sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -64,31 +64,31 @@ def sample_normalised(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Te
     return reference_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset).to(logits.device)
 
 
-def argmax_rows(logits: torch.Tensor, workspace=None) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of ``logits [R, V]``: the greedy pick of every row, as int64 ``[R]``.
 
-    Same result on either backend (the first index of the maximum; the first NaN of a row with one). On CUDA the Triton
-    kernel spreads a few rows over every SM, where torch's reduction gives each row one block
-    (:mod:`hf_paged.kernels.triton_argmax`). `workspace` (from `argmax_workspace`) keeps its scratch between calls.
-    No device sync: safe under CUDA-graph capture."""
+    Same result on either backend (the first index of the maximum; the first NaN of a row with one). On CUDA, with
+    no more rows than SMs, a Triton kernel spreads the rows over every SM, where torch's reduction gives each row one
+    block (:mod:`hf_paged.kernels.triton_argmax`). No device sync: safe under CUDA-graph capture."""
     _check_tensor("logits", logits, 2, _FLOATS)
     if logits.shape[1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
     if logits.shape[1] >= 2**31:
         raise ValueError(f"logits vocabulary {logits.shape[1]} is too large (< 2**31)")
-    if get_backend(logits.device) == "triton":
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        return _triton_module("triton_argmax").argmax_rows(logits, workspace)
-    return logits.argmax(dim=-1)
+    return greedy_picker(logits.device)(logits)
 
 
-def argmax_workspace(device: torch.device | str):
-    """Scratch for repeated `argmax_rows` calls on `device`, issued one after another on one stream (an engine's
-    picker): no allocation per call. None where the torch backend runs (it needs none)."""
+def greedy_picker(device: torch.device | str):
+    """`argmax_rows` for logits on `device`, resolved once: the backend chosen now, the Triton path's scratch kept
+    between calls, no argument checks. For a caller that picks every step (an engine's picker, whose calls run one
+    after another on one stream) and hands it `[R, V]` float logits."""
     if get_backend(device) != "triton":
-        return None
-    return _triton_module("triton_argmax").ArgmaxWorkspace(torch.device(device))
+        return _torch_argmax
+    return _triton_module("triton_argmax").GreedyPick(torch.device(device))
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def inverse_temperature(temperature):

@@ -94,15 +94,17 @@ def chunks_of(rows: int, vocab: int, sms: int) -> tuple[int, int]:
     return chunk, triton.cdiv(vocab, chunk)
 
 
-class ArgmaxWorkspace:
-    """The scratch of `argmax_rows` kept between calls (the engine's picker holds one): the chunks' partial bests and
-    the rows' counters (zeros between launches). Calls sharing one must run one after another on one stream."""
+class GreedyPick:
+    """`argmax_rows` for one device, with its scratch kept between calls (an engine's picker holds one, and calls it
+    every greedy step: the device's SM count, the buffers of the chunks' partial bests and the rows' counters, zeros
+    between launches, are looked up once). Calls must run one after another on one stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.sms = _device_sms(device)
         self.values = self.indices = self.counters = None
 
-    def take(self, rows: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _take(self, rows: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffers for `rows` rows of `num_chunks` chunks (grown when too small)."""
         if self.values is None or self.values.numel() < rows * num_chunks or self.counters.numel() < rows:
             size = max(rows * num_chunks, 2 * (self.values.numel() if self.values is not None else 0))
@@ -112,18 +114,24 @@ class ArgmaxWorkspace:
                                         dtype=torch.int32, device=self.device)
         return self.values, self.indices, self.counters
 
-
-def argmax_rows(logits: torch.Tensor, workspace: ArgmaxWorkspace | None = None) -> torch.Tensor:
-    """`logits.argmax(dim=-1)` of a `[R, V]` tensor with unit stride in `V`, as int64 `[R]` on its device."""
-    rows, vocab = logits.shape
-    sms = _device_sms(logits.device)
-    if rows > sms:  # torch's one block per row fills the GPU already (as fast on an H100) and costs less host time
-        return logits.argmax(dim=-1)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(dim=-1)` of a `[R, V]` float tensor on this device, as int64 `[R]`."""
+        rows, vocab = logits.shape
+        if rows > self.sms:  # torch's one block per row fills the GPU already (as fast on an H100), for less host time
+            return logits.argmax(dim=-1)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        if rows == 0:
+            return out
+        chunk, num_chunks = chunks_of(rows, vocab, self.sms)
+        values, indices, counters = self._take(rows, num_chunks)
+        _argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab, chunk, values, indices, counters, out,
+                                           num_chunks, BLOCK=BLOCK, MAX_C=MAX_CHUNKS, NONE=_NONE, num_warps=4)
         return out
-    chunk, num_chunks = chunks_of(rows, vocab, sms)
-    values, indices, counters = (workspace or ArgmaxWorkspace(logits.device)).take(rows, num_chunks)
-    _argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab, chunk, values, indices, counters, out,
-                                       num_chunks, BLOCK=BLOCK, MAX_C=MAX_CHUNKS, NONE=_NONE, num_warps=4)
-    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of a `[R, V]` float tensor, as int64 `[R]` on its device (scratch allocated for this
+    call; see `GreedyPick`)."""
+    return GreedyPick(logits.device)(logits)
