@@ -1,0 +1,14 @@
+#!/bin/bash
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --find-links .wheels pytest
+SP=$(python3 -c "import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))")
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+python3 -m compileall -q -j 16 $SP/torch $SP/transformers $SP/triton $SP/sympy hf_paged benchmarks/scratch/head/hf_paged > /dev/null 2>&1
+nvidia-smi --query-gpu=name --format=csv,noheader
+export PYTHONPATH=$PWD
+python3 benchmarks/scratch/host_argmax.py 2>&1 | tee $OUT/host_argmax.log
+timeout 60 python3 benchmarks/bench_sampling.py --quick --greedy-only --out $OUT/sampling > $OUT/argmax.log 2>&1; cat $OUT/argmax.log | grep "|" | tail -20
+timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_fused_decode.py tests/test_argmax.py tests/test_gpu.py tests/test_compile_default.py tests/test_kernel_sampling.py tests/test_decode_batch.py tests/test_pipelined_decode.py > $OUT/tests.log 2>&1; tail -2 $OUT/tests.log; grep -E "FAIL|Error" $OUT/tests.log | head
+e2e() { timeout 100 python3 benchmarks/bench_generate.py --model llama-1b --workload sharegpt --systems paged_compiled --out $OUT/e2e_$1 --no-progress > $OUT/llama_$1.log 2>&1; echo "== e2e $1"; grep -A3 "bound:" $OUT/llama_$1.log | tail -1; grep "steady" $OUT/llama_$1.log; }
+e2e new
+cd benchmarks/scratch/head && PYTHONPATH=$PWD e2e head; cd ../../..
