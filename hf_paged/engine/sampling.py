@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from ..kernels.sampling import argmax_rows
 from .logits import _apply_repetition_penalty
 from .params import SamplingParams
 
@@ -62,7 +61,7 @@ class Sampler:
 
 def sample_next_tokens(logits, params, token_ids, num_outputs, keys, sampler: Sampler):
     if not any(p.do_sample or p.needs_processing or p.output_scores for p in params):
-        return argmax_rows(logits), logits  # plain greedy: no float copy of the logits, no per-row work
+        return logits.argmax(dim=-1), logits  # plain greedy: no float copy of the logits, no per-row work
     scores = logits.float()
     rows_penalty = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rows_penalty:

@@ -18,7 +18,8 @@ import torch
 
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
-__all__ = ["argmax_rows", "greedy_picker", "sample_tokens", "sample_normalised", "inverse_temperature", "effective_top_k", "log_min_p"]
+__all__ = ["argmax_rows", "greedy_picker", "sample_tokens", "sample_normalised", "inverse_temperature",
+           "effective_top_k", "log_min_p"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
