@@ -75,14 +75,17 @@ def test_fused_equals_write_then_decode(backend, case, splits, counters, monkeyp
         monkeypatch.setattr(triton_decode, "FORCE_NUM_SPLITS", splits)
     elif splits > 1 or counters:
         pytest.skip("splits and counters are Triton options")
-    seq_lens = [37, 5, 20, 1]
+    seq_lens = [200, 5, 130, 1]  # long enough for 3 splits of 64-key tiles (fewer are clamped to what fits)
     q, k, v, kc, vc, slots, bt, lens = _step(seq_lens, dv=case.get("dv", 16))
     opts = {name: case[name] for name in ("sliding_window", "softcap", "chunk_size") if name in case}
     if case.get("sinks"):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], device=DEVICE)
     if case.get("kv_start"):
-        opts["kv_start"] = torch.tensor([3, 0, 19, 0], dtype=torch.int32, device=DEVICE)
+        # row 3 starts past its only key: no program reads the new position, split 0 must still write it
+        opts["kv_start"] = torch.tensor([3, 0, 100, 1], dtype=torch.int32, device=DEVICE)
     count = torch.zeros(len(seq_lens) * k.shape[1], dtype=torch.int32, device=DEVICE) if counters else None
+    if backend == "triton":
+        assert triton_decode.default_num_splits(4, k.shape[1], 16, bt.shape[1] * 8, DEVICE) == splits
     (out, kc1, vc1), (ref, kc2, vc2) = _both(q, k, v, kc, vc, slots, bt, lens, count, **opts)
     assert torch.equal(out, ref)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)

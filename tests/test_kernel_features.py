@@ -98,11 +98,15 @@ def test_decode_features(backend, case, splits):
         pytest.skip("split-K is a Triton option")
     dk, dv = 16, case.get("dv", 16)
     opts = _opts(case)
-    seq_lens, starts = [37, 5, 20, 1], [0, 2, 3, 0]
+    seq_lens, starts = [150, 5, 70, 1], [0, 2, 3, 0]  # 150 keys: 3 splits of 64-key tiles fit (fewer are clamped)
     vis = [_first_visible(n, st, n - 1, opts) for n, st in zip(seq_lens, starts)]
     kc, vc, bt, sl, ks = _make(seq_lens, starts, dk, dv, vis)
     q = torch.randn(len(seq_lens), HKV * G, dk, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     extra = {"_num_splits": splits} if backend == "triton" else {}
+    if backend == "triton":  # the forced count is what runs, not clamped to fewer tiles
+        from hf_paged.kernels import triton_decode
+
+        assert triton_decode._launch_splits(splits, 4, HKV, bt.shape[1] * BS, 64, DEVICE) == splits
     out = kernels.paged_decode(q, kc, vc, bt, sl, 0.3, ks, **opts, **extra)
     ref = reference.paged_decode(q, kc, vc, bt, sl, 0.3, ks, **opts)
     naive = reference.naive_paged_decode(q, kc, vc, bt, sl, 0.3, ks, **opts)
