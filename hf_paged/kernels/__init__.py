@@ -240,14 +240,38 @@ def paged_decode(
 
     ``value_cache`` may have a head dim ``Dv`` different from the key's (MLA-style); the output has ``Dv``.
     """
-    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
-    if query.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"query has batch {query.shape[0]} but seq_lens has {seq_lens.shape[0]} entries")
-    _check_options(query.shape[1], query.device, sliding_window, softcap, sinks, chunk_size)
     opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts, num_splits=_num_splits)
+
+
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts: dict, num_splits=None,
+            new_kv: tuple | None = None, split_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_decode`'s checks and dispatch, shared with `write_and_paged_decode` (`new_kv`: the step's key, value and
+    slot mapping; the torch backend writes them first, and ignores `split_counters`)."""
+    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
+    batch, dev = query.shape[0], query.device
+    if batch != seq_lens.shape[0]:
+        raise ValueError(f"query has batch {batch} but seq_lens has {seq_lens.shape[0]} entries")
+    if new_kv is not None:
+        key, value, slot_mapping = new_kv
+        _check_tensor("key", key, 3, _FLOAT_DTYPES, dev)
+        _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
+        hkv = key_cache.shape[1]
+        if tuple(key.shape) != (batch, hkv, d) or tuple(value.shape) != (batch, hkv, value_cache.shape[-1]):
+            raise ValueError(f"key/value must be [{batch}, {hkv}, head_dim] to match query and the cache, got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+        _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
+        if slot_mapping.shape[0] != batch:
+            raise ValueError(f"slot_mapping must have shape [{batch}], got {tuple(slot_mapping.shape)}")
+    if split_counters is not None:
+        _check_tensor("split_counters", split_counters, 1, (torch.int32,), dev)
+    _check_options(query.shape[1], query.device, opts["sliding_window"], opts["softcap"], opts["sinks"],
+                   opts["chunk_size"])
     if get_backend(query.device) == "triton":
         _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)
+        if new_kv is not None:
+            new_kv = (_last_contig(new_kv[0]), _last_contig(new_kv[1]), new_kv[2].contiguous())
         return _triton_module("triton_decode").paged_decode(
             _last_contig(query),
             key_cache,
@@ -256,9 +280,13 @@ def paged_decode(
             seq_lens.contiguous(),
             float(scale),
             kv_start.contiguous() if kv_start is not None else None,
-            num_splits=_num_splits,
+            num_splits=num_splits,
+            new_kv=new_kv,
+            split_counters=split_counters,
             **opts,
         )
+    if new_kv is not None:
+        reference.write_kv(*new_kv[:2], key_cache, value_cache, new_kv[2])
     return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start, **opts)
 
 
@@ -288,34 +316,9 @@ def write_and_paged_decode(
     step). `split_counters` (int32 zeros, at least ``B * Hkv``, private to the caller's stream of launches) lets the
     kernel also combine its KV splits itself, saving the combine kernel; the launch leaves them at zero.
     Same result as the two calls, bit for bit."""
-    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
-    batch, hkv = query.shape[0], key_cache.shape[1]
-    if batch != seq_lens.shape[0]:
-        raise ValueError(f"query has batch {batch} but seq_lens has {seq_lens.shape[0]} entries")
-    dev = query.device
-    _check_tensor("key", key, 3, _FLOAT_DTYPES, dev)
-    _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
-    if tuple(key.shape) != (batch, hkv, d) or tuple(value.shape) != (batch, hkv, value_cache.shape[-1]):
-        raise ValueError(f"key/value must be [{batch}, {hkv}, head_dim] to match query and the cache, got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
-    _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
-    if slot_mapping.shape[0] != batch:
-        raise ValueError(f"slot_mapping must have shape [{batch}], got {tuple(slot_mapping.shape)}")
-    if split_counters is not None:
-        _check_tensor("split_counters", split_counters, 1, (torch.int32,), dev)
-    _check_options(query.shape[1], dev, sliding_window, softcap, sinks, chunk_size)
     opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
-    if get_backend(dev) == "triton":
-        _check_triton_dims(d, bs, value_cache.shape[-1])
-        _check_triton_device(query)
-        return _triton_module("triton_decode").paged_decode(
-            _last_contig(query), key_cache, value_cache, _last_contig(block_tables), seq_lens.contiguous(),
-            float(scale), kv_start.contiguous() if kv_start is not None else None,
-            new_kv=(_last_contig(key), _last_contig(value), slot_mapping.contiguous()),
-            split_counters=split_counters, **opts,
-        )
-    reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
-    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start, **opts)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts,
+                   new_kv=(key, value, slot_mapping), split_counters=split_counters)
 
 
 def paged_prefill(

@@ -105,12 +105,14 @@ class GreedyPick:
         self.values = self.indices = self.counters = None
 
     def _take(self, rows: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Buffers for `rows` rows of `num_chunks` chunks (grown when too small)."""
-        if self.values is None or self.values.numel() < rows * num_chunks or self.counters.numel() < rows:
-            size = max(rows * num_chunks, 2 * (self.values.numel() if self.values is not None else 0))
+        """Buffers for `rows` rows of `num_chunks` chunks: `rows * num_chunks` partials, `rows` counters (grown to
+        at least twice their old size when too small)."""
+        held = 0 if self.values is None else self.values.numel()
+        if held < rows * num_chunks or self.counters.numel() < rows:
+            size = max(rows * num_chunks, 2 * held)
             self.values = torch.empty(size, dtype=torch.float32, device=self.device)
             self.indices = torch.empty(size, dtype=torch.int32, device=self.device)
-            self.counters = torch.zeros(max(rows, 2 * (self.counters.numel() if self.counters is not None else 0)),
+            self.counters = torch.zeros(max(rows, 2 * (0 if self.counters is None else self.counters.numel())),
                                         dtype=torch.int32, device=self.device)
         return self.values, self.indices, self.counters
 
