@@ -309,6 +309,22 @@ def test_split_heuristic():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_split_heuristic_on_an_h100_sized_device(monkeypatch):
+    """Long sequences are split in big batches too (a ragged batch's longest sequence otherwise holds the launch up),
+    the fewer programs a batch gives the more splits its grid has, and the interpreter never splits by itself."""
+    from hf_paged.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    assert td.choose_num_splits(256, 8, 4096, 64, "cuda") == td.MIN_SPLITS
+    assert td.choose_num_splits(24, 8, 4096, 64, "cuda") == 16  # 256 programs: 32 per SM over 16 splits
+    assert td.choose_num_splits(1, 8, 1 << 16, 64, "cuda") == td.MAX_SPLITS
+    assert td.choose_num_splits(24, 8, 300, 64, "cuda") == 2  # no more splits than 256-key runs in the table
+    assert td.choose_num_splits(24, 8, td.MIN_TOKENS_PER_SPLIT, 64, "cuda") == 1
+    assert td.choose_num_splits(1024, 8, 4096, 64, "cuda") == 1  # 8192 programs: 62 per SM already
+    assert td.choose_num_splits(24, 8, 4096, 64, "cpu") == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_split_count_same_for_a_batch_and_its_graph_bucket(monkeypatch):
     """A graph step runs the batch padded to its bucket: the split count (hence every sequence's cut, hence its
     output bits) must not change with that padding, nor with the table width, or graph and eager steps differ."""

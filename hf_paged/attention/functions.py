@@ -212,7 +212,8 @@ def paged_attention_forward(
     if step.layout == "ragged":
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
-            out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale, **opts)
+            out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale,
+                                       split_counters=step.split_counters, **opts)
         else:
             out = kernels.paged_prefill(
                 flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,

@@ -222,6 +222,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    split_counters: torch.Tensor | None = None,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, Dv]``.
@@ -239,9 +240,14 @@ def paged_decode(
     * ``sinks [Hq]``: one learned logit per head added to the softmax denominator only (gpt-oss ``s_aux``).
 
     ``value_cache`` may have a head dim ``Dv`` different from the key's (MLA-style); the output has ``Dv``.
+
+    ``split_counters`` (int32 zeros, at least ``B * Hkv``, private to the caller's stream of launches): on the
+    Triton path, the last split of a sequence to finish combines the splits, instead of a second kernel over every
+    split; the launch leaves them at zero. Same result, bit for bit.
     """
     opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
-    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts, num_splits=_num_splits)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts, num_splits=_num_splits,
+                   split_counters=split_counters)
 
 
 def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts: dict, num_splits=None,

@@ -5,15 +5,19 @@
   (padded to >= 16 rows for ``tl.dot``), so each KV tile is loaded once per group.
 * Iterates ``BLOCK_N`` tokens per loop step (independent of the cache block size:
   each token's physical block is looked up in the block table).
-* Split-K (flash-decoding): grid ``(B, Hkv, num_splits)``; with several splits each
+* Split-K (flash-decoding): grid ``(num_splits, B, Hkv)``; with several splits each
   program writes its partial ``(acc, max, sum)`` to a float32 scratch and a small
-  second kernel combines them, in split order; with one split the output is written directly.
+  second kernel combines them, in split order (or, given split counters, the last run of a
+  sequence to finish does); with one split the output is written directly.
   Each sequence's *own* key range is cut into ``min(num_splits, ceil(keys / MIN_TOKENS_PER_SPLIT))``
-  equal runs of whole tiles, so a short context in a wide table (a CUDA graph's tables are as wide
-  as the longest sequence allowed) still spreads over several programs. Why the cut depends on the
-  sequence alone and ``num_splits`` on the batch only through its power-of-two range: a graph step
-  (batch padded to its bucket, tables at full width) and an eager step of the same sequences then
-  cut every sequence identically and give bitwise-equal outputs.
+  equal runs of whole tiles: only sequences longer than a run are split, whatever the batch. Why: in
+  a ragged batch the kernel lasts as long as its longest program, and a long sequence read by one
+  program per head (started wherever the grid order puts it) held the whole launch up after the
+  short ones were done. The split index is the grid's fastest axis, so the runs of one sequence
+  start together. Why the cut depends on the sequence alone and ``num_splits`` on the batch only
+  through its power-of-two range: a graph step (batch padded to its bucket, tables at full width)
+  and an eager step of the same sequences then cut every sequence identically and give
+  bitwise-equal outputs.
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -44,16 +48,18 @@ _CONFIGS = {
     128: (64, 4, 2),
     256: (32, 4, 2),
 }
-# Split-K heuristic parameters: no split when B*Hkv already gives NO_SPLIT_PROGRAMS_PER_SM
-# programs per SM; otherwise aim for about TARGET_PROGRAMS_PER_SM programs per SM, never
-# fewer than MIN_TOKENS_PER_SPLIT keys per split, at most MAX_SPLITS splits. Graph-timed on the
-# H100 over 16 layers' caches (benchmarks/results/h100_2026-11-25d/split/sweep_split.log), with
-# each sequence's own keys cut (see the module docstring): 4 / 6 / 128 was the best or within
-# ~3 % of it from B = 4 to 192 at d 64 and d 128 with ragged contexts of 100-4000 keys in an
-# 8192-key table, 1.4-2.3x faster than the table-width cut at B <= 32 and up to 1.2x at B 48-64.
-NO_SPLIT_PROGRAMS_PER_SM = 4
-TARGET_PROGRAMS_PER_SM = 6
-MIN_TOKENS_PER_SPLIT = 128
+# Split-K heuristic parameters. A sequence is cut into runs of at least MIN_TOKENS_PER_SPLIT keys, at most
+# `num_splits` of them; `num_splits` is SPLIT_PROGRAMS_PER_SM * SMs over the batch's B * Hkv programs (B by its
+# power of two), as a power of two in [MIN_SPLITS, MAX_SPLITS]; no split at all when B * Hkv reaches
+# NO_SPLIT_PROGRAMS_PER_SM per SM. Graph-timed on the H100 (16 layers' caches, new K/V written, split counters) at
+# the lengths of a ShareGPT-like llama-1b run as it drains (256 to 24 rows), a uniform Qwen3-shape run (d 128,
+# 256 to 8 rows), MHA d 128, d 256 and 4 long rows (benchmarks/results/h100_2026-11-26c/): 256 / 32 / 4 was within
+# 0-3 % of the best configuration swept on all but one shape, and 4-17 % faster than the earlier rule (no split
+# from 4 programs per SM, 128-key runs) on all but a 256-row d-128 batch of long contexts (+2 %).
+NO_SPLIT_PROGRAMS_PER_SM = 32
+SPLIT_PROGRAMS_PER_SM = 32
+MIN_TOKENS_PER_SPLIT = 256
+MIN_SPLITS = 4
 MAX_SPLITS = 64
 
 
@@ -70,20 +76,22 @@ def _device_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
-    """Heuristic number of KV splits, from Python ints only (no device sync).
+    """Heuristic number of KV splits (the grid's; a sequence uses those its own keys fill), from Python ints only
+    (no device sync).
 
     The batch counts by its power of two: every power of two is a CUDA-graph bucket (`hf_paged.runner`), so a
     graph step and an eager step of the same sequences choose the same count (see the module docstring). The cap
-    by `max_context` cannot change a sequence's cut: its own key count is at most `max_context`.
+    by `max_context` cannot change a sequence's cut: its own key count is at most `max_context`. The interpreter
+    (no SMs to fill) never splits unless told to.
     """
+    device = torch.device(device)
     programs = triton.next_power_of_2(max(batch, 1)) * num_kv_heads
-    sms = _device_sms(torch.device(device))
-    if programs >= NO_SPLIT_PROGRAMS_PER_SM * sms or max_context <= MIN_TOKENS_PER_SPLIT:
+    sms = _device_sms(device)
+    if device.type != "cuda" or programs >= NO_SPLIT_PROGRAMS_PER_SM * sms or max_context <= MIN_TOKENS_PER_SPLIT:
         return 1
-    target = TARGET_PROGRAMS_PER_SM * sms
-    splits = triton.cdiv(target, programs)
-    splits = min(splits, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
-    splits = min(splits, triton.cdiv(max_context, block_n))
+    splits = triton.next_power_of_2(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs))
+    splits = max(MIN_SPLITS, min(splits, MAX_SPLITS))
+    splits = min(splits, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), triton.cdiv(max_context, block_n))
     return max(1, splits)
 
 
@@ -181,9 +189,9 @@ def _paged_decode_kernel(
     WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    sp = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
 
     seq_len = tl.load(SEQ + b).to(tl.int32)
     if HAS_KV_START:
@@ -197,16 +205,40 @@ def _paged_decode_kernel(
         kv_lo = kv_lo + (tl.maximum(seq_len - 1 - kv_lo, 0) // chunk) * chunk
     lo = kv_lo
     hi = seq_len
+    parts = 1
     if SPLIT:
         # this sequence's own keys, in whole tiles, over as many splits as it has MIN_SPLIT-token runs (at most the
         # grid's): a function of the sequence and the split count only (path-invariant, see the module docstring)
         base = (kv_lo // BLOCK_N) * BLOCK_N
         span = tl.maximum(seq_len - base, 0)
-        parts = tl.maximum(tl.minimum(tl.num_programs(2), tl.cdiv(span, MIN_SPLIT)), 1)
+        parts = tl.maximum(tl.minimum(tl.num_programs(0), tl.cdiv(span, MIN_SPLIT)), 1)
         per = tl.cdiv(tl.cdiv(span, parts), BLOCK_N) * BLOCK_N
         lo = tl.maximum(kv_lo, base + sp * per)
         hi = tl.minimum(seq_len, base + (sp + 1) * per)
+    # a fused combine reads only the splits the sequence uses: the grid's others have nothing to do (most of the
+    # grid in a batch of short sequences); the combine kernel reads every split, so they write empty partials for it
+    active = sp < parts
+    if not FUSE_REDUCE:
+        active = sp >= 0
+    if active:
+        _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale, softcap,
+                        stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                        stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
+                        stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
+                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, SPLIT, IEEE,
+                        DOT_F32, WRITE, FUSE_REDUCE)
 
+
+@triton.jit
+def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale, softcap,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                    stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
+                    stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
+                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+                    WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
+    """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -293,10 +325,10 @@ def _paged_decode_kernel(
             # every thread's stores are done (barrier) before the counter is bumped (release); the last one reads
             # them after its acquire, past L1 (`_combine_splits`), and resets the counter for the next launch
             tl.debug_barrier()
-            counter = CNT + b * tl.num_programs(1) + kvh
+            counter = CNT + b * tl.num_programs(2) + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-            if ticket == tl.num_programs(2) - 1:
-                _combine_splits(PACC, PM, PL, SINK, OUT, b64, head, gmask, tl.num_programs(2), stride_pab, stride_pah,
+            if ticket == parts - 1:  # the sequence's last split to finish (a split past `parts` never ran)
+                _combine_splits(PACC, PM, PL, SINK, OUT, b64, head, gmask, parts, stride_pab, stride_pah,
                                 stride_pas, stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM_V, HAS_SINKS)
                 tl.atomic_xchg(counter, 0)
     else:
@@ -443,7 +475,7 @@ def paged_decode(
         pacc = pm = pl = out  # unused
         pstrides = (0, 0, 0, 0, 0)
 
-    _paged_decode_kernel[(B, Hkv, num_splits)](
+    _paged_decode_kernel[(num_splits, B, Hkv)](
         query,
         key_cache,
         value_cache,
