@@ -95,7 +95,40 @@ def test_compiled_step_fuses_siblings_and_keeps_transformers_tokens(family):
     outs = engine.generate(prompts, max_new_tokens=10)
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert sl.FUSED["groups"] - before["groups"] == 2  # q/k/v and gate/up in the one compiled layer graph
+    # the layer's last residual add went into down_proj's GEMM; the one after o_proj is read by the norm after it
+    assert sl.FUSED["residual_adds"] - before["residual_adds"] == 1
     engine.close()
+
+
+class _RecordExamples(torch.fx.Interpreter):
+    def run_node(self, n):
+        n.meta["example_value"] = value = super().run_node(n)
+        return value
+
+
+def test_residual_add_folds_only_into_a_returned_bias_free_linear():
+    class Block(torch.nn.Module):
+        def __init__(self, bias: bool):
+            super().__init__()
+            self.o = torch.nn.Linear(16, 16, bias=False)
+            self.up = torch.nn.Linear(16, 32, bias=False)
+            self.down = torch.nn.Linear(32, 16, bias=bias)
+
+        def forward(self, h):  # functional linears: Dynamo's graphs call them so (a symbolic trace keeps modules)
+            F = torch.nn.functional
+            h = h + F.linear(h, self.o.weight)  # read by what follows: left to Inductor
+            return h + F.linear(F.silu(F.linear(h, self.up.weight)), self.down.weight, self.down.bias)
+
+    torch.manual_seed(0)
+    for bias, expected in ((False, 1), (True, 0)):
+        block = Block(bias)
+        x = torch.randn(1, 5, 16)
+        gm = torch.fx.symbolic_trace(block)
+        _RecordExamples(gm).run(x)  # Dynamo graphs carry example values; a symbolic trace does not
+        assert sl.fold_residual_adds(gm) == expected
+        torch.testing.assert_close(gm(x), block(x))
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert (torch.addmm in targets) == bool(expected)
 
 
 def test_weights_moved_after_compilation_are_stacked_again_and_read_anew():

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.dlpack
 
-__all__ = ["FUSED", "SIBLING_NAMES", "fusing_backend", "fuse_sibling_linears", "pack_siblings", "sibling_linear"]
+__all__ = ["FUSED", "SIBLING_NAMES", "fold_residual_adds", "fusing_backend", "fuse_sibling_linears", "pack_siblings",
+           "sibling_linear"]
 
 #: names of sibling projections reading one input, in transformers' decoder layers (q/k/v of attention, gate/up of a
 #: gated MLP); packing is by name, fusing in the graph by what the weights are
@@ -223,8 +224,85 @@ def _replace(graph: torch.fx.Graph, order: dict, x: torch.fx.Node, run: list, va
         graph.erase_node(node)
 
 
+_ADD = (operator.add, torch.add)
+
+
+def fold_residual_adds(gm: torch.fx.GraphModule) -> int:
+    """Rewrite `gm` (a Dynamo graph): `residual + linear(x, w)` (no bias, the sum only returned by the graph) becomes
+    one `addmm(residual, x, w.t())`, the add done in the GEMM's epilogue. Returns how many were folded.
+
+    Why: the compiled step compiles each decoder layer on its own (`hf_paged.runner.regional`), so the residual add
+    that ends a layer cannot fuse with the next layer's norm; it stayed a kernel of its own in every layer (about
+    1.5 us plus a launch gap on an H100 at decode batch sizes). Inductor folds `mm + add` itself only where no view
+    stands between them, and a linear over `[1, batch, hidden]` states is `view(mm(view(x)))`. Adds that something
+    else in the graph reads are left to Inductor, which fuses them with what reads them (e.g. add + RMSNorm).
+    """
+    graph = gm.graph
+    outputs = {n for n in graph.nodes if n.op == "output"}
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _ADD or len(node.args) != 2 or node.kwargs:
+            continue
+        if not node.users or any(user not in outputs for user in node.users):
+            continue
+        a, b = node.args
+        for linear, residual in ((a, b), (b, a)):
+            if _plain_linear_node(linear) and isinstance(residual, torch.fx.Node) and _same_layout(linear, residual):
+                _fold(graph, node, linear, residual)
+                folded += 1
+                break
+    if folded:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return folded
+
+
+def _plain_linear_node(node) -> bool:
+    """A bias-free linear over a 2-D weight whose one reader is the add."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _LINEAR:
+        return False
+    if len(node.users) != 1 or len(node.args) > 3 or set(node.kwargs) - {"weight", "bias"}:
+        return False
+    args = list(node.args) + [None] * (3 - len(node.args))
+    weight, bias = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    value = weight.meta.get("example_value") if isinstance(weight, torch.fx.Node) else None
+    return bias is None and isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(args[0], torch.fx.Node)
+
+
+def _same_layout(linear: torch.fx.Node, residual: torch.fx.Node) -> bool:
+    """The residual has the linear output's shape and dtype (no broadcast, no promotion: addmm's result is that)."""
+    out, res = linear.meta.get("example_value"), residual.meta.get("example_value")
+    return (isinstance(out, torch.Tensor) and isinstance(res, torch.Tensor) and out.dim() >= 2
+            and tuple(out.shape) == tuple(res.shape) and out.dtype == res.dtype and out.device == res.device)
+
+
+def _fold(graph: torch.fx.Graph, add: torch.fx.Node, linear: torch.fx.Node, residual: torch.fx.Node) -> None:
+    args = list(linear.args) + [None] * (3 - len(linear.args))
+    x, weight = args[0], linear.kwargs.get("weight", args[1])
+    out, w = linear.meta["example_value"], weight.meta["example_value"]
+    cols, inner = int(w.shape[0]), int(w.shape[1])  # a weight's sizes are static (the batch may be symbolic)
+    rows = out.numel() // cols
+    with graph.inserting_before(add):
+        x2 = graph.call_method("reshape", (x, -1, inner))
+        r2 = graph.call_method("reshape", (residual, -1, cols))
+        wt = graph.call_method("t", (weight,))
+        mm = graph.call_function(torch.addmm, (r2, x2, wt))
+        back = graph.call_method("view_as", (mm, residual))
+    # example values, as `_replace` keeps them (AOTAutograd's cache reads them)
+    for node, value in ((x2, out.new_empty((rows, inner))), (r2, out.new_empty((rows, cols))), (wt, w.t()),
+                        (mm, out.new_empty((rows, cols))), (back, out.new_empty(out.shape))):
+        node.meta.update(add.meta)
+        node.meta["example_value"] = value
+    add.replace_all_uses_with(back)
+    graph.erase_node(add)
+
+
+#: residual adds folded into GEMMs by `fusing_backend` (see `fold_residual_adds`); off: Inductor's own kernels
+FOLD_RESIDUAL_ADDS = True
+
 #: groups fused by `fusing_backend` in this process (tests and benchmarks read it)
-FUSED = {"graphs": 0, "groups": 0}
+FUSED = {"graphs": 0, "groups": 0, "residual_adds": 0}
 
 
 #: Inductor's combo kernels (independent point-wise kernels of a graph launched as one): in a decode layer, the
@@ -234,12 +312,15 @@ COMBO_KERNELS = True
 
 
 def fusing_backend(gm: torch.fx.GraphModule, example_inputs):
-    """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, then Inductor (with `COMBO_KERNELS`)."""
+    """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, `fold_residual_adds`, then Inductor (with
+    `COMBO_KERNELS`)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     FUSED["graphs"] += 1
     FUSED["groups"] += fuse_sibling_linears(gm, example_inputs)
+    if FOLD_RESIDUAL_ADDS:
+        FUSED["residual_adds"] += fold_residual_adds(gm)
     combo = COMBO_KERNELS and hasattr(inductor_config, "combo_kernels")
     with inductor_config.patch(combo_kernels=True) if combo else nullcontext():
         return compile_fx(gm, example_inputs)
