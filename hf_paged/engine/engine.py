@@ -321,6 +321,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             sampler = _timed(self._warm_up_sampler)
             if runner.decode_mode == "graph" or runner.compile_decode:
                 runner.capture_all()
+            runner.warm_up_uploads()
             if not dry:
                 compiled_prefill = _timed(runner.warm_up_compiled_prefill)  # through the layers just compiled
             captures = sorted(runner.capture_seconds.items(), reverse=True)
