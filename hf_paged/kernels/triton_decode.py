@@ -53,9 +53,10 @@ _CONFIGS = {
 # power of two), as a power of two in [MIN_SPLITS, MAX_SPLITS]; no split at all when B * Hkv reaches
 # NO_SPLIT_PROGRAMS_PER_SM per SM. Graph-timed on the H100 (16 layers' caches, new K/V written, split counters) at
 # the lengths of a ShareGPT-like llama-1b run as it drains (256 to 24 rows), a uniform Qwen3-shape run (d 128,
-# 256 to 8 rows), MHA d 128, d 256 and 4 long rows (benchmarks/results/h100_2026-11-26c/): 256 / 32 / 4 was within
-# 0-3 % of the best configuration swept on all but one shape, and 4-17 % faster than the earlier rule (no split
-# from 4 programs per SM, 128-key runs) on all but a 256-row d-128 batch of long contexts (+2 %).
+# 256 to 8 rows), MHA d 128, d 256 and 4 long rows (benchmarks/results/h100_2026-11-26c/, call 03): within 0-3 % of
+# the best split setting swept for this tile (runs of 128 / 256 / 512 keys, 1-16 splits) on 12 of the 14 shapes
+# (6 % and 4.5 % off on two), 1-17 % faster than the earlier rule (no split from 4 programs per SM, 128-key runs) on
+# 13 of them, 2 % slower on a 256-row batch of long d-128 contexts.
 NO_SPLIT_PROGRAMS_PER_SM = 32
 SPLIT_PROGRAMS_PER_SM = 32
 MIN_TOKENS_PER_SPLIT = 256
