@@ -1,0 +1,119 @@
+"""Decode kernel: per-head programs (old) vs heads-grouped programs, at ragged lengths of real runs."""
+import json
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, "benchmarks")
+from bench_decode_splits import graph_time_us  # noqa: E402
+from bench_generate import make_workload  # noqa: E402
+
+from hf_paged.kernels import triton_decode as td  # noqa: E402
+
+OUT = sys.argv[1]
+QUICK = "--quick" in sys.argv
+bs = 16
+
+
+def snapshots(kind, n, ths):
+    wl = make_workload(kind, n, 0)
+    ins = np.array([len(p) for p, _ in wl])
+    outs = np.array([o for _, o in wl])
+    res = {}
+    for t in range(0, int(outs.max())):
+        alive = outs > t
+        c = int(alive.sum())
+        for th in ths:
+            if th not in res and c <= th:
+                res[th] = (ins[alive] + t).tolist()
+    return res
+
+
+shapes = []
+for th, lens in snapshots("sharegpt", 256, (256, 200, 128, 96, 64, 24, 8)).items():
+    shapes.append((f"llama1b-sharegpt-{th}", 32, 8, 64, lens, 4096))
+for th, lens in snapshots("uniform", 256, (256, 128, 64, 24, 8)).items():
+    shapes.append((f"qwen3-uniform-{th}", 16, 8, 128, lens, 4096))
+rng = np.random.default_rng(1)
+shapes.append(("mha-d128-B64", 32, 32, 128, rng.integers(100, 2000, 64).tolist(), 4096))
+shapes.append(("gemma-d256-B32", 8, 4, 256, rng.integers(100, 2000, 32).tolist(), 8192))
+shapes.append(("llama8b-B4-4000", 32, 8, 128, [4000, 3000, 500, 7000], 8192))
+if QUICK:
+    shapes = [s for s in shapes if s[0] in ("llama1b-sharegpt-256", "llama1b-sharegpt-24", "qwen3-uniform-128")]
+
+results = {}
+for name, Hq, Hkv, D, lens, width in shapes:
+    n = len(lens)
+    buckets = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, 257, 32))
+    B = next(b for b in buckets if b >= n)
+    mb = width // bs
+    need = sum((x + bs) // bs for x in lens)
+    per_layer = need * Hkv * bs * D * 2 * 2
+    L = max(2, min(16, int(12e9 // max(per_layer, 1))))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(L):
+        kc = torch.randn(need + 1, Hkv, bs, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        perm = torch.randperm(need, device="cuda", generator=g).to(torch.int32)
+        bt = torch.zeros(B, mb, dtype=torch.int32, device="cuda")
+        at = 0
+        for r, x in enumerate(lens):
+            k = (x + bs) // bs
+            bt[r, :k] = perm[at:at + k]
+            at += k
+        layers.append((kc, vc, bt))
+    seq = torch.zeros(B, dtype=torch.int32, device="cuda")
+    seq[:n] = torch.tensor(lens, dtype=torch.int32) + 1
+    bt0 = layers[0][2].cpu()
+    slots = torch.full((B,), -1, dtype=torch.long, device="cuda")
+    slots[:n] = torch.tensor([int(bt0[r, x // bs]) * bs + x % bs for r, x in enumerate(lens)], dtype=torch.long)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    kn = torch.randn(B, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vn = torch.randn_like(kn)
+    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(B * Hkv, dtype=torch.int32, device="cuda")
+    bound_us = sum(x + 1 for x in lens) * Hkv * D * 2 * 2 / 3.0e12 * 1e6
+
+    def call():
+        for kc, vc, bt in layers:
+            td.paged_decode(q, kc, vc, bt, seq, 0.125, max_context=mb * bs, out=out, new_kv=(kn, vn, slots),
+                            split_counters=counters)
+
+    def timed(grouped, **override):
+        td.GROUPED = grouped
+        td.GROUPED_OVERRIDE = override
+        try:
+            return round(graph_time_us(call, calls=1, replays=30) / L, 2)
+        except Exception as error:
+            return str(error)[:60]
+        finally:
+            td.GROUPED, td.GROUPED_OVERRIDE = True, {}
+
+    # correctness: grouped vs old on this shape (no write: the write is idempotent here)
+    td.GROUPED = False
+    ref = td.paged_decode(q, *layers[0], seq, 0.125, max_context=mb * bs)
+    td.GROUPED = True
+    new = td.paged_decode(q, *layers[0], seq, 0.125, max_context=mb * bs)
+    err = (ref[:n].float() - new[:n].float()).abs().max().item()
+    row = {"n": n, "bucket": B, "mean_len": float(np.mean(lens)), "max_len": int(max(lens)), "bound_us": bound_us,
+           "layers": L, "max_abs_diff": err, "old": timed(False), "grouped": timed(True)}
+    row["old_splits"] = td.default_num_splits(B, Hkv, D, mb * bs, q.device)
+    variants = {}
+    for hb in (1, 2):
+        for t in ((64, 128) if hb == 1 else (32, 64)):
+            for st in (2, 3):
+                for S in (1, 2, 4, 8, 16):
+                    for ck in ((128, 256, 512) if S > 1 else (1 << 20,)):
+                        variants[f"hb{hb}-tok{t}-s{st}-S{S}-c{ck}"] = timed(True, hb=hb, tok=t, num_warps=4,
+                                                                           num_stages=st, max_splits=S, chunk_keys=ck)
+    row["variants"] = variants
+    good = {k: v for k, v in variants.items() if isinstance(v, float)}
+    row["best"] = min(good.items(), key=lambda kv: kv[1]) if good else None
+    results[name] = row
+    print(f"{name}: n {n} mean {row['mean_len']:.0f} bound {bound_us:.1f} old {row['old']} grouped {row['grouped']} "
+          f"best {row['best']} diff {err:.1e} old splits {row['old_splits']}", flush=True)
+    layers = None  # (was `del layers` as run)
+    torch.cuda.empty_cache()
+    json.dump(results, open(f"{OUT}/sweep_grouped.json", "w"), indent=1)
