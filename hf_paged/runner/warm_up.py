@@ -74,7 +74,7 @@ class WarmUpForwards:
         store's `index_copy_` and the pipelined step's input-id `index_select`. CUDA loads a kernel's code at its first
         launch (lazy module loading): on an H100 these two cost the first decode step of a run about 30 ms otherwise.
         Nothing changes: the copied store row is its own content, the selected ids are thrown away."""
-        if self.decode_mode != "graph" or self.device.type != "cuda":
+        if self.decode_mode == "eager" or self.device.type != "cuda":  # no static step
             return
         self._ensure_buffers()
         b = self._buffers
