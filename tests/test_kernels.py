@@ -316,7 +316,7 @@ def test_split_heuristic_on_an_h100_sized_device(monkeypatch):
 
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     assert td.choose_num_splits(256, 8, 4096, 64, "cuda") == td.MIN_SPLITS
-    assert td.choose_num_splits(24, 8, 4096, 64, "cuda") == 16  # 256 programs: 32 per SM over 16 splits
+    assert td.choose_num_splits(24, 8, 4096, 64, "cuda") == 16  # 256 programs want 32 splits; the table has 16 runs
     assert td.choose_num_splits(1, 8, 1 << 16, 64, "cuda") == td.MAX_SPLITS
     assert td.choose_num_splits(24, 8, 300, 64, "cuda") == 2  # no more splits than 256-key runs in the table
     assert td.choose_num_splits(24, 8, td.MIN_TOKENS_PER_SPLIT, 64, "cuda") == 1
