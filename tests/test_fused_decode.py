@@ -115,6 +115,10 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="split_counters"):
         kernels.write_and_paged_decode(q, k, v, kc, vc, slots, bt, lens, 0.3,
                                        split_counters=torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="split_counters"):  # fewer than batch * KV heads
+        kernels.write_and_paged_decode(q, k, v, kc, vc, slots, bt, lens, 0.3,
+                                       split_counters=torch.zeros(k.shape[0] * k.shape[1] - 1, dtype=torch.int32,
+                                                                  device=DEVICE))
     with pytest.raises(ValueError, match="seq_lens"):
         kernels.write_and_paged_decode(q, k, v, kc, vc, slots, bt, lens[:1], 0.3)
 

@@ -271,6 +271,9 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
             raise ValueError(f"slot_mapping must have shape [{batch}], got {tuple(slot_mapping.shape)}")
     if split_counters is not None:
         _check_tensor("split_counters", split_counters, 1, (torch.int32,), dev)
+        if split_counters.numel() < batch * key_cache.shape[1]:
+            raise ValueError(f"split_counters must hold at least batch * KV heads = {batch * key_cache.shape[1]} "
+                             f"counters, got {split_counters.numel()}")
     _check_options(query.shape[1], query.device, opts["sliding_window"], opts["softcap"], opts["sinks"],
                    opts["chunk_size"])
     if get_backend(query.device) == "triton":

@@ -460,7 +460,7 @@ def paged_decode(
     has_kv_start = kv_start is not None
     kvs = kv_start if has_kv_start else seq_lens
 
-    fuse_reduce = num_splits > 1 and split_counters is not None and split_counters.numel() >= B * Hkv
+    fuse_reduce = num_splits > 1 and split_counters is not None  # its size is checked by `kernels._decode`
     if new_kv is not None:
         k_new, v_new, slots = new_kv
         new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
