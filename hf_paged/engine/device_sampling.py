@@ -90,13 +90,12 @@ class DevicePicker:
             return
         logits = torch.zeros((1, vocab), dtype=dtype, device=self.device)
         self.pick(logits, [(1.0, 2, 0.5, 0.0, 0)], [0])
-        # past one row per SM the greedy pick is torch's argmax: launched once here too, as CUDA loads a kernel's code
-        # at its first launch (about 6 ms in the first greedy step of 256 rows on an H100 otherwise)
-        many = getattr(self._argmax, "sms", 0) + 1
+        warm_greedy = getattr(self._argmax, "warm_up", None)  # the Triton pick's two paths; torch's argmax has one
         for pick_dtype in {dtype, torch.float32}:
-            self.pick(logits.to(pick_dtype), [(0.0, 0, 1.0, 0.0, 0)], [0])
-            if many > 1:
-                self._argmax(torch.zeros((many, vocab), dtype=pick_dtype, device=self.device))
+            if warm_greedy is not None:
+                warm_greedy(vocab, pick_dtype)
+            else:
+                self.pick(logits.to(pick_dtype), [(0.0, 0, 1.0, 0.0, 0)], [0])
         torch.cuda.synchronize(self.device)
 
     def request_seed(self, seed: int | None) -> int:
