@@ -75,6 +75,22 @@ def test_argmax_rows_strided_and_empty(backend, monkeypatch):
     assert argmax_rows(x[:0]).shape == (0,)
 
 
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
+def test_greedy_pick_warm_up_runs_both_paths(monkeypatch):
+    """One row through the kernel, one more row than SMs through torch's argmax (what a big batch's pick runs)."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    from hf_paged.kernels import triton_argmax
+
+    monkeypatch.setattr(triton_argmax, "_device_sms", lambda device: 4)
+    pick = greedy_picker(DEVICE)
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **k: calls.append(self.shape[0]) or
+                        torch.zeros(self.shape[0], dtype=torch.int64, device=self.device))
+    pick.warm_up(300, torch.float32)
+    assert calls == [5]  # the 5-row pick went to torch
+    assert pick.values is not None and not pick.counters.any()  # the 1-row pick ran the kernel
+
+
 def test_argmax_rows_bad_input_is_named():
     with pytest.raises(ValueError, match="logits"):
         argmax_rows(torch.zeros(5, device=DEVICE))
