@@ -45,6 +45,14 @@ def _run(model, requests, *, batched: bool, monkeypatch, **engine_kwargs):
             return out
 
         engine.scheduler.schedule_decode_step = recorded
+        on_arrays = [0]  # steps applied on the batch's arrays (`_apply_rows`)
+        apply_rows = type(engine)._apply_rows
+
+        def counted(self, *args):
+            on_arrays[0] += 1
+            return apply_rows(self, *args)
+
+        patch.setattr(type(engine), "_apply_rows", counted)
         outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
         stats = engine.kv_stats()
         prefix = engine.prefix_cache_stats()
@@ -54,7 +62,7 @@ def _run(model, requests, *, batched: bool, monkeypatch, **engine_kwargs):
     results = [[o.token_ids for o in r.outputs] for r in outs]
     assert all(_IN_FLIGHT not in t for r in results for t in r)
     assert stats.used_blocks == 0
-    return results, steps, batch_steps[0], (prefix.hit_tokens, prefix.cached_blocks)
+    return results, steps, batch_steps[0], (prefix.hit_tokens, prefix.cached_blocks), on_arrays[0]
 
 
 def _requests(seed: int, count: int, *, sampled: bool = False, eos: bool = False, shared: int = 0):
@@ -87,6 +95,7 @@ def test_batch_steps_reserve_what_the_per_sequence_path_does(model, monkeypatch,
     fast = _run(model, requests, batched=True, monkeypatch=monkeypatch, **engine_kwargs)
     slow = _run(model, requests, batched=False, monkeypatch=monkeypatch, **engine_kwargs)
     assert fast[2] > 0 and slow[2] == 0  # the fast path ran (and only there)
+    assert fast[4] > 0 and slow[4] == 0  # and its steps' tokens went in on the arrays
     assert fast[0] == slow[0]  # every request's tokens
     assert len(fast[1]) == len(slow[1])
     for k, (a, b) in enumerate(zip(fast[1], slow[1])):

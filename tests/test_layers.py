@@ -151,14 +151,24 @@ def test_the_check_sees_an_upward_import(tmp_path) -> None:
         del MODULES[module]
 
 
+# core modules that may use numpy, imported inside a function (or for type checkers) only: the pipelined decode rows
+# (their arrays cut the per-step host work at 256 requests by a third); the block manager, the scheduler and the
+# sequences import nothing but the standard library
+CORE_NUMPY_INSIDE_FUNCTIONS = {"core.decode_batch"}
+
+
 def test_core_needs_no_torch() -> None:
     for module in MODULES:
         if module.startswith("core."):
             tree = ast.parse(MODULES[module].read_text())
+            inside = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) or (  # or for type checkers
+                isinstance(f, ast.If) and getattr(f.test, "id", None) == "TYPE_CHECKING") for n in ast.walk(f)}
             for node in ast.walk(tree):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-                assert not any(n.split(".")[0] in ("torch", "numpy", "transformers") for n in names), (
+                banned = ("torch", "transformers") if module in CORE_NUMPY_INSIDE_FUNCTIONS and id(node) in inside \
+                    else ("torch", "numpy", "transformers")
+                assert not any(n.split(".")[0] in banned for n in names), (
                     f"hf_paged/{module.replace('.', '/')}.py imports {names}: core is pure Python")
 
 

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import hf_paged
+from hf_paged.core.seq_blocks import NULL_BLOCK
 from hf_paged.engine import _IN_FLIGHT
 from hf_paged.testing import tiny_model
 
@@ -165,9 +166,14 @@ def test_store_rows_match_the_tables_after_every_static_step(model, prompts, ref
         result = execute_static(self, sched, input_tokens)
         if self.last_static and self._last_rows is not None:
             bm = self.cache.block_manager
+            store = self._buffers["store"]
             for item in sched.scheduled:
                 table = bm.table_view(item.seq.seq_id)
-                assert self._row_of[item.seq.seq_id][1:] == [len(table), table[-1]], item.seq.seq_id
+                row, length, last = self._row_of[item.seq.seq_id]
+                assert [length, last] == [len(table), table[-1]], item.seq.seq_id
+                # the store row the kernels read holds the table (entries released out of a window may keep any id)
+                live = [k for k, block in enumerate(table) if block != NULL_BLOCK]
+                assert store[row, live].tolist() == [table[k] for k in live], item.seq.seq_id
         return result
 
     monkeypatch.setattr(ModelRunner, "_execute_static", checked)

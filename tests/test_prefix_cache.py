@@ -11,6 +11,7 @@ computed, recompute hitting its own blocks).
 from __future__ import annotations
 
 import importlib
+import random
 import subprocess
 import sys
 import types
@@ -529,3 +530,40 @@ def test_recompute_preemption_hits_its_own_blocks_on_readmission() -> None:
     assert bm.prefix_hit_tokens - hits_before >= 4  # the preempted request's own computed blocks
     check_pools(bm)
 
+
+
+
+def test_commit_rows_keys_what_commit_keys() -> None:
+    """`commit_rows` (the blocks a decode batch's rows just filled, by record) gives every sequence the keys, entries
+    and cache entries that `commit` gives it: on its own path (one new block after the keyed ones, stale or not) and
+    through `commit` for the rows it hands over (a prompt's keys still pending, a lag of two blocks)."""
+    rng = random.Random(5)
+    shared = [rng.randrange(1000) for _ in range(8)]
+    tokens = {k: shared + [rng.randrange(1000) for _ in range(20)] for k in range(5)}
+    # (keyed after admission, tokens reserved, end of the filled block)
+    plans = {0: (True, 12, 12), 1: (True, 16, 16), 2: (False, 12, 12), 3: (True, 12, 12), 4: (True, 13, 12)}
+
+    def build() -> BlockManager:
+        bm = manager(num_blocks=40)
+        for k, (keyed, reserved, _) in plans.items():
+            bm.append_slots(k, 10 - bm.allocate_prefix(k, tokens[k][:10]))
+            if keyed:
+                bm.commit(k, tokens[k], 10)
+            bm.append_slots(k, reserved - bm.num_tokens(k))
+        bm._seqs[3].stale = True  # e.g. the weights changed while it ran: its blocks are never offered
+        return bm
+
+    one, rows = build(), build()
+    for k, (_, _, end) in plans.items():
+        one.commit(k, tokens[k], end)
+    rows.commit_rows([rows._seqs[k] for k in plans], [tokens[k] for k in plans], [end for _, _, end in plans.values()])
+    for k in plans:
+        a, b = one._seqs[k], rows._seqs[k]
+        assert (a.keys, a.entries, a.committed) == (b.keys, b.entries, b.committed), k
+        assert b.committed == plans[k][2] // 4
+    assert rows._seqs[3].entries[-1] is None and rows._seqs[0].entries[-1] is not None
+    for k in plans:
+        probe = tokens[k][:12] + [1]
+        assert one.match_prefix(probe).num_cached_tokens == rows.match_prefix(probe).num_cached_tokens
+    assert rows.match_prefix(tokens[0][:12] + [1]).num_cached_tokens == 12
+    check_pools(rows)

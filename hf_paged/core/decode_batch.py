@@ -3,10 +3,15 @@
 Why: a busy engine's pipelined decode step schedules the same sequences as the step before, each one token further.
 Done per sequence through the general path, that was most of the step's host work at 256 running requests:
 checking every group, reserving every slot, building every `ScheduledSeq`, looking for prefix-cache blocks to commit.
-`DecodeBatch` keeps the rows between steps (positions, last blocks, slots; plain lists: `core` is pure Python) and
-advances them by one. Only the rows whose next token starts a new block (one in `block_size`) take the per-sequence
-path: commit the block just filled, allocate the next one. The `ScheduledSeq` items of the step before last are
-updated in place and reused: that step is applied by then, and nothing holds its items any more.
+`DecodeBatch` keeps the rows between steps and advances them by one. Its positions, last blocks and slots are numpy
+arrays, so a step's advance is a few array operations plus one store per row into the block manager's records; the
+runner copies the arrays into its upload buffers without a conversion. (`core` never imports torch; numpy, a
+dependency of the package, is imported when the first batch is built, so the block manager alone needs neither.) Only the rows whose next token starts a new block (one in `block_size`) take the
+per-sequence path: commit the block just filled, allocate the next one.
+
+A step's items are `BatchRow`s: the `ScheduledSeq` view of one row, reading its position and slot from the step's
+arrays. Two sets of items alternate, one per step in flight (the step before last is applied by the time its arrays
+are overwritten), so an advance touches no item.
 
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence, and the
 scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
@@ -17,16 +22,58 @@ preemption) removes a group from the running list, or goes through `schedule()`,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .sequence import SequenceStatus
 
-__all__ = ["DecodeBatch"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["BatchRow", "DecodeBatch", "StepRows"]
+
+
+class StepRows:
+    """The arrays of one step of a `DecodeBatch`: each row's position (`starts`) and slot, and the step's number."""
+
+    __slots__ = ("number", "slots", "starts")
+
+    def __init__(self, starts: np.ndarray, slots: np.ndarray, number: int) -> None:
+        self.starts, self.slots, self.number = starts, slots, number
+
+
+class BatchRow:
+    """Row `k` of a `DecodeBatch` step, read as the `ScheduledSeq` it stands for: one token of `seq` at `start`.
+
+    The general paths (a failed step, the eager fallback, the tests) read these fields; the hot path reads the
+    step's arrays directly."""
+
+    __slots__ = ("_k", "_step", "group", "seq")
+    num_tokens = 1
+
+    def __init__(self, seq, group, step: StepRows, k: int) -> None:
+        self.seq, self.group, self._step, self._k = seq, group, step, k
+
+    @property
+    def start(self) -> int:
+        return int(self._step.starts[self._k])
+
+    @property
+    def slots(self) -> list[int]:
+        return [int(self._step.slots[self._k])]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + 1 == self.seq.num_tokens
+
+    def __repr__(self) -> str:
+        return f"BatchRow(seq_id={self.seq.seq_id!r}, start={self.start}, slot={self.slots[0]})"
 
 
 class DecodeBatch:
-    """The running single-sequence groups of the last pipelined decode step, with its rows in lists."""
+    """The running single-sequence groups of the last pipelined decode step, with its rows in arrays."""
 
     __slots__ = ("groups", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks", "headroom",
-                 "items", "spare", "same_rows", "eos", "limits", "token_stops_only")
+                 "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only", "number")
 
     def __init__(self, groups: list, items: list, records: list) -> None:
         self.groups = list(groups)  # == scheduler.running while the batch is valid
@@ -34,21 +81,35 @@ class DecodeBatch:
         self.records_ = records  # the block manager's records of `seqs`, in order
         self.seq_ids = [seq.seq_id for seq in self.seqs]  # one list for every step: the runner compares it by identity
         self.specs = [group.data.get("device_params") for group in self.groups]  # one list too (`DevicePicker`)
-        self.starts = [item.start for item in items]  # the last step's positions
-        self.slots = [item.slots[0] for item in items]  # and slots
-        self.last_blocks = [record.table[-1] for record in records]
-        # steps until the first row reaches its length limit (prompt + max_new_tokens tokens); every row advances by
-        # one token a step, so the smallest gap is all there is to track
-        self.limits = [seq.prompt_len + group.params.max_new_tokens for seq, group in zip(self.seqs, self.groups)]
-        self.headroom = min(limit - item.start for limit, item in zip(self.limits, items))
+        import numpy as np  # (see the module docstring)
+
+        n = len(items)
+        starts = np.fromiter((item.start for item in items), np.int64, n)  # the last step's positions
+        slots = np.fromiter((item.slots[0] for item in items), np.int64, n)  # and slots
+        self.last_blocks = np.fromiter((record.table[-1] for record in records), np.int64, n)
+        # a step's length limit per row (prompt + max_new_tokens tokens); every row advances by one token a step, so
+        # the smallest gap is all there is to track for `finishing`
+        limits = np.fromiter((seq.prompt_len + group.params.max_new_tokens
+                              for seq, group in zip(self.seqs, self.groups)), np.int64, n)
+        self.headroom = int((limits - starts).min()) if n else 0
+        # a row whose step starts here or later gives the token that reaches its length limit (its position + 2)
+        self.last_starts = limits - 2
         # what stops a row, for `PipelinedDecode._apply`: its EOS ids and its length limit, unless some row also has
         # stop strings or stopping criteria (then every token goes through the engine's full stop check)
         self.eos = [group.params.eos_token_id for group in self.groups]
+        first = self.eos[0] if self.eos else ()
+        # the EOS ids of every row when all rows share them (requests of one model usually do), else None
+        self.eos_ids = list(first) if all(eos == first for eos in self.eos) else None
         self.token_stops_only = not any(group.params.stop_strings or group.params.stopping_criteria
                                         for group in self.groups)
-        self.items = items  # the last step's ScheduledSeq items
-        self.spare: list | None = None  # the items of the step before it (applied: free to reuse)
-        self.same_rows = list(range(len(items)))  # row k of a step is row k of the step before
+        # the step this batch was seeded from is step 0; its items stay the scheduler's, the batch's own steps
+        # alternate between two sets of rows (`BatchRow`), each set reading its own arrays
+        self.number = 0
+        self.starts, self.slots = starts, slots
+        self.steps = [StepRows(starts, slots, 0), StepRows(starts, slots, -1)]
+        self.items = [[BatchRow(seq, group, step, k) for k, (seq, group) in enumerate(zip(self.seqs, self.groups))]
+                      for step in self.steps]
+        self.same_rows = np.arange(n, dtype=np.int64)  # row k of a step is row k of the step before
 
     @staticmethod
     def records(groups: list, items: list, block_manager) -> list | None:
@@ -56,7 +117,7 @@ class DecodeBatch:
         group one plain running sequence, each last block that a token will go into private and uncached. Else None.
         (A batch reads and advances the block manager's records directly: it is that manager's batched decode
         reservation, kept apart because it lives across steps.)"""
-        if len(items) != len(groups):
+        if not items or len(items) != len(groups):
             return None
         running = SequenceStatus.RUNNING
         seqs = block_manager._seqs
@@ -83,49 +144,52 @@ class DecodeBatch:
         group out of it (what `PipelinedDecode._schedule_next` computes per row otherwise)."""
         return self.headroom <= 2
 
-    def offsets(self) -> list[int]:
+    def offsets(self) -> np.ndarray:
         """Where each row of the last step draws its token (`device_sampling.offset`): its sequence's length then
         (one past its position), sample index 0 (one sequence per group)."""
-        return [start + 1 for start in self.starts]
+        return self.starts + 1
+
+    def rows_of(self, number: int) -> StepRows | None:
+        """The arrays of the batch's step `number`, while they are kept (the last two steps)."""
+        for step in self.steps:
+            if step.number == number:
+                return step
+        return None
 
     def advance(self, block_manager) -> tuple[list, list[int]] | None:
         """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would. Return
         `(items, fresh)`: the step's items and the rows whose table gained a block. Return None, with nothing
         reserved, when the pool cannot hold the new blocks.
 
-        This repeats what `BlockManager._append_one_each` does for rows like these (allocate, slot, length) in the
-        loop that also updates the items: through that method the step took a second pass over the rows, 40 us of
-        host work at 256 rows (0.26 -> 0.30 ms on the CPU sandbox). `tests/test_decode_batch.py` checks that every
-        step reserves the slots and blocks that the per-sequence path does."""
+        This repeats what `BlockManager._append_one_each` does for rows like these (allocate, slot, length), on the
+        arrays; `tests/test_decode_batch.py` checks that every step reserves the slots and blocks that the
+        per-sequence path does."""
         mask, shift = block_manager._mask, block_manager._shift
-        starts = [start + 1 for start in self.starts]
-        fresh = [row for row, start in enumerate(starts) if not start & mask]  # tokens that open a new block
+        starts = self.starts + 1
+        offsets = starts & mask
+        fresh = [] if offsets.all() else (offsets == 0).nonzero()[0].tolist()  # tokens that open a new block
         gpu = block_manager.gpu
         if len(fresh) > gpu.num_free:
             return None
         records, last_blocks = self.records_, self.last_blocks
         if fresh:
-            caching = block_manager.enable_prefix_caching
+            if block_manager.enable_prefix_caching:  # the blocks before these are computed now: key them, as
+                seqs = self.seqs                     # `append_decode_slots` does
+                block_manager.commit_rows([records[row] for row in fresh], [seqs[row].token_ids for row in fresh],
+                                          starts[fresh].tolist())
             allocate = gpu.allocate
             for row in fresh:
-                if caching:  # the block before this one is computed now: key it, as `append_decode_slots` does
-                    seq = self.seqs[row]
-                    block_manager.commit(seq.seq_id, seq.token_ids, starts[row])
                 block = allocate()
                 records[row].table.append(block)
                 last_blocks[row] = block
             block_manager._num_logical += len(fresh)
-        items = self.spare
-        if items is None:
-            items = [type(item)(item.seq, item.group, 0, 1, [0]) for item in self.items]
-        slots = []
-        for item, record, start, block in zip(items, records, starts, last_blocks):
-            slot = (block << shift) | (start & mask)
-            record.num_tokens = start + 1
-            item.start = start
-            item.slots[0] = slot
-            slots.append(slot)
-        self.spare, self.items = self.items, items
+        slots = (last_blocks << shift) | offsets
+        for record, length in zip(records, (starts + 1).tolist()):
+            record.num_tokens = length
+        self.number += 1
+        step = self.steps[self.number & 1]
+        step.starts, step.slots, step.number = starts, slots, self.number
         self.starts, self.slots = starts, slots
         self.headroom -= 1
+        items = self.items[self.number & 1]
         return items, fresh

@@ -146,6 +146,12 @@ class PrefixCaching:
         seq = self._get(seq_id)
         if not self.enable_prefix_caching or seq.swapped:
             return 0
+        return self._commit_record(seq, token_ids, num_computed)
+
+    def _commit_record(self, seq, token_ids: Sequence[int], num_computed: int) -> int:
+        """`commit` of a sequence's record (with prefix caching on and the sequence resident)."""
+        if seq.swapped:
+            return 0
         shift = self._shift
         n = num_computed
         if type(n) is not int or n < 0:  # validate off the per-step fast path
@@ -167,6 +173,30 @@ class PrefixCaching:
             entries.append(None if parent is None or seq.stale else gpu.register(table[i], keys[i], parent, chunk))
         seq.committed = full
         return full - start
+
+    def commit_rows(self, records: list, token_lists: list, ends: list[int]) -> None:
+        """`commit` for rows of a decode batch (`DecodeBatch.advance`), by their records: each `ends[k]` is a
+        multiple of the block size, the end of the block that row k just filled, the only one it has not keyed.
+        The same keys and entries as `commit`, without its look-ups and checks (a decode step's rows are running,
+        resident sequences of this manager); a row that is not in that state takes `commit` itself."""
+        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
+        register = gpu.register
+        shift = self._shift
+        for record, token_ids, end in zip(records, token_lists, ends):
+            i = (end >> shift) - 1  # the block just filled
+            keys, entries = record.keys, record.entries
+            if record.committed != i or len(keys) != i or record.swapped or end > record.num_tokens:
+                self._commit_record(record, token_ids, end)
+                continue
+            chunk = tuple(token_ids[end - (1 << shift) : end])
+            if i:
+                keys.append(hash_block(keys[i - 1], chunk))
+                parent = entries[i - 1]
+            else:
+                keys.append(hash_block(ROOT_KEY, chunk))
+                parent = ROOT_ENTRY
+            entries.append(None if parent is None or record.stale else register(record.table[i], keys[i], parent, chunk))
+            record.committed = i + 1
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block's content (the weights that computed it changed); return the entries dropped.

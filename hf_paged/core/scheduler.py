@@ -74,6 +74,8 @@ class SchedulerOutput:
     table_changes: list[int] | None = None
     # a pipelined decode step of the scheduler's `DecodeBatch`: its rows' positions and slots are in the batch's arrays
     batch: DecodeBatch | None = None
+    # and which of the batch's steps it is (`DecodeBatch.rows_of`)
+    batch_step: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -292,7 +294,7 @@ class Scheduler:
                     return None  # the pool cannot hold the new blocks: nothing was reserved
                 items, fresh = advanced
                 return SchedulerOutput(scheduled=items, decode_step=True, distinct_groups=True, table_changes=fresh,
-                                       batch=batch)
+                                       batch=batch, batch_step=batch.number)
             self._batch = None
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens, self.max_num_seqs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..core import SchedulerOutput, SequenceGroup
@@ -64,10 +65,15 @@ class PipelinedDecode:
             event.record()
         else:
             host = tokens
-        for item in sched.scheduled:
-            seq = item.seq
-            seq.num_computed += item.num_tokens
-            seq.token_ids.append(_IN_FLIGHT)
+        if sched.batch is not None:  # one token for each of the batch's sequences, in row order
+            for seq in sched.batch.seqs:
+                seq.num_computed += 1
+                seq.token_ids.append(_IN_FLIGHT)
+        else:
+            for item in sched.scheduled:
+                seq = item.seq
+                seq.num_computed += item.num_tokens
+                seq.token_ids.append(_IN_FLIGHT)
         return _InFlight(sched, tokens, host, event)
 
     def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
@@ -145,10 +151,14 @@ class PipelinedDecode:
         """
         if current.event is not None:
             current.event.synchronize()
-        tokens = current.host.tolist()
         batch = current.sched.batch
         if batch is not None and batch.token_stops_only:
-            return self._apply_batch(current, batch, tokens)
+            rows = batch.rows_of(current.sched.batch_step)
+            if rows is not None and batch.eos_ids is not None and batch is self.scheduler.decode_batch \
+                    and batch.number - rows.number <= 1:
+                return self._apply_rows(current, batch, rows)
+            return self._apply_batch(current, batch, current.host.tolist())
+        tokens = current.host.tolist()
         advanced, finished = [], []
         for item, token in zip(current.sched.scheduled, tokens):
             seq = item.seq
@@ -173,6 +183,29 @@ class PipelinedDecode:
             return advanced, finished
         return unique_groups(advanced), None
 
+    def _apply_rows(self, current: _InFlight, batch, rows) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
+        """`_apply` for a step of a `DecodeBatch` that is still the scheduler's, at most one step further: no row
+        stopped, was aborted or failed since the step was scheduled (each of those drops the batch), so every row is
+        running and holds this step's placeholder. Every token goes in place; the rows that meet an EOS id or their
+        length limit (found on the arrays, one comparison per EOS id) then take the full stop check, in row order."""
+        tokens = current.host.numpy()
+        stop = rows.starts >= batch.last_starts
+        for eos in batch.eos_ids:
+            stop |= tokens == eos
+        at_list, token_list = (rows.starts + 1).tolist(), tokens.tolist()  # where each row's token goes
+        seqs = batch.seqs
+        for seq, position, token in zip(seqs, at_list, token_list):
+            seq.token_ids[position] = token
+        if not stop.any():
+            return list(batch.groups), []
+        groups, finished = batch.groups, []
+        for k in np.flatnonzero(stop).tolist():
+            if self._apply_with_stops(seqs[k], groups[k].params, at_list[k], token_list[k]):
+                finished.append(groups[k])
+        if finished:
+            self.scheduler.remove_finished(finished)
+        return list(groups), finished
+
     def _apply_batch(self, current: _InFlight, batch, tokens: list[int]
                      ) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
         """`_apply` for a step of a `DecodeBatch` whose requests stop only on tokens (EOS ids, length): each row's
@@ -180,10 +213,11 @@ class PipelinedDecode:
         or changed meanwhile; those rows (a few a step at most) then take `_apply`'s full path, in row order."""
         rows = current.sched.scheduled
         others = []
-        for k, (seq, item, token, eos, limit) in enumerate(zip(batch.seqs, rows, tokens, batch.eos, batch.limits)):
+        last_starts = batch.last_starts.tolist()
+        for k, (seq, item, token, eos, last_start) in enumerate(zip(batch.seqs, rows, tokens, batch.eos, last_starts)):
             at = item.start + 1  # where this step's token goes (one token per row)
             ids = seq.token_ids
-            if token in eos or at + 1 >= limit or len(ids) != at + 2 or seq.status.is_finished:
+            if token in eos or at - 1 >= last_start or len(ids) != at + 2 or seq.status.is_finished:
                 others.append(k)
             else:
                 ids[at] = token

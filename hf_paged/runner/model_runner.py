@@ -29,12 +29,13 @@ import numpy as np
 import torch
 
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata, device_table
+from ..cache import PagedCache, StepMetadata
 from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
 from .regional import CompiledLayers
 from .sibling_linears import fusing_backend, pack_siblings
+from .table_store import TableStore
 from .warm_up import WarmUpForwards
 
 # Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
@@ -75,7 +76,7 @@ def _decode_forward(model_ref: ModelRef, cache):
     return forward
 
 
-class ModelRunner(GraphCapture, WarmUpForwards):
+class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
     """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
 
     Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
@@ -290,6 +291,9 @@ class ModelRunner(GraphCapture, WarmUpForwards):
             "store": torch.zeros((self._store_capacity, mb), dtype=torch.int32, device=dev),
             "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
             "staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
+            # single table entries: flat indices into the store, and their blocks (`_changed_rows`)
+            "point_index": torch.zeros(n, dtype=torch.long, device=dev),
+            "point_block": torch.zeros(n, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
             # the fused decode op's split counters (`StepMetadata.split_counters`); each launch leaves them at zero
             "counters": torch.zeros(n * self.cache.num_kv_heads, dtype=torch.int32, device=dev),
@@ -302,6 +306,8 @@ class ModelRunner(GraphCapture, WarmUpForwards):
                 "meta": torch.zeros((6, n), dtype=torch.long, pin_memory=pin),
                 "staging": torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin),
                 "staging_rows": torch.zeros(n, dtype=torch.long, pin_memory=pin),
+                "point_index": torch.zeros(n, dtype=torch.long, pin_memory=pin),
+                "point_block": torch.zeros(n, dtype=torch.int32, pin_memory=pin),
             }
             for _ in range(2)
         ]
@@ -329,55 +335,6 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         """Drop the captured CUDA graphs (the weights moved: the graphs read their old addresses); they are captured
         again when next needed."""
         self._graphs.clear()
-
-    def invalidate_tables(self) -> None:
-        """Forget which table every store row holds (after preemption, swaps or a failed step): rows re-upload."""
-        self._row_of: dict = {}  # seq_id -> [store row, table length, last block] as uploaded
-        self._last_rows = None  # (row_of, seq ids, their rows) of the last static step, if no other step ran since
-        if self._buffers is not None:
-            self._free_rows = list(range(self._store_capacity - 1, 0, -1))  # row 0: the padding rows' row
-
-    def _rows_and_changes(self, seq_ids: list) -> tuple[list[int], list[tuple[int, list[int]]]]:
-        """Each sequence's store row (a new one for a new sequence), and the (row, table) pairs to upload: tables
-        whose (length, last block) differ from what their row holds."""
-        row_of = self._row_of
-        rows = []
-        changed: list[tuple[int, list[int]]] = []
-        live = None
-        for seq_id, table in zip(seq_ids, self.cache.block_manager.table_views(seq_ids)):
-            entry = row_of.get(seq_id)
-            if entry is None:
-                if live is None:
-                    live = set(seq_ids)
-                entry = row_of[seq_id] = [self._take_row(live), -1, -1]
-            if entry[1] != len(table) or entry[2] != table[-1]:
-                # a table only grows or has its last block replaced between two steps of a running sequence;
-                # anything else (preemption, swaps, failed steps) invalidated every row before we got here. Entries
-                # released out of the sliding window keep their old id in the store: a valid id no kernel reads
-                # (they lie wholly before every query's window), so releasing needs no upload
-                entry[1], entry[2] = len(table), table[-1]
-                changed.append((entry[0], table))
-            rows.append(entry[0])
-        return rows, changed
-
-    def _changed_rows(self, seq_ids: list, indices: list[int]) -> list[tuple[int, list[int]]]:
-        """The (row, table) pairs to upload for the sequences at `indices`, whose tables changed; their rows' records
-        are updated."""
-        row_of = self._row_of
-        picked = [seq_ids[i] for i in indices]
-        changed = []
-        for seq_id, table in zip(picked, self.cache.block_manager.table_views(picked)):
-            entry = row_of[seq_id]
-            entry[1], entry[2] = len(table), table[-1]
-            changed.append((entry[0], table))
-        return changed
-
-    def _take_row(self, live: set) -> int:
-        """A free store row; when none is left, rows of sequences not in this step are swept first."""
-        if not self._free_rows:
-            for seq_id in [s for s in self._row_of if s not in live]:
-                self._free_rows.append(self._row_of.pop(seq_id)[0])
-        return self._free_rows.pop()
 
     def _step_metadata(self, batch: int) -> StepMetadata:
         b = self._buffers
@@ -480,10 +437,13 @@ class ModelRunner(GraphCapture, WarmUpForwards):
                 and last[1] == seq_ids:
             # the sequences of the last static step, nothing else ran since: only the tables this step's reservation
             # changed (a new block, a copy-on-write) need a look
-            rows, changed = last[2], self._changed_rows(seq_ids, sched.table_changes)
+            rows = last[2]
+            changed, (flat, blocks), too_long = self._changed_rows(seq_ids, sched.table_changes)
         else:
             rows, changed = self._rows_and_changes(seq_ids)
-        if any(len(t) > self.max_blocks_per_seq for _, t in changed):
+            rows = np.array(rows, dtype=np.int64)  # kept for the next steps of these sequences: copied, not converted
+            flat, blocks, too_long = (), (), False
+        if too_long or any(len(t) > self.max_blocks_per_seq for _, t in changed):
             self._last_rows = None
             return self._execute_eager(sched)
         self._last_rows = (row_of, seq_ids, rows)
@@ -504,17 +464,7 @@ class ModelRunner(GraphCapture, WarmUpForwards):
         b = self._buffers
         # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
         b["meta"].copy_(host_set["meta"], non_blocking=True)
-        if changed:
-            staged = host_set["staging"].numpy()
-            for j, (_, table) in enumerate(changed):
-                # past the table: stale ids nobody reads (lengths bound the reads); released entries read as block 0
-                staged[j, : len(table)] = device_table(table)
-            k = len(changed)
-            host_set["staging_rows"].numpy()[:k] = [row for row, _ in changed]
-            b["staging"][:k].copy_(host_set["staging"][:k], non_blocking=True)
-            b["staging_rows"][:k].copy_(host_set["staging_rows"][:k], non_blocking=True)
-            b["store"].index_copy_(0, b["staging_rows"][:k], b["staging"][:k])
-            self.table_rows_uploaded += k
+        self._upload_tables(host_set, changed, flat, blocks)
         if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
             torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
         logits = run() if run is not None else self._run_model(bucket)

@@ -71,7 +71,7 @@ class WarmUpForwards:
 
     def warm_up_uploads(self) -> None:
         """Launch once, for real, the torch kernels a static decode step runs outside its graph: the block-table
-        store's `index_copy_` and the pipelined step's input-id `index_select`. CUDA loads a kernel's code at its first
+        store's `index_copy_` (rows and single entries) and the pipelined step's input-id `index_select`. CUDA loads a kernel's code at its first
         launch (lazy module loading): on an H100 these two cost the first decode step of a run about 30 ms otherwise.
         Nothing changes: the copied store row is its own content, the selected ids are thrown away."""
         if self.decode_mode == "eager" or self.device.type != "cuda":  # no static step
@@ -81,6 +81,8 @@ class WarmUpForwards:
         with torch.inference_mode():
             row = b["staging_rows"][:1]  # a row index below the store's capacity
             b["store"].index_copy_(0, row, torch.index_select(b["store"], 0, row))
+            flat = b["store"].view(-1)  # and its single entries (`point_index` holds 0s until a step writes it)
+            flat.index_copy_(0, b["point_index"][:1], torch.index_select(flat, 0, b["point_index"][:1]))
             torch.index_select(b["ids"], 0, b["src"][:1])
         torch.cuda.synchronize(self.device)
 
