@@ -185,6 +185,18 @@ def test_store_rows_match_the_tables_after_every_static_step(model, prompts, ref
     assert_clean(engine, results)
 
 
+def test_tables_outgrowing_the_store_run_eagerly_and_the_others_stay_right(model, prompts, references):
+    """A step with a table longer than the store's rows runs eagerly; the other rows' tables that changed in that step
+    must still reach the store before the next static step (their records had already been updated)."""
+    engine = make_engine(model, num_blocks=200)
+    engine.runner.max_blocks_per_seq = 5  # 40 tokens: the longest prompts outgrow it while they decode, then stop
+    lengths = [10 if len(p) > 30 else MAX_NEW for p in prompts]
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in lengths])
+    assert tokens(results) == [reference[:n] for reference, n in zip(references, lengths)]
+    assert engine.runner.eager_steps > 1 and engine.runner.graph_steps > 3  # static steps after the eager ones
+    assert_clean(engine, results)
+
+
 def test_failing_pipelined_launch_fails_only_its_requests(model, prompts, references):
     engine = make_engine(model, num_blocks=200, max_num_seqs=6)
     trigger = PrelaunchTrigger(engine, 3, RuntimeError("injected forward failure"))

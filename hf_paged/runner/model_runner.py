@@ -189,7 +189,10 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
         return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
                 and (sched.decode_step or all(item.num_tokens == 1 and item.sample for item in scheduled)))
 
-    def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None):
+    def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None,
+                       input_tokens=None):
+        """The step's forward over the flattened `[1, T]` batch. `input_tokens`: a pipelined decode step that left
+        the static path (a table outgrew the store's rows); its ids are the previous step's picks, on the device."""
         bm = self.cache.block_manager
         ids: list[int] = []
         positions: list[int] = []
@@ -211,7 +214,11 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
                 samplers.append(k)
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
         self.cache.set_engine_step(step)
-        input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+        if input_tokens is None:
+            input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+        else:  # one token a row, each from the previous step's picks (its placeholder is all the host has)
+            src = torch.as_tensor(np.asarray(input_tokens[1], dtype=np.int64)).to(self.device, non_blocking=True)
+            input_ids = torch.index_select(input_tokens[0], 0, src)[None]
         position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
@@ -444,8 +451,9 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
             rows = np.array(rows, dtype=np.int64)  # kept for the next steps of these sequences: copied, not converted
             flat, blocks, too_long = (), (), False
         if too_long or any(len(t) > self.max_blocks_per_seq for _, t in changed):
-            self._last_rows = None
-            return self._execute_eager(sched)
+            # the rows' records already say what this step would have uploaded: forget them all (re-uploaded next)
+            self.invalidate_tables()
+            return self._execute_eager(sched, input_tokens=input_tokens)
         self._last_rows = (row_of, seq_ids, rows)
         self._host_sets.reverse()
         host_set = self._host_sets[0]
