@@ -73,6 +73,10 @@ class DevicePicker:
         # `DecodeBatch` passes one list for all its steps: its columns are filled once per set); the list itself is
         # kept, so its id cannot be reused
         self._filled: list[tuple[list, bool] | None] = [None, None]
+        # the spec list (and row count) whose float and top-k columns the device buffers hold now, and the device
+        # rows of the last row count: a `DecodeBatch`'s steps upload only their offsets, and slice nothing again
+        self._uploaded: tuple[list, int] | None = None
+        self._views: tuple | None = None
 
     def any_sampled(self, specs: list[tuple]) -> bool:
         """Whether some row samples (else every pick is an argmax); remembered for the last list asked about."""
@@ -128,12 +132,19 @@ class DevicePicker:
             k[0, :n] = effective_top_k(_column(specs, 1, np.int64), logits.shape[1])
             self._filled[0] = (specs, with_min_p)
         i[1, :n] = offsets
-        for dev, staged in zip(self._dev, host):
-            dev.copy_(staged, non_blocking=True)
         dev_f, dev_i, dev_k = self._dev
-        log_min = log_min_p(dev_f[2, :n]) if with_min_p else dev_f[2, :n]
-        return sample_normalised(logits, dev_f[0, :n], dev_k[0, :n], dev_f[1, :n], log_min, dev_i[0, :n],
-                                 dev_i[1, :n])
+        dev_i.copy_(host[1], non_blocking=True)  # seeds and offsets
+        if self._uploaded is None or self._uploaded[0] is not specs or self._uploaded[1] != n:
+            dev_f.copy_(host[0], non_blocking=True)
+            dev_k.copy_(host[2], non_blocking=True)
+            self._uploaded = (specs, n)  # (kept: its id cannot be reused while it is compared)
+        views = self._views
+        if views is None or views[0] != n:
+            views = self._views = (n, dev_f[0, :n], dev_k[0, :n], dev_f[1, :n], dev_f[2, :n], dev_i[0, :n],
+                                   dev_i[1, :n])
+        _, inv_t, top_k, top_p, min_p, seeds, draws = views
+        return sample_normalised(logits, inv_t, top_k, top_p, log_min_p(min_p) if with_min_p else min_p, seeds,
+                                 draws)
 
 
 def _column(specs: list[tuple], index: int, dtype) -> np.ndarray:
