@@ -130,3 +130,33 @@ def test_abort_between_batch_steps_leaves_the_others_whole(model):
     assert batched > 10
     assert cut[0] == full[0] and cut[2] == full[2] and len(full[1]) == 30
     assert reason == "abort" and full[1][:len(cut[1])] == cut[1] and len(cut[1]) < 30
+
+
+
+def test_requests_finishing_by_length_leave_the_batch_to_the_others(model, monkeypatch):
+    """The step before a request reaches its length limit leaves it out and seeds a batch of the others: when the
+    request finishes, that batch goes on (only a finished row of the batch drops it). Tokens are those of the
+    per-sequence path."""
+    prompts = random_prompts((5, 9, 13, 7), seed=6)
+    lengths = (4, 30, 11, 30)
+
+    def run(batched: bool):
+        with monkeypatch.context() as patch:
+            if not batched:
+                patch.setattr(decode_batch.DecodeBatch, "records", staticmethod(lambda *args: None))
+            engine = hf_paged.Engine(model, block_size=4, num_blocks=300, max_num_seqs=8)
+            engine.runner.decode_mode = "static"
+            ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+            outputs, kept = {}, []
+            while engine.has_unfinished():
+                finished = engine.step(finished_only=True)
+                outputs.update((out.request_id, out.outputs[0].token_ids) for out in finished)
+                if finished and engine.has_unfinished():
+                    kept.append(engine.scheduler.decode_batch is not None)
+            engine.close()
+        return [outputs[i] for i in ids], kept
+
+    tokens, kept = run(True)
+    assert [len(t) for t in tokens] == list(lengths)
+    assert kept and all(kept), kept  # a batch of the others after every finish
+    assert tokens == run(False)[0]

@@ -72,11 +72,12 @@ class BatchRow:
 class DecodeBatch:
     """The running single-sequence groups of the last pipelined decode step, with its rows in arrays."""
 
-    __slots__ = ("groups", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks", "headroom",
+    __slots__ = ("groups", "group_ids", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks", "headroom",
                  "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only", "number")
 
     def __init__(self, groups: list, items: list, records: list) -> None:
         self.groups = list(groups)  # == scheduler.running while the batch is valid
+        self.group_ids = {id(group) for group in self.groups}  # (whether a finished group is one of its rows)
         self.seqs = [item.seq for item in items]
         self.records_ = records  # the block manager's records of `seqs`, in order
         self.seq_ids = [seq.seq_id for seq in self.seqs]  # one list for every step: the runner compares it by identity
@@ -107,8 +108,7 @@ class DecodeBatch:
         self.number = 0
         self.starts, self.slots = starts, slots
         self.steps = [StepRows(starts, slots, 0), StepRows(starts, slots, -1)]
-        self.items = [[BatchRow(seq, group, step, k) for k, (seq, group) in enumerate(zip(self.seqs, self.groups))]
-                      for step in self.steps]
+        self.items: list[list[BatchRow] | None] = [None, None]  # made at the first step of each set
         self.same_rows = np.arange(n, dtype=np.int64)  # row k of a step is row k of the step before
 
     @staticmethod
@@ -192,4 +192,7 @@ class DecodeBatch:
         self.starts, self.slots = starts, slots
         self.headroom -= 1
         items = self.items[self.number & 1]
+        if items is None:
+            items = self.items[self.number & 1] = [BatchRow(seq, group, step, k) for k, (seq, group)
+                                                   in enumerate(zip(self.seqs, self.groups))]
         return items, fresh

@@ -185,7 +185,9 @@ class Scheduler:
         """Free and drop the finished running groups; only `candidates` are looked at when given (hot path)."""
         done = [g for g in (self.running if candidates is None else candidates) if g.is_finished]
         if done:
-            self._batch = None  # (it would keep the finished groups alive until the next step)
+            batch = self._batch
+            if batch is not None and any(id(g) in batch.group_ids for g in done):
+                self._batch = None  # (it would keep the finished groups alive until the next step)
             for group in done:
                 for seq in group.seqs:
                     self.free_seq(seq)
@@ -304,10 +306,11 @@ class Scheduler:
         if not self._schedule_decodes(out, budget, groups):
             return None
         out.decode_step = True
-        if not skip and self.release_window is None:  # seed a batch for the next steps, if this step can
-            records = DecodeBatch.records(self.running, out.scheduled, self.block_manager)
+        if self.release_window is None:  # seed a batch for the next steps, if this step can
+            # (the skipped groups finish when the step before this one is applied: then `running` is `groups`)
+            records = DecodeBatch.records(groups, out.scheduled, self.block_manager)
             if records is not None:
-                self._batch = out.batch = DecodeBatch(self.running, out.scheduled, records)
+                self._batch = out.batch = DecodeBatch(groups, out.scheduled, records)
         return out
 
     @property

@@ -212,10 +212,13 @@ class PipelinedDecode:
         token goes in place unless it is an EOS id or reaches the row's length limit, or the row's sequence stopped
         or changed meanwhile; those rows (a few a step at most) then take `_apply`'s full path, in row order."""
         rows = current.sched.scheduled
+        step = batch.rows_of(current.sched.batch_step)  # the step's positions, when the batch still keeps them
+        starts = step.starts.tolist() if step is not None else [item.start for item in rows]
         others = []
         last_starts = batch.last_starts.tolist()
-        for k, (seq, item, token, eos, last_start) in enumerate(zip(batch.seqs, rows, tokens, batch.eos, last_starts)):
-            at = item.start + 1  # where this step's token goes (one token per row)
+        for k, (seq, start, token, eos, last_start) in enumerate(zip(batch.seqs, starts, tokens, batch.eos,
+                                                                     last_starts)):
+            at = start + 1  # where this step's token goes (one token per row)
             ids = seq.token_ids
             if token in eos or at - 1 >= last_start or len(ids) != at + 2 or seq.status.is_finished:
                 others.append(k)
@@ -226,7 +229,7 @@ class PipelinedDecode:
         skipped, finished = set(), []
         for k in others:
             seq, item = batch.seqs[k], rows[k]
-            at = item.start + 1
+            at = starts[k] + 1
             if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
                 del seq.token_ids[at:]
                 skipped.add(k)
