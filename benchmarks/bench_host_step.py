@@ -8,9 +8,10 @@ the GPU computes the step before; when it takes longer than the GPU step, the GP
 This times exactly that Python: a tiny model on the CPU, `decode_mode = "static"` (the host path of the CUDA-graph
 steps), the model forward replaced by a canned logits tensor of 32 columns (the step's table gather is kept; the
 pick's compute over a real vocabulary is device work on a GPU), greedy or sampled requests that never stop early,
-`--steps` steps after the prompts are in. With `--sampled` the sampling kernel is stood in for by an argmax (the CPU's
-reference sampler does real work that the GPU's kernel does on the device); the parameters' preparation on the host
-and their upload stay. It does not count the CUDA-specific costs of a GPU step
+`--steps` steps after the prompts are in. With `--finishing` the requests stop at ShareGPT-like lengths and every step
+until the last one finishes is timed (the batch shrinks; the per-request column divides by the starting count). With
+`--sampled` the sampling kernel is stood in for by an argmax (the CPU's reference sampler does real work that the
+GPU's kernel does on the device); the parameters' preparation on the host and their upload stay. It does not count the CUDA-specific costs of a GPU step
 (graph launch ~0.3 ms for ~260 kernels, copies, event waits), nor the forward itself.
 
 Prints a markdown table (running requests, host ms per step, the goal and its fraction) and writes
@@ -38,6 +39,7 @@ from hf_paged.testing import tiny_model  # noqa: E402
 
 GOAL_MS = 0.3  # issue 16: per-step host work at 256 running requests
 CANNED_COLUMNS = 32
+FINISHING_MAX = 1024  # the longest output of `--finishing`
 
 
 class _ArgmaxKernel:
@@ -46,11 +48,15 @@ class _ArgmaxKernel:
         return logits.argmax(dim=-1)
 
 
-def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bool, seed: int = 0) -> float:
-    """Mean wall time of `steps` pipelined decode steps with `running` requests, the forward canned."""
+def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bool, seed: int = 0,
+                     finishing: bool = False) -> float:
+    """Mean wall time of `steps` pipelined decode steps with `running` requests, the forward canned. `finishing`:
+    the requests stop at ShareGPT-like lengths instead (lognormal, mean ~300 tokens, clipped to [4, 1024]), and every
+    step until the last one finishes is timed: the batch shrinks, and the engine reschedules around each finish."""
     model = tiny_model("llama", seed=1, num_hidden_layers=1, max_position_embeddings=8192)
+    longest = FINISHING_MAX if finishing else steps + 10
     engine = hf_paged.Engine(model, block_size=16, max_num_seqs=max(running, 1), max_num_batched_tokens=16384,
-                             num_blocks=running * (steps + 80) // 16 + 64, enable_prefix_caching=prefix_caching)
+                             num_blocks=running * (longest + 70) // 16 + 64, enable_prefix_caching=prefix_caching)
     runner = engine.runner
     runner.decode_mode = "static"
     # 32 columns: on a GPU the argmax / sampling kernel over the vocabulary is device work, only its launch is host
@@ -67,7 +73,8 @@ def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bo
     kwargs = dict(do_sample=True, temperature=0.7, top_p=0.9) if sampled else {}
     for _ in range(running):
         prompt = [rng.randrange(3, 300) for _ in range(rng.randint(20, 60))]
-        engine.add_request(prompt, max_new_tokens=steps + 10, ignore_eos=True, **kwargs)
+        length = min(FINISHING_MAX, max(4, int(rng.lognormvariate(5.4, 0.8)))) if finishing else steps + 10
+        engine.add_request(prompt, max_new_tokens=length, ignore_eos=True, **kwargs)
     saved = kernel_sampling._triton_module, kernel_sampling.get_backend
     if sampled:  # the dispatcher's tensor ops run; the kernel is an argmax (see the module docstring)
         kernel_sampling._triton_module = lambda name: _ArgmaxKernel
@@ -76,14 +83,20 @@ def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bo
         for _ in range(5):  # prompts in, pipeline filled
             engine.step(finished_only=True)
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.step(finished_only=True)
+        if finishing:
+            steps = 0
+            while engine.has_unfinished():
+                engine.step(finished_only=True)
+                steps += 1
+        else:
+            for _ in range(steps):
+                engine.step(finished_only=True)
         elapsed = time.perf_counter() - start
     finally:
         kernel_sampling._triton_module, kernel_sampling.get_backend = saved
     pipelined = engine.pipelined_steps
     engine.close()
-    if pipelined < steps:
+    if pipelined < steps * (0.9 if finishing else 1):  # (the pipeline drains at the end)
         raise RuntimeError(f"only {pipelined} of {steps} steps were pipelined")
     return 1000 * elapsed / steps
 
@@ -94,6 +107,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.7 / top-p 0.9 requests (else greedy)")
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--finishing", action="store_true",
+                        help="requests stop at ShareGPT-like lengths; every step until the last finishes is timed")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -102,11 +117,12 @@ def main() -> None:
     print(f"| running | host ms / step | µs per request | goal at 256 ({GOAL_MS} ms) / measured |")
     print("|---|---|---|---|")
     for running in (int(r) for r in args.running.split(",")):
-        ms = host_ms_per_step(running, args.steps, args.sampled, args.prefix_caching)
+        ms = host_ms_per_step(running, args.steps, args.sampled, args.prefix_caching, finishing=args.finishing)
         fraction = f"{GOAL_MS / ms:.0%}" if running == 256 else "-"
         print(f"| {running} | {ms:.3f} | {1000 * ms / running:.1f} | {fraction} |", flush=True)
         rows.append({"running": running, "host_ms": ms})
     meta = {"sampled": args.sampled, "prefix_caching": args.prefix_caching, "steps": args.steps,
+            "finishing": args.finishing,
             "torch": torch.__version__, "goal_ms_at_256": GOAL_MS}
     with open(os.path.join(args.out, "host_step.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

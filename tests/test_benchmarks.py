@@ -90,4 +90,5 @@ def test_host_step_harness_times_pipelined_steps_and_restores_the_sampler(sample
 
     saved = sampling._triton_module, sampling.get_backend
     assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True) > 0
+    assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True, finishing=True) > 0
     assert (sampling._triton_module, sampling.get_backend) == saved
