@@ -23,6 +23,7 @@ Prints a markdown table (running requests, host ms per step, the goal and its fr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -82,6 +83,7 @@ def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bo
     try:
         for _ in range(5):  # prompts in, pipeline filled
             engine.step(finished_only=True)
+        gc.collect()  # the garbage of earlier runs in this process (engines, their prefix caches) is not this run's
         start = time.perf_counter()
         if finishing:
             steps = 0
