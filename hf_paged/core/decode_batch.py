@@ -15,7 +15,8 @@ are overwritten), so an advance touches no item.
 
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence, and the
 scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
-preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch.
+preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch. (A batch seeded
+by a step that left out the requests finishing by length is not dropped when those finish: they are not its rows.)
 `Scheduler.schedule_decode_step` builds it from a step scheduled the general way. Its reservations equal
 `BlockManager.append_decode_slots`' (`tests/test_decode_batch.py` compares every step).
 """
