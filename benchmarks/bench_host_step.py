@@ -11,7 +11,8 @@ pick's compute over a real vocabulary is device work on a GPU), greedy or sample
 `--steps` steps after the prompts are in. With `--finishing` the requests stop at ShareGPT-like lengths and every step
 until the last one finishes is timed (the batch shrinks; the per-request column divides by the starting count). With
 `--sampled` the sampling kernel is stood in for by an argmax (the CPU's reference sampler does real work that the
-GPU's kernel does on the device); the parameters' preparation on the host and their upload stay. It does not count the CUDA-specific costs of a GPU step
+GPU's kernel does on the device); the parameters' preparation on the host and their upload stay. It does not count
+the CUDA-specific costs of a GPU step
 (graph launch ~0.3 ms for ~260 kernels, copies, event waits), nor the forward itself.
 
 Prints a markdown table (running requests, host ms per step, the goal and its fraction) and writes

@@ -26,7 +26,8 @@ def model():
 
 def _run(model, requests, *, batched: bool, monkeypatch, **engine_kwargs):
     """Generate `requests` with the batch fast path on or off; return the outputs, every pipelined step's rows
-    (sequence id, position, slot, committed blocks) and table changes, the number of batch steps and the final pool statistics."""
+    (sequence id, position, slot, committed blocks) and table changes, the number of batch steps, the final pool
+    statistics and the number of steps applied on the batch's arrays."""
     with monkeypatch.context() as patch:
         if not batched:
             patch.setattr(decode_batch.DecodeBatch, "records", staticmethod(lambda *args: None))

@@ -6,8 +6,9 @@ checking every group, reserving every slot, building every `ScheduledSeq`, looki
 `DecodeBatch` keeps the rows between steps and advances them by one. Its positions, last blocks and slots are numpy
 arrays, so a step's advance is a few array operations plus one store per row into the block manager's records; the
 runner copies the arrays into its upload buffers without a conversion. (`core` never imports torch; numpy, a
-dependency of the package, is imported when the first batch is built, so the block manager alone needs neither.) Only the rows whose next token starts a new block (one in `block_size`) take the
-per-sequence path: commit the block just filled, allocate the next one.
+dependency of the package, is imported when the first batch is built, so the block manager alone needs neither.)
+Only the rows whose next token starts a new block (one in `block_size`) take the per-sequence path: commit the block
+just filled, allocate the next one.
 
 A step's items are `BatchRow`s: the `ScheduledSeq` view of one row, reading its position and slot from the step's
 arrays. Two sets of items alternate, one per step in flight (the step before last is applied by the time its arrays
@@ -73,8 +74,9 @@ class BatchRow:
 class DecodeBatch:
     """The running single-sequence groups of the last pipelined decode step, with its rows in arrays."""
 
-    __slots__ = ("groups", "group_ids", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks", "headroom",
-                 "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only", "number")
+    __slots__ = ("groups", "group_ids", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks",
+                 "headroom", "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only",
+                 "number")
 
     def __init__(self, groups: list, items: list, records: list) -> None:
         self.groups = list(groups)  # == scheduler.running while the batch is valid

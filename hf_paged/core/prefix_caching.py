@@ -144,12 +144,12 @@ class PrefixCaching:
         extended). Cheap when no new block became full. No-op without prefix caching or while swapped out.
         """
         seq = self._get(seq_id)
-        if not self.enable_prefix_caching or seq.swapped:
+        if not self.enable_prefix_caching:
             return 0
         return self._commit_record(seq, token_ids, num_computed)
 
     def _commit_record(self, seq, token_ids: Sequence[int], num_computed: int) -> int:
-        """`commit` of a sequence's record (with prefix caching on and the sequence resident)."""
+        """`commit` of a sequence's record, prefix caching on (nothing while the sequence is swapped out)."""
         if seq.swapped:
             return 0
         shift = self._shift
@@ -195,7 +195,8 @@ class PrefixCaching:
             else:
                 keys.append(hash_block(ROOT_KEY, chunk))
                 parent = ROOT_ENTRY
-            entries.append(None if parent is None or record.stale else register(record.table[i], keys[i], parent, chunk))
+            entries.append(None if parent is None or record.stale
+                           else register(record.table[i], keys[i], parent, chunk))
             record.committed = i + 1
 
     def reset_prefix_cache(self) -> int:

@@ -71,8 +71,9 @@ class WarmUpForwards:
 
     def warm_up_uploads(self) -> None:
         """Launch once, for real, the torch kernels a static decode step runs outside its graph: the block-table
-        store's `index_copy_` (rows and single entries) and the pipelined step's input-id `index_select`. CUDA loads a kernel's code at its first
-        launch (lazy module loading): on an H100 these two cost the first decode step of a run about 30 ms otherwise.
+        store's `index_copy_` (rows and single entries) and the pipelined step's input-id `index_select`. CUDA loads
+        a kernel's code at its first launch (lazy module loading): on an H100 these cost the first decode step of a
+        run about 30 ms otherwise.
         Nothing changes: the copied store row is its own content, the selected ids are thrown away."""
         if self.decode_mode == "eager" or self.device.type != "cuda":  # no static step
             return
