@@ -161,3 +161,26 @@ def test_requests_finishing_by_length_leave_the_batch_to_the_others(model, monke
     assert [len(t) for t in tokens] == list(lengths)
     assert kept and all(kept), kept  # a batch of the others after every finish
     assert tokens == run(False)[0]
+
+
+def test_a_request_stopping_on_eos_leaves_its_row_and_the_batch_goes_on(model, monkeypatch):
+    """An EOS stop is known only when its step is applied, with the next step in flight: the scheduler removes the
+    row from the batch (`DecodeBatch.remove`), the in-flight step is applied row by row, and the next steps advance
+    the smaller batch, taking their input ids from the right rows. Tokens are those of the per-sequence path."""
+    requests = _requests(21, 12, eos=True)
+    shared = requests[0][1]["eos_token_id"]  # one model's EOS ids: the rows are applied on the arrays
+    requests = [(prompt, dict(kw, eos_token_id=shared)) for prompt, kw in requests]
+    removals = []
+    remove = decode_batch.DecodeBatch.remove
+
+    def counted(self, gone):
+        removals.append(len(gone))
+        return remove(self, gone)
+
+    monkeypatch.setattr(decode_batch.DecodeBatch, "remove", counted)
+    fast = _run(model, requests, batched=True, monkeypatch=monkeypatch, block_size=4, num_blocks=400, max_num_seqs=16)
+    slow = _run(model, requests, batched=False, monkeypatch=monkeypatch, block_size=4, num_blocks=400,
+                max_num_seqs=16)
+    assert len(removals) > 2 and fast[4] > 10
+    assert fast[0] == slow[0] and fast[1] == slow[1] and fast[3] == slow[3]
+    assert fast[2] > len(fast[1]) * 0.7  # most pipelined steps were the batch's

@@ -16,8 +16,8 @@ are overwritten), so an advance touches no item.
 
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence, and the
 scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
-preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch. (A batch seeded
-by a step that left out the requests finishing by length is not dropped when those finish: they are not its rows.)
+preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch; except a stop,
+which only removes the row (`remove`), and the finish of a group the batch left out (a request finishing by length).
 `Scheduler.schedule_decode_step` builds it from a step scheduled the general way. Its reservations equal
 `BlockManager.append_decode_slots`' (`tests/test_decode_batch.py` compares every step).
 """
@@ -35,12 +35,20 @@ __all__ = ["BatchRow", "DecodeBatch", "StepRows"]
 
 
 class StepRows:
-    """The arrays of one step of a `DecodeBatch`: each row's position (`starts`) and slot, and the step's number."""
+    """One step of a `DecodeBatch`: each row's position (`starts`) and slot, the step's number, and what applying it
+    reads: the batch's row lists as they were then (`seqs`, `groups`, `eos`, `last_starts`; a removal replaces the
+    batch's lists, never changes them), its `generation` (removals so far), and `source`, the row of each of its
+    sequences in the step before (whose picks are its input ids)."""
 
-    __slots__ = ("number", "slots", "starts")
+    __slots__ = ("eos", "generation", "groups", "last_starts", "number", "seqs", "slots", "source", "starts")
 
-    def __init__(self, starts: np.ndarray, slots: np.ndarray, number: int) -> None:
-        self.starts, self.slots, self.number = starts, slots, number
+    def __init__(self, batch: DecodeBatch, number: int) -> None:
+        self.take(batch, number)
+
+    def take(self, batch: DecodeBatch, number: int) -> None:
+        self.starts, self.slots, self.number = batch.starts, batch.slots, number
+        self.seqs, self.groups, self.eos, self.last_starts = batch.seqs, batch.groups, batch.eos, batch.last_starts
+        self.generation, self.source = batch.generation, batch.same_rows
 
 
 class BatchRow:
@@ -76,7 +84,7 @@ class DecodeBatch:
 
     __slots__ = ("groups", "group_ids", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks",
                  "headroom", "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only",
-                 "number")
+                 "number", "generation", "identity")
 
     def __init__(self, groups: list, items: list, records: list) -> None:
         self.groups = list(groups)  # == scheduler.running while the batch is valid
@@ -108,11 +116,12 @@ class DecodeBatch:
                                         for group in self.groups)
         # the step this batch was seeded from is step 0; its items stay the scheduler's, the batch's own steps
         # alternate between two sets of rows (`BatchRow`), each set reading its own arrays
-        self.number = 0
+        self.number = self.generation = 0
         self.starts, self.slots = starts, slots
-        self.steps = [StepRows(starts, slots, 0), StepRows(starts, slots, -1)]
+        # row k of a step is row k of the step before, unless rows were removed in between (then `remove` says)
+        self.same_rows = self.identity = np.arange(n, dtype=np.int64)
+        self.steps = [StepRows(self, 0), StepRows(self, -1)]
         self.items: list[list[BatchRow] | None] = [None, None]  # made at the first step of each set
-        self.same_rows = np.arange(n, dtype=np.int64)  # row k of a step is row k of the step before
 
     @staticmethod
     def records(groups: list, items: list, block_manager) -> list | None:
@@ -159,6 +168,35 @@ class DecodeBatch:
                 return step
         return None
 
+    def remove(self, gone: set[int]) -> bool:
+        """Drop the rows of the groups whose `id()` is in `gone` (they finished: the scheduler frees them now), so
+        the others keep their batch. Returns False, changing nothing, when no row would be left.
+
+        The step in flight, scheduled before, still holds the gone rows: it keeps the row lists and arrays it was
+        scheduled with (`StepRows`), and, its `generation` being older, is applied row by row (`_apply_batch` skips
+        the finished ones). The next step's input ids come from that step's rows (`same_rows`)."""
+        keep = [k for k, group in enumerate(self.groups) if id(group) not in gone]
+        if not keep:
+            return False
+        import numpy as np
+
+        rows = np.asarray(keep, dtype=np.int64)
+        self.groups = [self.groups[k] for k in keep]
+        self.group_ids = {id(group) for group in self.groups}
+        self.seqs = [self.seqs[k] for k in keep]
+        self.records_ = [self.records_[k] for k in keep]
+        self.seq_ids = [self.seq_ids[k] for k in keep]
+        self.specs = [self.specs[k] for k in keep]
+        self.eos = [self.eos[k] for k in keep]  # (`eos_ids` and `token_stops_only` hold for any subset of rows)
+        self.starts, self.slots = self.starts[rows], self.slots[rows]
+        self.last_blocks, self.last_starts = self.last_blocks[rows], self.last_starts[rows]
+        self.headroom = int((self.last_starts + 2 - self.starts).min())
+        self.identity = np.arange(len(keep), dtype=np.int64)
+        self.same_rows = rows
+        self.generation += 1
+        self.items = [None, None]
+        return True
+
     def advance(self, block_manager) -> tuple[list, list[int]] | None:
         """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would. Return
         `(items, fresh)`: the step's items and the rows whose table gained a block. Return None, with nothing
@@ -190,9 +228,10 @@ class DecodeBatch:
         for record, length in zip(records, (starts + 1).tolist()):
             record.num_tokens = length
         self.number += 1
-        step = self.steps[self.number & 1]
-        step.starts, step.slots, step.number = starts, slots, self.number
         self.starts, self.slots = starts, slots
+        step = self.steps[self.number & 1]
+        step.take(self, self.number)
+        self.same_rows = self.identity
         self.headroom -= 1
         items = self.items[self.number & 1]
         if items is None:

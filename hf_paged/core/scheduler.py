@@ -186,8 +186,10 @@ class Scheduler:
         done = [g for g in (self.running if candidates is None else candidates) if g.is_finished]
         if done:
             batch = self._batch
-            if batch is not None and any(id(g) in batch.group_ids for g in done):
-                self._batch = None  # (it would keep the finished groups alive until the next step)
+            if batch is not None:  # the batch of the others goes on (see `DecodeBatch.remove`)
+                gone = {id(g) for g in done} & batch.group_ids
+                if gone and not batch.remove(gone):
+                    self._batch = None
             for group in done:
                 for seq in group.seqs:
                     self.free_seq(seq)

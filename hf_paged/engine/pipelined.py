@@ -155,7 +155,7 @@ class PipelinedDecode:
         if batch is not None and batch.token_stops_only:
             rows = batch.rows_of(current.sched.batch_step)
             if rows is not None and batch.eos_ids is not None and batch is self.scheduler.decode_batch \
-                    and batch.number - rows.number <= 1:
+                    and batch.number - rows.number <= 1 and rows.generation == batch.generation:
                 return self._apply_rows(current, batch, rows)
             return self._apply_batch(current, batch, current.host.tolist())
         tokens = current.host.tolist()
@@ -184,21 +184,21 @@ class PipelinedDecode:
         return unique_groups(advanced), None
 
     def _apply_rows(self, current: _InFlight, batch, rows) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """`_apply` for a step of a `DecodeBatch` that is still the scheduler's, at most one step further: no row
-        stopped, was aborted or failed since the step was scheduled (each of those drops the batch), so every row is
-        running and holds this step's placeholder. Every token goes in place; the rows that meet an EOS id or their
+        """`_apply` for a step of a `DecodeBatch` that is still the scheduler's, at most one step further and with no
+        row removed since: no row stopped, was aborted or failed since the step was scheduled (a stop removes the row,
+        the others drop the batch), so every row is running and holds this step's placeholder. Every token goes in place; the rows that meet an EOS id or their
         length limit (found on the arrays, one comparison per EOS id) then take the full stop check, in row order."""
         tokens = current.host.numpy()
-        stop = rows.starts >= batch.last_starts
+        stop = rows.starts >= rows.last_starts
         for eos in batch.eos_ids:
             stop |= tokens == eos
         at_list, token_list = (rows.starts + 1).tolist(), tokens.tolist()  # where each row's token goes
-        seqs = batch.seqs
+        seqs = rows.seqs
         for seq, position, token in zip(seqs, at_list, token_list):
             seq.token_ids[position] = token
         if not stop.any():
-            return list(batch.groups), []
-        groups, finished = batch.groups, []
+            return list(rows.groups), []
+        groups, finished = rows.groups, []
         for k in np.flatnonzero(stop).tolist():
             if self._apply_with_stops(seqs[k], groups[k].params, at_list[k], token_list[k]):
                 finished.append(groups[k])
@@ -212,12 +212,17 @@ class PipelinedDecode:
         token goes in place unless it is an EOS id or reaches the row's length limit, or the row's sequence stopped
         or changed meanwhile; those rows (a few a step at most) then take `_apply`'s full path, in row order."""
         rows = current.sched.scheduled
-        step = batch.rows_of(current.sched.batch_step)  # the step's positions, when the batch still keeps them
-        starts = step.starts.tolist() if step is not None else [item.start for item in rows]
+        step = batch.rows_of(current.sched.batch_step)  # the step's rows, while the batch keeps them
+        if step is None:  # (a batch keeps its last two steps: a step applied later than that has its items only)
+            seqs, groups = [item.seq for item in rows], [item.group for item in rows]
+            starts = [item.start for item in rows]
+            eos_lists = [group.params.eos_token_id for group in groups]
+            last_starts = [seq.prompt_len + group.params.max_new_tokens - 2 for seq, group in zip(seqs, groups)]
+        else:
+            seqs, groups, eos_lists = step.seqs, step.groups, step.eos
+            starts, last_starts = step.starts.tolist(), step.last_starts.tolist()
         others = []
-        last_starts = batch.last_starts.tolist()
-        for k, (seq, start, token, eos, last_start) in enumerate(zip(batch.seqs, starts, tokens, batch.eos,
-                                                                     last_starts)):
+        for k, (seq, start, token, eos, last_start) in enumerate(zip(seqs, starts, tokens, eos_lists, last_starts)):
             at = start + 1  # where this step's token goes (one token per row)
             ids = seq.token_ids
             if token in eos or at - 1 >= last_start or len(ids) != at + 2 or seq.status.is_finished:
@@ -225,10 +230,10 @@ class PipelinedDecode:
             else:
                 ids[at] = token
         if not others:
-            return list(batch.groups), []
+            return list(groups), []
         skipped, finished = set(), []
         for k in others:
-            seq, item = batch.seqs[k], rows[k]
+            seq, item = seqs[k], rows[k]
             at = starts[k] + 1
             if seq.status.is_finished:  # stopped in the step before (reported then) or aborted (reported by abort)
                 del seq.token_ids[at:]
@@ -237,7 +242,6 @@ class PipelinedDecode:
                 finished.append(item.group)
         if finished:
             self.scheduler.remove_finished(finished)
-        groups = batch.groups
         return ([g for k, g in enumerate(groups) if k not in skipped] if skipped else list(groups)), finished
 
     def _apply_with_stops(self, seq, params, at: int, token: int) -> bool:
@@ -277,7 +281,9 @@ def _source_rows(before: SchedulerOutput, step: SchedulerOutput) -> list[int]:
     input ids). Usually the same sequences in the same order (nothing finished, nothing admitted): known without a
     look when both steps are rows of one `DecodeBatch`, else checked in one pass, without the map."""
     if step.batch is not None and before.batch is step.batch:
-        return step.batch.same_rows
+        rows = step.batch.rows_of(step.batch_step)
+        if rows is not None:
+            return rows.source
     previous, scheduled = before.scheduled, step.scheduled
     if len(previous) == len(scheduled) and all(a.seq is b.seq for a, b in zip(previous, scheduled)):
         return list(range(len(scheduled)))
