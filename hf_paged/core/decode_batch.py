@@ -192,7 +192,7 @@ class DecodeBatch:
         self.last_blocks, self.last_starts = self.last_blocks[rows], self.last_starts[rows]
         self.headroom = int((self.last_starts + 2 - self.starts).min())
         self.identity = np.arange(len(keep), dtype=np.int64)
-        self.same_rows = rows
+        self.same_rows = self.same_rows[rows]  # (composed: two removals before a step would both count)
         self.generation += 1
         self.items = [None, None]
         return True
