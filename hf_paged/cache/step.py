@@ -30,7 +30,7 @@ class StepMetadata:
     kv_start: torch.Tensor | None = None  # [S] int32, first key to attend (left padding), None = 0
     kv_start_ready: bool = False
     # int32 zeros, >= S * KV heads, owned by one engine's runner (its launches run one after another): lets the fused
-    # decode kernel combine its KV splits itself (`kernels.write_and_paged_decode`, `kernels.paged_decode`). None: two
-    # kernels
+    # decode kernel combine its KV splits itself (`kernels.write_and_paged_decode`, `kernels.paged_decode`). None:
+    # a second kernel combines them
     split_counters: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)

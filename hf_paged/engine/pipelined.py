@@ -152,12 +152,13 @@ class PipelinedDecode:
         if current.event is not None:
             current.event.synchronize()
         batch = current.sched.batch
-        if batch is not None and batch.token_stops_only:
-            rows = batch.rows_of(current.sched.batch_step)
-            if rows is not None and batch.eos_ids is not None and batch is self.scheduler.decode_batch \
+        # (a batch keeps its last two steps: every step is applied before the one after it is scheduled)
+        rows = batch.rows_of(current.sched.batch_step) if batch is not None and batch.token_stops_only else None
+        if rows is not None:
+            if batch.eos_ids is not None and batch is self.scheduler.decode_batch \
                     and batch.number - rows.number <= 1 and rows.generation == batch.generation:
                 return self._apply_rows(current, batch, rows)
-            return self._apply_batch(current, batch, current.host.tolist())
+            return self._apply_batch(current, rows, current.host.tolist())
         tokens = current.host.tolist()
         advanced, finished = [], []
         for item, token in zip(current.sched.scheduled, tokens):
@@ -206,21 +207,15 @@ class PipelinedDecode:
             self.scheduler.remove_finished(finished)
         return list(groups), finished
 
-    def _apply_batch(self, current: _InFlight, batch, tokens: list[int]
+    def _apply_batch(self, current: _InFlight, step, tokens: list[int]
                      ) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """`_apply` for a step of a `DecodeBatch` whose requests stop only on tokens (EOS ids, length): each row's
-        token goes in place unless it is an EOS id or reaches the row's length limit, or the row's sequence stopped
-        or changed meanwhile; those rows (a few a step at most) then take `_apply`'s full path, in row order."""
+        """`_apply` for a step of a `DecodeBatch` (its rows: `step`) whose requests stop only on tokens (EOS ids,
+        length), row by row: each row's token goes in place unless it is an EOS id or reaches the row's length limit,
+        or the row's sequence stopped or changed meanwhile; those rows (a few a step at most) then take `_apply`'s
+        full path, in row order."""
         rows = current.sched.scheduled
-        step = batch.rows_of(current.sched.batch_step)  # the step's rows, while the batch keeps them
-        if step is None:  # (a batch keeps its last two steps: a step applied later than that has its items only)
-            seqs, groups = [item.seq for item in rows], [item.group for item in rows]
-            starts = [item.start for item in rows]
-            eos_lists = [group.params.eos_token_id for group in groups]
-            last_starts = [seq.prompt_len + group.params.max_new_tokens - 2 for seq, group in zip(seqs, groups)]
-        else:
-            seqs, groups, eos_lists = step.seqs, step.groups, step.eos
-            starts, last_starts = step.starts.tolist(), step.last_starts.tolist()
+        seqs, groups, eos_lists = step.seqs, step.groups, step.eos  # the step's rows (`StepRows`)
+        starts, last_starts = step.starts.tolist(), step.last_starts.tolist()
         others = []
         for k, (seq, start, token, eos, last_start) in enumerate(zip(seqs, starts, tokens, eos_lists, last_starts)):
             at = start + 1  # where this step's token goes (one token per row)
