@@ -158,6 +158,12 @@ def _forget(ident: int) -> None:
 _LINEAR = (torch._C._nn.linear, F.linear)
 
 
+def _linear_args(node: torch.fx.Node) -> tuple:
+    """(input, weight, bias) of a linear call node, positional or keyword (bias None when absent)."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
 def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
     """Rewrite `gm` (a Dynamo graph): linears reading one input, with weights (and biases) among the graph's inputs
     being one stacked buffer's rows in order, become one `sibling_linear` narrowed back. Returns how many groups were
@@ -171,8 +177,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR:
             continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        x, weight, bias = _linear_args(node)
         if not isinstance(x, torch.fx.Node) or weight not in values or (bias is not None and bias not in values):
             continue
         if values[weight].dim() != 2:
@@ -264,10 +269,9 @@ def _plain_linear_node(node) -> bool:
         return False
     if len(node.users) != 1 or len(node.args) > 3 or set(node.kwargs) - {"weight", "bias"}:
         return False
-    args = list(node.args) + [None] * (3 - len(node.args))
-    weight, bias = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    x, weight, bias = _linear_args(node)
     value = weight.meta.get("example_value") if isinstance(weight, torch.fx.Node) else None
-    return bias is None and isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(args[0], torch.fx.Node)
+    return bias is None and isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(x, torch.fx.Node)
 
 
 def _same_layout(linear: torch.fx.Node, residual: torch.fx.Node) -> bool:
@@ -278,8 +282,7 @@ def _same_layout(linear: torch.fx.Node, residual: torch.fx.Node) -> bool:
 
 
 def _fold(graph: torch.fx.Graph, add: torch.fx.Node, linear: torch.fx.Node, residual: torch.fx.Node) -> None:
-    args = list(linear.args) + [None] * (3 - len(linear.args))
-    x, weight = args[0], linear.kwargs.get("weight", args[1])
+    x, weight, _ = _linear_args(linear)
     out, w = linear.meta["example_value"], weight.meta["example_value"]
     cols, inner = int(w.shape[0]), int(w.shape[1])  # a weight's sizes are static (the batch may be symbolic)
     rows = out.numel() // cols
