@@ -51,7 +51,7 @@ SHAPES = {
 # lognormal (sigma 1) with these means, clipped to [4, 1024]; or uniform in [lo, hi] for prompts and outputs
 WORKLOADS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
 UNIFORM_WORKLOADS = {"uniform": ((100, 1024), (100, 1024)), "long": ((2048, 8192), (32, 256)),
-                     "kvbound": ((1024, 3072), (256, 768))}
+                     "kvbound": ((1024, 3072), (256, 768)), "longctx": ((96_000, 104_000), (64, 128))}
 
 
 def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str | None = None):
@@ -91,25 +91,46 @@ def init_tensor_parallel(device: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def build_tp_model(name: str, dtype: torch.dtype, rank: int):
-    """Tensor parallel (under torchrun): every rank loads its shard of a checkpoint with transformers' plan.
+def shape_checkpoint(name: str, dtype: torch.dtype, device: str = "cpu") -> str:
+    """A named shape's checkpoint directory, random-initialised (seed 0) and saved on first use.
 
-    A named shape is random-initialised once (seed 0) and saved by rank 0 to a temporary checkpoint first."""
+    Initialising on a GPU (`device`) takes seconds where an 8B model takes minutes on the CPU. The two draw different
+    numbers from the same distributions, which is all a throughput benchmark needs."""
     import tempfile
 
+    path = os.path.join(tempfile.gettempdir(), f"hf_paged_bench_{name}_{str(dtype).split('.')[-1]}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build_model(name, device, dtype)
+            model.save_pretrained(path)
+            del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return path
+
+
+def build_tp_model(name: str, dtype: torch.dtype, rank: int, device: str, max_len: int = 4096):
+    """Tensor parallel (under torchrun): every rank loads its shard of a checkpoint with transformers' plan.
+
+    A named shape is saved by rank 0 (`shape_checkpoint`) while the others wait. `max_len` sets the config's
+    `max_position_embeddings` as `build_model` does for one process (llama's default rotary embedding does not
+    depend on it)."""
     import torch.distributed as dist
     from transformers import DistributedConfig
 
     path = name
     if name in SHAPES:
-        path = os.path.join(tempfile.gettempdir(), f"hf_paged_bench_{name}_{str(dtype).split('.')[-1]}")
-        if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                build_model(name, "cpu", dtype).save_pretrained(path)
-        dist.barrier()
+        if rank == 0:
+            path = shape_checkpoint(name, dtype, f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda")
+                                    else "cpu")
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
                                                  distributed_config=DistributedConfig(tp_plan="auto"))
+    if name in SHAPES:
+        model.config.max_position_embeddings = max_len
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -397,18 +418,19 @@ def main() -> None:
     workload = make_workload(args.workload, args.num_requests, args.seed, jsonl=args.jsonl)
     output_tokens = sum(o for _, o in workload)
     rank, world = init_tensor_parallel(args.device)
+    longest = max(len(p) + o for p, o in workload)
+    max_len = max(4096, 1 << (longest - 1).bit_length())
     if world > 1:  # the same launch under torchrun: one shard of the model and one engine per rank
         unsupported = set(args.systems.split(",")) - {"paged", "paged_compiled", "paged_compiled_eager_prefill",
                                                       "dynamic"}
         if unsupported:
             raise SystemExit(f"under tensor parallelism only paged, paged_compiled(_eager_prefill) and dynamic run, "
                              f"not {unsupported}")
-        model = build_tp_model(args.model, dtype, rank)
+        model = build_tp_model(args.model, dtype, rank, args.device, max_len=max_len)
         if rank != 0:
             args.no_progress = True
     else:
-        longest = max(len(p) + o for p, o in workload)
-        model = build_model(args.model, args.device, dtype, max_len=max(4096, 1 << (longest - 1).bit_length()))
+        model = build_model(args.model, args.device, dtype, max_len=max_len)
     progress = not args.no_progress
     rows = []
     out = Path(args.out)

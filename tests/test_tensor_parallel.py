@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=out.name)
+    # a run id of its own (the example names its checkpoint after it): test cases may run side by side
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=f"{out.parent.name}_{out.name}")
     result = subprocess.run(
         [*launcher, str(EXAMPLE), "--model", "tiny", "--max-new-tokens", "14", "--json", str(out), *extra],
         capture_output=True, text=True, timeout=600, env=env,
