@@ -28,7 +28,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from roofline import copy_bandwidth, decode_bound_s, latency_stats, matmul_flops, model_bytes, prefill_flops
+from roofline import (
+    copy_bandwidth,
+    decode_bound_s,
+    latency_stats,
+    local_parameters,
+    matmul_flops,
+    model_bytes,
+    prefill_flops,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -455,7 +463,8 @@ def main() -> None:
         meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
         kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
         meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_token, meta["copy_tb_s"] * 1e12)
-        meta["prefill_tflop"] = prefill_flops(workload, model.config, sum(p.numel() for p in model.parameters())
+        # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
+        meta["prefill_tflop"] = prefill_flops(workload, model.config, sum(p.numel() for p in local_parameters(model))
                                               * world) / 1e12 / world
     for system in args.systems.split(","):
         gc.collect()

@@ -51,10 +51,17 @@ def matmul_flops(device: str = "cuda", n: int = 8192, repeats: int = 10) -> floa
     return 2 * n**3 / float(np.median(times[3:]))
 
 
+def local_parameters(model) -> list:
+    """The parameters as this process holds them: a tensor-parallel model's DTensors as their local shards (a
+    DTensor's `numel()` is the whole tensor's, and its `data_ptr()` is no shard's address)."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+
+
 def model_bytes(model) -> int:
-    """Bytes of the weights read by one forward (every parameter once; tied embeddings count once)."""
+    """Bytes of the weights one forward reads in this process (every parameter once; tied embeddings count once;
+    under tensor parallelism this rank's shards)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in local_parameters(model):
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
