@@ -412,7 +412,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-cuda-graph", action="store_true")
-    parser.add_argument("--cuda-graph", action="store_true", help="force CUDA graphs on (default off under TP)")
+    parser.add_argument("--cuda-graph", action="store_true", help="force CUDA graphs on (the default on CUDA)")
     parser.add_argument("--profile", action="store_true", help="cProfile the hf_paged run into OUT/profile_paged.txt")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")

@@ -128,6 +128,9 @@ def main() -> None:
                   "greedy": len(prompts) - 2,
                   "errors": [repr(r.error) for r in results if r.error is not None]}
         (Path(args.json) / f"rank{rank}.json").write_text(json.dumps(record))
+    # before the process group goes: the engine's CUDA graphs recorded its collectives, and NCCL does not destroy a
+    # communicator that a live graph recorded (the process would hang in destroy_process_group)
+    engine.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

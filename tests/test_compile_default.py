@@ -13,16 +13,15 @@ from hf_paged.testing import tiny_model
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
 
-@pytest.mark.parametrize(("device", "graphs", "tp", "modules", "expected"), [
-    (CUDA, None, False, False, True),
-    (CUDA, True, False, False, True),
-    (CUDA, False, False, False, False),  # no graphs: the debugging setting
-    (CUDA, None, True, False, False),  # tensor parallel: not measured compiled
-    (CUDA, None, False, True, False),  # compile_modules
-    (CPU, None, False, False, False),
+@pytest.mark.parametrize(("device", "graphs", "modules", "expected"), [
+    (CUDA, None, False, True),  # one process or tensor parallel alike
+    (CUDA, True, False, True),
+    (CUDA, False, False, False),  # no graphs: the debugging setting
+    (CUDA, None, True, False),  # compile_modules
+    (CPU, None, False, False),
 ])
-def test_default_compile_decode(device, graphs, tp, modules, expected):
-    assert default_compile_decode(device, graphs, tp, modules) is expected
+def test_default_compile_decode(device, graphs, modules, expected):
+    assert default_compile_decode(device, graphs, modules) is expected
 
 
 def test_cpu_engine_does_not_compile_by_default_and_checks_the_type():

@@ -19,6 +19,7 @@ CPU tests cover the decode path of the GPU token for token) or "eager".
 
 from __future__ import annotations
 
+import atexit
 import threading
 import warnings
 import weakref
@@ -47,6 +48,22 @@ _COMPILE_LOCK = threading.Lock()
 # memory is freed in stream order, after any replay already launched) and record them again at their next step
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _MISSING = object()
+
+
+def _drop_graphs_at_exit() -> None:
+    """Drop every live runner's CUDA graphs when the interpreter exits, before torch.distributed's teardown.
+
+    Under tensor parallelism a decode graph records the model's NCCL collectives, and a communicator is not destroyed
+    while a graph that recorded it lives: a process whose engine is still open at exit would never end
+    (pytorch/pytorch#115388). `atexit` handlers run before the interpreter's teardown frees the process groups. An
+    explicit `destroy_process_group()` comes before them: close the engine first (`Engine.close()` drops the graphs
+    too)."""
+    for runner in list(_RUNNERS):
+        runner._graphs.clear()
+        runner._pool = None
+
+
+atexit.register(_drop_graphs_at_exit)
 
 __all__ = ["ModelRunner"]
 
