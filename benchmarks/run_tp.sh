@@ -27,7 +27,7 @@ stamp() { echo "== $(date +%T) $*"; }
   nvidia-smi topo -m
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
-  git log -1 --format='commit %H %s' 2>/dev/null
+  echo "tree: ${TREE:-not given} (git metadata on the device does not follow the tree sent)"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)

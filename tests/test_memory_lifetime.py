@@ -165,3 +165,29 @@ def test_dropped_model_gives_its_gpu_pool_back(no_gc):
     del model
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 2**20, "the pool outlived the model"
+
+
+EXIT_SCRIPT = """
+import sys
+import hf_paged
+from hf_paged.testing import tiny_model
+
+class Graph:  # stands in for a captured CUDA graph: under tensor parallelism it pins its NCCL communicator
+    def __del__(self):
+        print("graph dropped while finalizing:", sys.is_finalizing(), flush=True)
+
+engine = hf_paged.Engine(tiny_model("llama"), num_blocks=8, block_size=16)  # left open: no close() before exit
+engine.runner._graphs[1] = Graph()
+print("exiting", flush=True)
+"""
+
+
+def test_graphs_of_an_engine_left_open_are_dropped_before_the_interpreter_tears_down():
+    """An engine still open at exit drops its CUDA graphs in an `atexit` handler, before the interpreter's teardown
+    (which frees torch.distributed's process groups; a graph that recorded NCCL collectives blocks that forever)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-2:] == ["exiting", "graph dropped while finalizing: False"]
