@@ -91,6 +91,17 @@ def test_engine_owned_by_a_model_holds_it_weakly(no_gc):
     assert ref() is not None and engine.model is ref()
 
 
+def test_disable_closes_the_engine_the_model_owns():
+    """`hf_paged.disable(model)` gives the pool and the CUDA graphs back at once (before a tensor-parallel script
+    destroys its process group), not when the engine's last reference goes."""
+    model = tiny_model("llama")
+    _generate_paged(model)
+    engine = model._hf_paged_engine
+    assert not engine.closed and engine.cache.pool is not None
+    hf_paged.disable(model)
+    assert engine.closed and engine.cache.pool is None and model._hf_paged_engine is None
+
+
 def test_drop_in_cache_grows_on_demand():
     model = tiny_model("llama")
     hf_paged.enable(model)

@@ -397,6 +397,11 @@ def disable(model, attn_implementation: str | None = None):
         model.__class__ = base
     uncompile_submodules(model)
     model.set_attn_implementation(attn_implementation)
+    engine = getattr(model, "_hf_paged_engine", None)
+    if engine is not None:
+        # its pool and CUDA graphs go now, not whenever the last reference does: under tensor parallelism the graphs
+        # must be gone before `destroy_process_group()`
+        engine.close()
     model._hf_paged_engine = None
     return model
 
