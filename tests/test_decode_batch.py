@@ -135,9 +135,9 @@ def test_abort_between_batch_steps_leaves_the_others_whole(model):
 
 
 def test_requests_finishing_by_length_leave_the_batch_to_the_others(model, monkeypatch):
-    """The step before a request reaches its length limit leaves it out and seeds a batch of the others: when the
-    request finishes, that batch goes on (only a finished row of the batch drops it). Tokens are those of the
-    per-sequence path."""
+    """The step after the one that gives a request its last token leaves its row out (`DecodeBatch.remove`, the step
+    in flight keeps it): the one batch goes on for the others through every finish, no step is scheduled the general
+    way again, and the steps are still applied on the arrays. Tokens are those of the per-sequence path."""
     prompts = random_prompts((5, 9, 13, 7), seed=6)
     lengths = (4, 30, 11, 30)
 
@@ -148,19 +148,32 @@ def test_requests_finishing_by_length_leave_the_batch_to_the_others(model, monke
             engine = hf_paged.Engine(model, block_size=4, num_blocks=300, max_num_seqs=8)
             engine.runner.decode_mode = "static"
             ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+            applied = {"rows": 0, "batch": 0}
+            for name in ("_apply_rows", "_apply_batch"):
+                patch.setattr(engine, name, _counting(getattr(engine, name), applied, name[7:]))
             outputs, kept = {}, []
             while engine.has_unfinished():
                 finished = engine.step(finished_only=True)
                 outputs.update((out.request_id, out.outputs[0].token_ids) for out in finished)
                 if finished and engine.has_unfinished():
-                    kept.append(engine.scheduler.decode_batch is not None)
+                    kept.append(engine.scheduler.decode_batch)
             engine.close()
-        return [outputs[i] for i in ids], kept
+        return [outputs[i] for i in ids], kept, applied
 
-    tokens, kept = run(True)
+    tokens, kept, applied = run(True)
     assert [len(t) for t in tokens] == list(lengths)
-    assert kept and all(kept), kept  # a batch of the others after every finish
+    assert len(kept) == 2 and kept[0] is not None and kept[1] is kept[0], kept  # one batch through both finishes
+    # every batch step applied on the arrays but the last: its rows all finish, which leaves no batch to schedule
+    assert applied["batch"] <= 1 and applied["rows"] > 20, applied
     assert tokens == run(False)[0]
+
+
+def _counting(function, counts: dict, key: str):
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return function(*args, **kwargs)
+
+    return counted
 
 
 def test_a_request_stopping_on_eos_leaves_its_row_and_the_batch_goes_on(model, monkeypatch):
@@ -173,9 +186,10 @@ def test_a_request_stopping_on_eos_leaves_its_row_and_the_batch_goes_on(model, m
     removals = []
     remove = decode_batch.DecodeBatch.remove
 
-    def counted(self, gone):
-        removals.append(len(gone))
-        return remove(self, gone)
+    def counted(self, gone, voids_in_flight=True):
+        if voids_in_flight:  # (not the rows leaving as they reach their length limits)
+            removals.append(len(gone))
+        return remove(self, gone, voids_in_flight)
 
     monkeypatch.setattr(decode_batch.DecodeBatch, "remove", counted)
     fast = _run(model, requests, batched=True, monkeypatch=monkeypatch, block_size=4, num_blocks=400, max_num_seqs=16)

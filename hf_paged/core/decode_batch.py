@@ -17,7 +17,8 @@ are overwritten), so an advance touches no item.
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence, and the
 scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
 preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch; except a stop,
-which only removes the row (`remove`), and the finish of a group the batch left out (a request finishing by length).
+which only removes the row (`remove`), and a request finishing by length, whose row leaves before the step that
+would pass its limit.
 `Scheduler.schedule_decode_step` builds it from a step scheduled the general way. Its reservations equal
 `BlockManager.append_decode_slots`' (`tests/test_decode_batch.py` compares every step).
 """
@@ -156,6 +157,14 @@ class DecodeBatch:
         group out of it (what `PipelinedDecode._schedule_next` computes per row otherwise)."""
         return self.headroom <= 2
 
+    def finishing_groups(self) -> set[int]:
+        """The `id()`s of the groups whose row in the last step gives the token that reaches their length limit: the
+        step after it leaves them out (`Scheduler.schedule_decode_step`'s `skip`)."""
+        import numpy as np
+
+        groups = self.groups
+        return {id(groups[k]) for k in np.flatnonzero(self.starts >= self.last_starts).tolist()}
+
     def offsets(self) -> np.ndarray:
         """Where each row of the last step draws its token (`device_sampling.offset`): its sequence's length then
         (one past its position), sample index 0 (one sequence per group)."""
@@ -168,13 +177,17 @@ class DecodeBatch:
                 return step
         return None
 
-    def remove(self, gone: set[int]) -> bool:
-        """Drop the rows of the groups whose `id()` is in `gone` (they finished: the scheduler frees them now), so
-        the others keep their batch. Returns False, changing nothing, when no row would be left.
+    def remove(self, gone: set[int], voids_in_flight: bool = True) -> bool:
+        """Drop the rows of the groups whose `id()` is in `gone`, so the others keep their batch. Returns False,
+        changing nothing, when no row would be left.
 
-        The step in flight, scheduled before, still holds the gone rows: it keeps the row lists and arrays it was
-        scheduled with (`StepRows`), and, its `generation` being older, is applied row by row (`_apply_batch` skips
-        the finished ones). The next step's input ids come from that step's rows (`same_rows`)."""
+        Two reasons, both leaving the step in flight (scheduled before) with the gone rows: it keeps the row lists and
+        arrays it was scheduled with (`StepRows`), and the next step's input ids come from its rows (`same_rows`).
+        * The groups finished (a stop; the scheduler frees them now): their tokens in the step in flight are void.
+          That step's older `generation` makes `PipelinedDecode._apply` take it row by row (`_apply_batch` skips the
+          finished rows).
+        * `voids_in_flight=False`: the step in flight gives their last token (they reach their length limit with it)
+          and the step being scheduled leaves them out. That step is applied like any other: the generation stays."""
         keep = [k for k, group in enumerate(self.groups) if id(group) not in gone]
         if not keep:
             return False
@@ -187,13 +200,17 @@ class DecodeBatch:
         self.records_ = [self.records_[k] for k in keep]
         self.seq_ids = [self.seq_ids[k] for k in keep]
         self.specs = [self.specs[k] for k in keep]
-        self.eos = [self.eos[k] for k in keep]  # (`eos_ids` and `token_stops_only` hold for any subset of rows)
+        self.eos = [self.eos[k] for k in keep]  # (`token_stops_only` holds for any subset of rows, and shared EOS ids)
+        if self.eos_ids is None:  # the rows left may share their EOS ids
+            first = self.eos[0]
+            self.eos_ids = list(first) if all(eos == first for eos in self.eos) else None
         self.starts, self.slots = self.starts[rows], self.slots[rows]
         self.last_blocks, self.last_starts = self.last_blocks[rows], self.last_starts[rows]
         self.headroom = int((self.last_starts + 2 - self.starts).min())
         self.identity = np.arange(len(keep), dtype=np.int64)
         self.same_rows = self.same_rows[rows]  # (composed: two removals before a step would both count)
-        self.generation += 1
+        if voids_in_flight:
+            self.generation += 1
         self.items = [None, None]
         return True
 

@@ -291,8 +291,10 @@ class Scheduler:
         step before the previous one's tokens are known; no admission, swap or preemption happens here."""
         batch = self._batch
         if batch is not None:
-            if not skip and self.running == batch.groups and self.release_window is None:
-                # the same sequences as the last step (see `DecodeBatch` for why that suffices): advance its rows
+            # the same sequences as the last step (see `DecodeBatch` for why that suffices), but those finishing by
+            # length in the step in flight, whose rows leave now: advance its rows
+            if self.running == batch.groups and self.release_window is None and (
+                    not skip or (skip <= batch.group_ids and batch.remove(skip, voids_in_flight=False))):
                 advanced = batch.advance(self.block_manager)
                 if advanced is None:
                     return None  # the pool cannot hold the new blocks: nothing was reserved

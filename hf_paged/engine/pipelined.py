@@ -82,8 +82,9 @@ class PipelinedDecode:
         if scheduler.waiting or scheduler.swapped:
             return None  # admissions need the normal scheduler: let the pipeline drain
         batch = current.sched.batch
-        if batch is not None and batch is scheduler.decode_batch and not batch.finishing():
-            done = frozenset()  # the batch's length limits say no row finishes: no need to look at each
+        if batch is not None and batch is scheduler.decode_batch and batch.number == current.sched.batch_step:
+            # the batch's length limits say which rows finish, on its arrays (usually none: no need to look)
+            done = batch.finishing_groups() if batch.finishing() else frozenset()
         else:
             done = {id(item.group) for item in current.sched.scheduled
                     if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
