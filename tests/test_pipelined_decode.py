@@ -135,20 +135,32 @@ def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
     "engine_kwargs",
     [dict(num_blocks=200), dict(num_blocks=24, max_num_batched_tokens=32),
      dict(num_blocks=24, preemption_mode="swap", swap_space=0.01, max_num_seqs=8),
-     dict(num_blocks=60, enable_prefix_caching=True), dict(num_blocks=200, eager_every=3)],
-    ids=["roomy", "recompute", "swap", "prefix-caching", "eager-steps-between"],
+     dict(num_blocks=60, enable_prefix_caching=True), dict(num_blocks=200, eager_every=3),
+     dict(num_blocks=200, mixed_lengths=True)],
+    ids=["roomy", "recompute", "swap", "prefix-caching", "eager-steps-between", "mixed-lengths"],
 )
 def test_store_rows_match_the_tables_after_every_static_step(model, prompts, references, engine_kwargs, monkeypatch):
     """A decode step of the sequences of the last static step looks only at the tables its reservation changed
     (`SchedulerOutput.table_changes`). After every static step, fast or not, each row's record must equal its
     table's (length, last block), as a comparison of every table would leave it; and the tokens are transformers'.
-    `eager_every`: every so many steps run eagerly (their reservations change tables too)."""
+    `eager_every`: every so many steps run eagerly (their reservations change tables too). `mixed_lengths`: requests
+    finish along the way, their rows leave the batch, and the others keep their store rows (`_kept_rows`)."""
+    from hf_paged.runner import model_runner
     from hf_paged.runner.model_runner import ModelRunner
 
     fast_steps = []
     execute_static, changed_rows = ModelRunner._execute_static, ModelRunner._changed_rows
     engine_kwargs = dict(engine_kwargs)
     eager_every = engine_kwargs.pop("eager_every", 0)
+    mixed = engine_kwargs.pop("mixed_lengths", False)
+    kept, kept_rows = [], model_runner._kept_rows
+
+    def counting_kept(*args):
+        rows = kept_rows(*args)
+        kept.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(model_runner, "_kept_rows", counting_kept)
     if eager_every:
         static_eligible, calls = ModelRunner.static_eligible, [0]
 
@@ -179,9 +191,12 @@ def test_store_rows_match_the_tables_after_every_static_step(model, prompts, ref
     monkeypatch.setattr(ModelRunner, "_execute_static", checked)
     monkeypatch.setattr(ModelRunner, "_changed_rows", counting)
     engine = make_engine(model, **engine_kwargs)
-    results = engine.generate(prompts + prompts[:5], max_new_tokens=MAX_NEW)
-    assert tokens(results) == references + references[:5]
+    lengths = [4 + (5 * k) % 13 if mixed else MAX_NEW for k in range(len(prompts) + 5)]
+    results = engine.generate(prompts + prompts[:5], [hf_paged.SamplingParams(max_new_tokens=n) for n in lengths])
+    assert tokens(results) == [r[:n] for r, n in zip(references + references[:5], lengths)]
     assert len(fast_steps) > 5 and any(fast_steps)  # the fast path ran, new blocks included
+    if mixed:  # steps after rows left kept the others' store rows
+        assert sum(kept) > 3, kept
     assert_clean(engine, results)
 
 

@@ -37,11 +37,13 @@ __all__ = ["BatchRow", "DecodeBatch", "StepRows"]
 
 class StepRows:
     """One step of a `DecodeBatch`: each row's position (`starts`) and slot, the step's number, and what applying it
-    reads: the batch's row lists as they were then (`seqs`, `groups`, `eos`, `last_starts`; a removal replaces the
-    batch's lists, never changes them), its `generation` (removals so far), and `source`, the row of each of its
-    sequences in the step before (whose picks are its input ids)."""
+    reads: the batch's row lists as they were then (`seqs`, `seq_ids`, `groups`, `eos`, `last_starts`; a removal
+    replaces the batch's lists, never changes them), its `generation` (removals that void a step in flight), and
+    `source`, the row of each of its sequences in the step before (whose picks are its input ids, and whose store
+    rows are its own)."""
 
-    __slots__ = ("eos", "generation", "groups", "last_starts", "number", "seqs", "slots", "source", "starts")
+    __slots__ = ("eos", "generation", "groups", "last_starts", "number", "seq_ids", "seqs", "slots", "source",
+                 "starts")
 
     def __init__(self, batch: DecodeBatch, number: int) -> None:
         self.take(batch, number)
@@ -49,6 +51,7 @@ class StepRows:
     def take(self, batch: DecodeBatch, number: int) -> None:
         self.starts, self.slots, self.number = batch.starts, batch.slots, number
         self.seqs, self.groups, self.eos, self.last_starts = batch.seqs, batch.groups, batch.eos, batch.last_starts
+        self.seq_ids = batch.seq_ids  # the list the runner got for this step (it knows its rows by that list)
         self.generation, self.source = batch.generation, batch.same_rows
 
 

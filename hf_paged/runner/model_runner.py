@@ -68,6 +68,16 @@ atexit.register(_drop_graphs_at_exit)
 __all__ = ["ModelRunner"]
 
 
+def _kept_rows(batch, number: int, last: tuple) -> np.ndarray | None:
+    """The store rows of step `number` of `batch`, taken from those of the step before it when that was the last
+    static step (`last`: its sequence ids, by identity, and rows): each row of the step is the row `source` names in
+    the step before, from which rows only left (`DecodeBatch.remove`). None when that does not hold."""
+    before, step = batch.rows_of(number - 1), batch.rows_of(number)
+    if before is None or step is None or last[1] is not before.seq_ids:
+        return None
+    return last[2][step.source]
+
+
 def _buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8]
     size = 16
@@ -457,11 +467,15 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
             slots = [item.slots[0] for item in scheduled]
             seq_ids = [item.seq.seq_id for item in scheduled]
         last = self._last_rows
-        if sched.decode_step and sched.table_changes is not None and last is not None and last[0] is row_of \
-                and last[1] == seq_ids:
+        rows = None
+        if sched.decode_step and sched.table_changes is not None and last is not None and last[0] is row_of:
             # the sequences of the last static step, nothing else ran since: only the tables this step's reservation
             # changed (a new block, a copy-on-write) need a look
-            rows = last[2]
+            if last[1] == seq_ids:
+                rows = last[2]
+            elif batch is not None:  # or some of them: rows left the batch since (stops, length finishes)
+                rows = _kept_rows(batch, sched.batch_step, last)
+        if rows is not None:
             changed, (flat, blocks), too_long = self._changed_rows(seq_ids, sched.table_changes)
         else:
             rows, changed = self._rows_and_changes(seq_ids)
