@@ -162,15 +162,10 @@ class PrefixCaching:
         full = min(n, seq.num_tokens, len(token_ids)) >> shift
         if full <= start:
             return 0
-        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
-        keys, entries, table = seq.keys, seq.entries, seq.table
-        self._drop_pending(keys[:full], start)
+        register = self.gpu.register
+        self._drop_pending(seq.keys[:full], start)
         for i in range(start, full):
-            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
-            if i == len(keys):
-                keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
-            parent = entries[i - 1] if i else ROOT_ENTRY
-            entries.append(None if parent is None or seq.stale else gpu.register(table[i], keys[i], parent, chunk))
+            _key_block(register, seq, i, tuple(token_ids[i << shift : (i + 1) << shift]))
         seq.committed = full
         return full - start
 
@@ -179,24 +174,14 @@ class PrefixCaching:
         multiple of the block size, the end of the block that row k just filled, the only one it has not keyed.
         The same keys and entries as `commit`, without its look-ups and checks (a decode step's rows are running,
         resident sequences of this manager); a row that is not in that state takes `commit` itself."""
-        gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
-        register = gpu.register
+        register = self.gpu.register
         shift = self._shift
         for record, token_ids, end in zip(records, token_lists, ends):
             i = (end >> shift) - 1  # the block just filled
-            keys, entries = record.keys, record.entries
-            if record.committed != i or len(keys) != i or record.swapped or end > record.num_tokens:
+            if record.committed != i or len(record.keys) != i or record.swapped or end > record.num_tokens:
                 self._commit_record(record, token_ids, end)
                 continue
-            chunk = tuple(token_ids[end - (1 << shift) : end])
-            if i:
-                keys.append(hash_block(keys[i - 1], chunk))
-                parent = entries[i - 1]
-            else:
-                keys.append(hash_block(ROOT_KEY, chunk))
-                parent = ROOT_ENTRY
-            entries.append(None if parent is None or record.stale
-                           else register(record.table[i], keys[i], parent, chunk))
+            _key_block(register, record, i, tuple(token_ids[end - (1 << shift) : end]))
             record.committed = i + 1
 
     def reset_prefix_cache(self) -> int:
@@ -227,3 +212,13 @@ class PrefixCaching:
             evictions=getattr(gpu, "num_evictions", 0),
         )
 
+
+def _key_block(register, seq, i: int, chunk: tuple[int, ...]) -> None:
+    """Key block `i` of `seq`'s record, whose tokens are `chunk`: its hash (unless computed ahead, see `keys`) and
+    the cache entry now describing it, chained to block `i - 1`'s (None when that one has none, or the sequence is
+    stale). `hash_block` is looked up here, as a module global, on every call (tests patch it)."""
+    keys, entries = seq.keys, seq.entries
+    if i == len(keys):
+        keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
+    parent = entries[i - 1] if i else ROOT_ENTRY
+    entries.append(None if parent is None or seq.stale else register(seq.table[i], keys[i], parent, chunk))
