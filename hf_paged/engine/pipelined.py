@@ -186,10 +186,12 @@ class PipelinedDecode:
         return unique_groups(advanced), None
 
     def _apply_rows(self, current: _InFlight, batch, rows) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """`_apply` for a step of a `DecodeBatch` that is still the scheduler's, at most one step further and with no
-        row removed since: no row stopped, was aborted or failed since the step was scheduled (a stop removes the row,
-        the others drop the batch), so every row is running and holds this step's placeholder. Every token goes in place; the rows that meet an EOS id or their
-        length limit (found on the arrays, one comparison per EOS id) then take the full stop check, in row order."""
+        """`_apply` for a step of a `DecodeBatch` that is still the scheduler's, at most one step further and of the
+        same generation: no row stopped, was aborted or failed since the step was scheduled (a stop removes its row
+        and starts a generation; an abort or a failure drops the batch; a row leaving at its length limit does
+        neither, its last token being this step's), so every row is running and holds this step's placeholder. Every
+        token goes in place; the rows that meet an EOS id or their length limit (found on the arrays, one comparison
+        per EOS id) then take the full stop check, in row order."""
         tokens = current.host.numpy()
         stop = rows.starts >= rows.last_starts
         for eos in batch.eos_ids:
