@@ -4,7 +4,7 @@
 export PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name --format=csv,noheader
 NEW=$PWD
-S=benchmarks/results/h100_2026-11-26e/scripts
+S=benchmarks/results/h100_2026-11-26d/scripts  # its host_all.py: the same harness driver as that call
 export BENCH_DIR=$NEW/benchmarks
 host() { echo "== host $1" | tee -a $OUT/host.log; (cd $2 && PYTHONPATH=$PWD timeout 100 python3 $NEW/$S/host_all.py 2>&1 | grep " ms$\|hf_paged from" | tee -a $OUT/host.log); }
 host new1 $NEW; host head1 $NEW/benchmarks/scratch/head; host new2 $NEW; host head2 $NEW/benchmarks/scratch/head
