@@ -8,7 +8,8 @@
 * Split-K (flash-decoding): grid ``(num_splits, B, Hkv)``; with several splits each
   program writes its partial ``(acc, max, sum)`` to a float32 scratch and a small
   second kernel combines them, in split order (or, given split counters, the last run of a
-  sequence to finish does); with one split the output is written directly.
+  sequence to finish does); with one split the output is written directly, as it is, given split
+  counters, for a sequence short enough for one run.
   Each sequence's *own* key range is cut into ``min(num_splits, ceil(keys / MIN_TOKENS_PER_SPLIT))``
   equal runs of whole tiles: only sequences longer than a run are split, whatever the batch. Why: in
   a ragged batch the kernel lasts as long as its longest program, and a long sequence read by one
@@ -315,7 +316,14 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if SPLIT:
+    # a sequence the fused combine would combine from one split alone is written directly, like an unsplit launch
+    # writes it: no partials to store and read back, no counter (most sequences of a large batch of short contexts)
+    direct = not SPLIT
+    if SPLIT and FUSE_REDUCE:
+        direct = parts == 1
+    if direct:
+        _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh, HAS_SINKS)
+    else:
         pa = PACC + b64 * stride_pab + head[:, None] * stride_pah + sp * stride_pas + offs_dv[None, :]
         tl.store(pa, acc, mask=gmask[:, None])
         pm = b64 * stride_pmb + head * stride_pmh + sp
@@ -332,18 +340,23 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
                 _combine_splits(PACC, PM, PL, SINK, OUT, b64, head, gmask, parts, stride_pab, stride_pah,
                                 stride_pas, stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM_V, HAS_SINKS)
                 tl.atomic_xchg(counter, 0)
-    else:
-        if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
-            sink = tl.load(SINK + head, mask=gmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-            m_all = tl.maximum(m_i, sink)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            corr = tl.math.exp2(m_i - m_all)
-            l_i = l_i * corr + tl.math.exp2(sink - m_all)
-            acc = acc * corr[:, None]
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh,
+                  HAS_SINKS: tl.constexpr):
+    """Normalise one program's whole-range softmax state and store it as the output rows of its heads."""
+    if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
+        sink = tl.load(SINK + head, mask=gmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        corr = tl.math.exp2(m_i - m_all)
+        l_i = l_i * corr + tl.math.exp2(sink - m_all)
+        acc = acc * corr[:, None]
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
