@@ -15,6 +15,8 @@ from hf_paged.kernels import triton_decode as new  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("td_head", "benchmarks/scratch/s6/td_head.py")
 head = importlib.util.module_from_spec(spec); spec.loader.exec_module(head)
+spec = importlib.util.spec_from_file_location("td_exp", "benchmarks/scratch/s6/td_exp.py")
+exp = importlib.util.module_from_spec(spec); spec.loader.exec_module(exp)
 bs = 16
 
 
@@ -76,22 +78,28 @@ for name, Hq, Hkv, D, lens, width in shapes:
            "splits": new.default_num_splits(B, Hkv, D, mb * bs, q.device)}
     outs = {}
     for vname, (mod_name, opts) in VARIANTS.items():
-        mod = head if mod_name == "head" else new
+        mod = {"head": head, "new": new, "exp": exp}[mod_name]
         out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+        opts = dict(opts)
+        sq = torch.zeros_like(seq) if opts.pop("seq_zero", False) else seq
+        if opts.pop("no_write", False):
+            nkv = None
+        else:
+            nkv = (kn, vn, slots)
 
         def call():
             for kc, vc, bt in layers:
-                mod.paged_decode(q, kc, vc, bt, seq, 0.125, max_context=mb * bs, out=out, new_kv=(kn, vn, slots),
+                mod.paged_decode(q, kc, vc, bt, sq, 0.125, max_context=mb * bs, out=out, new_kv=nkv,
                                  split_counters=counters, **opts)
         try:
             row[vname] = round(graph_time_us(call, calls=1, replays=30) / L, 2)
             outs[vname] = out[:n].clone()
         except Exception as e:
             row[vname] = str(e)[:80]
-    ref = outs.get("head")
-    row["equal_to_head"] = {k: bool(torch.equal(v, ref)) if ref is not None else None for k, v in outs.items()}
+    ref = outs.get("new")
+    row["equal_to_new"] = {k: bool(torch.equal(v, ref)) if ref is not None else None for k, v in outs.items()}
     results[name] = row
     cells = "  ".join(f"{k} {row[k]}" for k in VARIANTS)
-    print(f"{name:24s} n {n:3d} mean {row['mean_len']:6.0f} bound {bound_us:6.1f}  {cells}  eq {row['equal_to_head']}",
+    print(f"{name:24s} n {n:3d} mean {row['mean_len']:6.0f} bound {bound_us:6.1f}  {cells}  eq {row['equal_to_new']}",
           flush=True)
 json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "kernel_ab.json"), "w"), indent=1)
