@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode_epilogue import _combine_splits, _paged_decode_reduce_kernel, _write_output
+from .triton_attention_end import _combine_splits, _paged_decode_reduce_kernel, _write_output
 
 _LOG2E = 1.4426950408889634
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_attention_end import _normalise
+
 _LOG2E = 1.4426950408889634
 
 
@@ -162,15 +164,7 @@ def _paged_prefill_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
-            sink = tl.load(SINK + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-            m_all = tl.maximum(m_i, sink)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            corr = tl.math.exp2(m_i - m_all)
-            l_i = l_i * corr + tl.math.exp2(sink - m_all)
-            acc = acc * corr[:, None]
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None]
+        o = _normalise(acc, m_i, l_i, SINK, head, row_ok, HAS_SINKS)
         tl.store(
             OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
             o.to(OUT.dtype.element_ty),

@@ -1,8 +1,9 @@
-"""The ends of a decode program (`triton_decode`): its output written directly, or its split partials combined.
+"""The ends of a paged attention program: its softmax state normalised (sinks folded in) and written, or a decode
+program's split partials combined.
 
-A module of its own so that the decode kernel's file keeps to its job (the key loop and the split cut). These are
-`triton.jit` helpers and the separate combine kernel; `triton_decode` calls and launches them. Imported lazily with it
-(needs triton).
+A module of its own so that the kernels' files keep to their jobs (the key loops, the split cut) and the prefill and
+decode kernels share one normalisation. These are `triton.jit` helpers and the decode's separate combine kernel;
+`triton_decode` and `triton_prefill` call and launch them. Imported lazily with them (needs triton).
 """
 
 from __future__ import annotations
@@ -10,22 +11,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_combine_splits", "_paged_decode_reduce_kernel", "_write_output"]
+__all__ = ["_combine_splits", "_normalise", "_paged_decode_reduce_kernel", "_write_output"]
 
 
 @triton.jit
-def _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh,
-                  HAS_SINKS: tl.constexpr):
-    """Normalise one program's whole-range softmax state and store it as the output rows of its heads."""
+def _normalise(acc, m_i, l_i, SINK, head, mask, HAS_SINKS: tl.constexpr):
+    """The attention output (float32) of a whole-range softmax state: `acc` ``[rows, D]`` over its sum `l_i`, with
+    each row's head sink (`SINK[head]`, masked by `mask`) joining the denominator when `HAS_SINKS`."""
     if HAS_SINKS:  # one extra logit per head that only joins the denominator (gpt-oss s_aux)
-        sink = tl.load(SINK + head, mask=gmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(SINK + head, mask=mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         m_all = tl.maximum(m_i, sink)
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
         corr = tl.math.exp2(m_i - m_all)
         l_i = l_i * corr + tl.math.exp2(sink - m_all)
         acc = acc * corr[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    return acc / l_safe[:, None]
+
+
+@triton.jit
+def _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh,
+                  HAS_SINKS: tl.constexpr):
+    """Normalise one decode program's whole-range softmax state and store it as the output rows of its heads."""
+    o = _normalise(acc, m_i, l_i, SINK, head, gmask, HAS_SINKS)
     po = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_dv[None, :]
     tl.store(po, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
