@@ -26,6 +26,16 @@ def test_compile_only_changes_nothing_without_cuda(monkeypatch):
     assert not parallel_jit.compiling_only()
 
 
+def test_compile_only_is_never_dry_for_work_on_another_device(monkeypatch):
+    """A CPU engine on a host with a GPU: its warm-up launches no Triton kernel, so its block must run for real (a
+    dry one skipped the prefill forwards and the compiled prefill's check, as three GPU-host failures showed)."""
+    asked = []
+    monkeypatch.setattr(parallel_jit, "_async_mode_class", lambda: asked.append(1) or object)
+    with parallel_jit.compile_only(device="cpu") as dry:
+        assert dry is False and not parallel_jit.compiling_only()
+    assert asked == []
+
+
 def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
     key = torch.randn(tokens, heads, head_dim, device="cuda")
     value = torch.randn_like(key)

@@ -307,7 +307,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             # every Triton kernel the warm-up launches is compiled at once, in threads, by running the warm-up code
             # with launches that only compile (`kernels.parallel_jit`), while this thread traces and compiles the
             # decode step (`compile_decode`); what is left to run then finds them compiled
-            with compile_only() as dry:
+            with compile_only(device=runner.device) as dry:
                 if dry:
                     self._warm_up_sampler()  # first: the longest compilation (2-3 s)
                     runner.warm_up_prefill(self.max_num_batched_tokens)

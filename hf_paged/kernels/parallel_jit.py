@@ -16,8 +16,8 @@ While the block runs, no Triton kernel of this thread runs: the tensors they wou
 memory. Only code whose results are thrown away may run inside (warm-up forwards), and nothing inside may read a
 kernel's output on the host to decide what to do. Launches of other threads are untouched.
 
-Without CUDA, with the interpreter (`TRITON_INTERPRET=1`), or with a Triton older than `AsyncCompileMode`
-(3.4), `compile_only()` yields False and does nothing: the caller runs its warm-up as before.
+Without CUDA, for work on another device, with the interpreter (`TRITON_INTERPRET=1`), or with a Triton older than
+`AsyncCompileMode` (3.4), `compile_only()` yields False and does nothing: the caller runs its warm-up as before.
 """
 
 from __future__ import annotations
@@ -104,15 +104,18 @@ def _workers() -> int:
 
 
 @contextmanager
-def compile_only(max_workers: int | None = None) -> Iterator[bool]:
+def compile_only(max_workers: int | None = None, device: torch.device | str | None = None) -> Iterator[bool]:
     """`with compile_only() as dry:` when `dry`, this thread's Triton launches inside only compile, `max_workers`
     at a time in threads; the block's end waits for every compilation (and raises a compilation error). When not
     `dry` (see the module docstring), nothing is changed and the body should not run its launches for nothing.
+
+    `device`: where the body's work runs, when known. Not a CUDA device: never `dry`, even on a host with a GPU (a
+    CPU engine's warm-up launches no Triton kernel, so a dry block would only skip its forwards' real work).
     """
     if compiling_only():  # nested: the outer block already only compiles
         yield True
         return
-    mode_class = _async_mode_class()
+    mode_class = _async_mode_class() if device is None or torch.device(device).type == "cuda" else None
     if mode_class is None:
         yield False
         return
