@@ -230,20 +230,24 @@ def test_copy_on_write_at_kernel_level(backend, monkeypatch):
     if backend == "triton" and not kernels.triton_available():
         pytest.skip("triton not installed")
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
+    # Triton runs CPU tensors only in its interpreter, which the tests turn on only on hosts without a GPU
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     heads, dim, bs = 2, 16, 8
-    pool = torch.zeros(1, 2, 8, heads, bs, dim)
+    pool = torch.zeros(1, 2, 8, heads, bs, dim, device=dev)
     key_cache, value_cache = pool[0, 0], pool[0, 1]
     bm = BlockManager(num_blocks=8, block_size=bs)
     bm.allocate("parent", 0)
-    keys, values = torch.randn(10, heads, dim, generator=g), torch.randn(10, heads, dim, generator=g)
-    kernels.write_kv(keys, values, key_cache, value_cache, torch.tensor(bm.append_slots("parent", 10).slots))
+    keys = torch.randn(10, heads, dim, generator=g).to(dev)
+    values = torch.randn(10, heads, dim, generator=g).to(dev)
+    kernels.write_kv(keys, values, key_cache, value_cache,
+                     torch.tensor(bm.append_slots("parent", 10).slots, device=dev))
     bm.fork("parent", "child")  # 10 tokens: the second block is partial and now shared
-    query = torch.randn(1, heads, dim, generator=g)
+    query = torch.randn(1, heads, dim, generator=g).to(dev)
 
     def read(seq_id):
-        table = torch.tensor([bm.block_table(seq_id)], dtype=torch.int32)
-        lens = torch.tensor([bm.num_tokens(seq_id)], dtype=torch.int32)
+        table = torch.tensor([bm.block_table(seq_id)], dtype=torch.int32, device=dev)
+        lens = torch.tensor([bm.num_tokens(seq_id)], dtype=torch.int32, device=dev)
         return kernels.paged_decode(query, key_cache, value_cache, table, lens, dim**-0.5)
 
     def dense(k, v):
@@ -260,9 +264,10 @@ def test_copy_on_write_at_kernel_level(backend, monkeypatch):
             assert result.copies == []  # the parent is now the block's only holder: it writes in place
         if result.copies:
             src, dst = zip(*result.copies)
-            kernels.copy_blocks(pool, torch.tensor(src), torch.tensor(dst))
-        new_k, new_v = torch.randn(1, heads, dim, generator=g), torch.randn(1, heads, dim, generator=g)
-        kernels.write_kv(new_k, new_v, key_cache, value_cache, torch.tensor(result.slots))
+            kernels.copy_blocks(pool, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        new_k = torch.randn(1, heads, dim, generator=g).to(dev)
+        new_v = torch.randn(1, heads, dim, generator=g).to(dev)
+        kernels.write_kv(new_k, new_v, key_cache, value_cache, torch.tensor(result.slots, device=dev))
         assert torch.equal(read(other), other_view)  # the sibling reads exactly what it read before
         torch.testing.assert_close(read(seq_id), dense(torch.cat([keys, new_k]), torch.cat([values, new_v])),
                                    atol=1e-5, rtol=1e-5)

