@@ -7,8 +7,8 @@
 Every rank loads its shard (`DistributedConfig(tp_plan="auto")`: q/k/v column-parallel, o_proj row-parallel), builds
 an `hf_paged.Engine` (its pool holds this rank's KV heads; the block tables are the same everywhere) and runs the
 same requests. Rank 0 prints the answers; `--json DIR` makes every rank write what it generated, to check that no
-rank diverged. The number of ranks must divide the model's query and KV heads. On CPUs the ranks talk over gloo; on
-GPUs (one per rank) over NCCL.
+rank diverged. The number of ranks must divide the model's query and KV heads. On GPUs (one per local rank) the
+ranks talk over NCCL; on CPUs, or with fewer GPUs than local ranks, over gloo (`--device` picks).
 """
 
 from __future__ import annotations
@@ -33,12 +33,24 @@ QUESTIONS = [
 ]
 
 
-def setup() -> tuple[int, int, torch.device]:
-    """(rank, world size, device) from torchrun's environment; one process without it."""
+def setup(choice: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; one process without it.
+
+    `choice` "auto" runs on CUDA when there is a GPU for every local rank (NCCL), else on the CPU (gloo): two ranks on
+    a one-GPU machine would otherwise both ask for a device that does not exist. "cuda" insists, with a clear error
+    when the GPUs are too few; "cpu" always runs on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and gpus < local_world:
+        raise SystemExit(f"--device cuda needs a GPU for each of the {local_world} local rank(s); this machine has "
+                         f"{gpus}")
+    use_cuda = choice == "cuda" or (choice == "auto" and gpus >= local_world and gpus > 0)
+    if choice == "auto" and world > 1 and gpus and not use_cuda and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{local_world} local ranks but {gpus} GPU(s): running on the CPU over gloo (--device cuda insists)")
     if world == 1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
@@ -77,13 +89,19 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="folder: every rank writes rank<N>.json with its outputs")
     parser.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU only)")
     parser.add_argument("--compile-decode", action="store_true", help="compile the decode step (torch.compile)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: CUDA when there is a GPU for every local rank, else the CPU")
     parser.add_argument("--static", action="store_true", help="run decode steps on the static buffers (CPU check of "
                         "the graph path's host logic)")
     args = parser.parse_args()
 
-    rank, world, device = setup()
+    rank, world, device = setup(args.device)
     path = checkpoint(args.model, rank, world)
     options = {"distributed_config": DistributedConfig(tp_plan="auto")} if world > 1 else {}
+    if world > 1 and device.type == "cpu" and torch.cuda.is_available():
+        # transformers builds its mesh on the machine's accelerator (and sets the CUDA device to the local rank) unless
+        # given one: ranks kept on the CPU bring a CPU mesh
+        options["device_mesh"] = dist.init_device_mesh("cpu", (world,))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **options)
     model = model.to(device) if world == 1 else model
     model.eval()

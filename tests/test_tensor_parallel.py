@@ -1,5 +1,5 @@
-"""Tensor parallelism: `examples/tensor_parallel.py` under `torchrun` with 2 processes (gloo on the CPU; NCCL on
-2 GPUs, where the CUDA-graph variants run too).
+"""Tensor parallelism: `examples/tensor_parallel.py` under `torchrun` with 2 processes (gloo on the CPU, also on a
+host with one GPU; NCCL on 2 GPUs, where the CUDA-graph variants run too).
 
 transformers shards a tiny llama (4 query / 2 KV heads) over the two ranks; each rank's engine holds one KV head and
 the same block tables. Every rank must generate exactly what one process generates (greedy, a seeded parallel-sampling
@@ -35,8 +35,12 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
                                                      f"--nproc-per-node={nproc}"]
     # a run id of its own (the example names its checkpoint after it): test cases may run side by side
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=f"{out.parent.name}_{out.name}")
+    # one device for the single process and the ranks alike: NCCL where every rank has a GPU, else gloo on the CPU
+    # (a one-GPU host has too few GPUs for two ranks, and would otherwise run the single process on its GPU)
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     result = subprocess.run(
-        [*launcher, str(EXAMPLE), "--model", "tiny", "--max-new-tokens", "14", "--json", str(out), *extra],
+        [*launcher, str(EXAMPLE), "--model", "tiny", "--max-new-tokens", "14", "--json", str(out), "--device", device,
+         *extra],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -81,3 +85,11 @@ def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(mo
     monkeypatch.setattr(TensorParallel, "of", classmethod(lambda cls, m: fake))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         hf_paged.Engine(model, num_blocks=8)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message of a machine without GPUs")
+def test_example_insisting_on_cuda_without_gpus_says_why(tmp_path):
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--model", "tiny", "--device", "cuda"], capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    assert "--device cuda needs a GPU for each of the 1 local rank(s); this machine has 0" in result.stderr
