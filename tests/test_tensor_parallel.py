@@ -88,7 +88,7 @@ def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(mo
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message of a machine without GPUs")
-def test_example_insisting_on_cuda_without_gpus_says_why(tmp_path):
+def test_example_insisting_on_cuda_without_gpus_says_why():
     result = subprocess.run([sys.executable, str(EXAMPLE), "--model", "tiny", "--device", "cuda"], capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
