@@ -41,11 +41,11 @@ def setup(choice: str = "auto") -> tuple[int, int, torch.device]:
     when the GPUs are too few; "cpu" always runs on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()  # 0 without CUDA
     if choice == "cuda" and gpus < local_world:
         raise SystemExit(f"--device cuda needs a GPU for each of the {local_world} local rank(s); this machine has "
                          f"{gpus}")
-    use_cuda = choice == "cuda" or (choice == "auto" and gpus >= local_world and gpus > 0)
+    use_cuda = choice != "cpu" and gpus >= local_world
     if choice == "auto" and world > 1 and gpus and not use_cuda and int(os.environ.get("RANK", "0")) == 0:
         print(f"{local_world} local ranks but {gpus} GPU(s): running on the CPU over gloo (--device cuda insists)")
     if world == 1:
@@ -98,7 +98,7 @@ def main() -> None:
     rank, world, device = setup(args.device)
     path = checkpoint(args.model, rank, world)
     options = {"distributed_config": DistributedConfig(tp_plan="auto")} if world > 1 else {}
-    if world > 1 and device.type == "cpu" and torch.cuda.is_available():
+    if world > 1 and device.type == "cpu" and torch.cuda.device_count():
         # transformers builds its mesh on the machine's accelerator (and sets the CUDA device to the local rank) unless
         # given one: ranks kept on the CPU bring a CPU mesh
         options["device_mesh"] = dist.init_device_mesh("cpu", (world,))

@@ -26,6 +26,8 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
     from helpers import greedy_reference
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel.py"
+# NCCL and the CUDA-graph variants need a GPU for each of the two ranks; with fewer, both sides run on the CPU
+TWO_GPUS = torch.cuda.device_count() >= 2
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -35,9 +37,9 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
                                                      f"--nproc-per-node={nproc}"]
     # a run id of its own (the example names its checkpoint after it): test cases may run side by side
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=f"{out.parent.name}_{out.name}")
-    # one device for the single process and the ranks alike: NCCL where every rank has a GPU, else gloo on the CPU
-    # (a one-GPU host has too few GPUs for two ranks, and would otherwise run the single process on its GPU)
-    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    # one device for the single process and the ranks alike (on a one-GPU host the single process would otherwise
+    # take the GPU while the two ranks, too many for it, run on the CPU)
+    device = "cuda" if TWO_GPUS else "cpu"
     result = subprocess.run(
         [*launcher, str(EXAMPLE), "--model", "tiny", "--max-new-tokens", "14", "--json", str(out), "--device", device,
          *extra],
@@ -53,9 +55,9 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
      ("--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap"),
      ("--num-blocks", "20", "--block-size", "8", "--static"), ("--compile-decode",),
      pytest.param(("--num-blocks", "20", "--block-size", "8", "--cuda-graph"),
-                  marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")),
+                  marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")),
      pytest.param(("--cuda-graph", "--compile-decode"),
-                  marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"))],
+                  marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs"))],
     ids=["roomy", "recompute", "swap", "static-decode", "compiled-decode", "cuda-graph", "cuda-graph-compiled"],
 )
 def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
