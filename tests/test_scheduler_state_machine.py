@@ -59,6 +59,7 @@ SequenceGroup = sequence.SequenceGroup
 SequenceStatus = sequence.SequenceStatus
 
 GROUP_HAS_WIDTH = "width" in {f.name for f in dataclasses.fields(SequenceGroup)}
+HAS_ADMISSION_BATCH = hasattr(Scheduler, "admission_due")
 
 #: totals over every state-machine run of the session (printed by the summary test, quoted in the README)
 TOTALS: collections.Counter = collections.Counter()
@@ -446,13 +447,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens=st.integers(1, 24),
         swap=st.booleans(),
         prefix_caching=st.booleans() if HAS_PREFIX_CACHE else st.just(False),
+        admission_batch=st.integers(1, 4),
+        admission_max_wait=st.integers(0, 4),
     )
     def setup(self, num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, swap,
-              prefix_caching):
+              prefix_caching, admission_batch, admission_max_wait):
         mode = "swap" if swap and num_cpu_blocks > 0 else "recompute"
         self.sim = Sim(
             num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, mode, prefix_caching
         )
+        if HAS_ADMISSION_BATCH:  # batched admissions (the engine's default with CUDA graphs) keep every invariant
+            self.sim.sched.admission_batch = admission_batch
+            self.sim.sched.admission_max_wait = admission_max_wait
         TOTALS["runs"] += 1
 
     def _count(self, name: str) -> None:

@@ -23,6 +23,7 @@ from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
+from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
 from .faults import FaultHandling
 from .kv_lifetime import KVLifetime
@@ -34,7 +35,8 @@ from .requests import EngineClosedError, Requests
 from .sampling import Sampler
 from .updates import TokenUpdates
 
-__all__ = ["Engine", "EngineClosedError", "RequestOutput", "CompletionOutput", "default_max_num_batched_tokens"]
+__all__ = ["Engine", "EngineClosedError", "RequestOutput", "CompletionOutput", "default_compile_decode",
+           "default_max_num_batched_tokens"]
 
 
 _UNFREEZE_REGISTERED = False
@@ -47,43 +49,6 @@ def _unfreeze_at_exit() -> None:
     if not _UNFREEZE_REGISTERED:
         atexit.register(gc.unfreeze)
         _UNFREEZE_REGISTERED = True
-
-
-def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, compile_modules: bool) -> bool:
-    """`compile_decode=None`: compile the decode step where it is measured to pay, on CUDA with CUDA graphs.
-
-    There the compiled step is 1.4-1.5x faster (H100, one process: llama-1b greedy ShareGPT 29,921 vs 19,707 tok/s,
-    Qwen3-0.6B sampled 17,047 vs 11,971) and starts in seconds (llama-1b 9.6 s cold / 3.9 s warm, Qwen3-0.6B
-    11.3 / 4.4 s, against 3.1 / 1.7 s eager), and every accepted architecture compiles to the eager step's tokens
-    (`benchmarks/probe_compiled.py`). Not on the CPU (not measured to pay there, and compiling takes longer than most
-    CPU runs), not without CUDA graphs (`use_cuda_graph=False` is the debugging setting), not with `compile_modules`
-    (not measured with it). Under tensor parallelism too: on 2 H200s (llama-8b, KV-bound workload) the compiled,
-    graph-captured step decoded in 20 ms a step with 0.5 ms of host time, against 44 ms (43 ms host) for the model's
-    own code, whose DTensor bookkeeping costs host time in every linear layer. An automatic compilation that fails
-    falls back to the eager step with a warning (`ModelRunner.compile_auto`); with an explicit `True` the error fails
-    the step's requests.
-    """
-    return device.type == "cuda" and use_cuda_graph is not False and not compile_modules
-
-
-def default_max_num_batched_tokens(device: torch.device | str, serving: bool = False) -> int:
-    """The per-step token budget when none is given, as vLLM chooses it: 16,384 tokens for offline use on a GPU with
-    at least 70 GiB that is not an A100 (where vLLM measured larger budgets to lose throughput), 8,192 on other GPUs
-    and for serving, 2,048 on the CPU.
-
-    Why larger offline: a prefill step pays a fixed host cost per layer (the compiled layers' calls, kernel launches),
-    so fewer, larger steps prefill faster (Qwen3-0.6B shape, 256 sampled requests on an H100: the run 9.99 -> 9.71 s,
-    `benchmarks/results/h100_2026-11-25c/machines/`). Why not when serving: a running request's next token waits for
-    the whole mixed step, so a larger budget lengthens the inter-token latency of everything beside a long prompt.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 2048
-    if serving:
-        return 8192
-    props = torch.cuda.get_device_properties(device)
-    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
-    return 16384 if large else 8192
 
 
 class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandling, KVLifetime, Outputs):
@@ -99,6 +64,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             budget defaults to `default_max_num_batched_tokens(device)` (16,384 on an H100-class GPU, 8,192 on other
             GPUs, 2,048 on the CPU); `hf-paged serve` uses 8,192.
         preemption_mode: "recompute" (default) or "swap"; `swap_space` GiB of (pinned) CPU memory back the swap.
+        admission_batch, admission_max_wait: while requests run, waiting ones are admitted when `admission_batch`
+            sequences (or all that wait) fit at once, or after `admission_max_wait` steps left room unused; an idle
+            engine admits at once (`Scheduler.admission_due`). Default `None`: `max_num_seqs // 8` with CUDA graphs,
+            1 (each as soon as it fits) without (`default_admission_batch`).
         seed: seed of the engine's generator for requests without their own `seed`.
         use_cuda_graph: replay CUDA graphs for decode-only steps (default: on CUDA).
         enable_prefix_caching: reuse the KV blocks of earlier prompts' common prefixes (default on; see
@@ -155,6 +124,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         preemption_mode: str = "recompute",
+        admission_batch: int | None = None,
+        admission_max_wait: int = 16,
         swap_space: float = 0.0,
         seed: int | None = None,
         show_progress: bool = False,
@@ -166,9 +137,12 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         release_window_blocks: bool = True,
     ) -> None:
         # validate cheap arguments before anything is allocated
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("admission_batch", admission_batch)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(admission_max_wait, int) or isinstance(admission_max_wait, bool) or admission_max_wait < 0:
+            raise ValueError(f"admission_max_wait must be a non-negative int, got {admission_max_wait!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         for name, value in (("compile_modules", compile_modules), ("release_window_blocks", release_window_blocks)):
@@ -233,6 +207,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode,
+            admission_max_wait=admission_max_wait,
         )
         self.sampler = Sampler(self.device, seed)
         self.picker = DevicePicker(self.device, max_num_seqs, seed)
@@ -240,6 +215,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             self._model_ref, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             use_cuda_graph=use_cuda_graph, compile_decode=compile_decode, compile_auto=compile_auto,
         )
+        self.scheduler.admission_batch = admission_batch or default_admission_batch(
+            max_num_seqs, self.runner.use_cuda_graph)
         self._lock = threading.RLock()
         self._waiters = 0  # calls from other threads waiting for the lock; the stepping thread lets them in first
         self._waiters_lock = threading.Lock()

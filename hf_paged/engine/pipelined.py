@@ -34,12 +34,13 @@ class PipelinedDecode:
 
     def _can_pipeline(self, sched: SchedulerOutput, logits: torch.Tensor) -> bool:
         """A static-path decode step of plain requests (greedy or sampled on the device) covering every running
-        request, none waiting."""
+        request, none swapped and no admission due (requests may wait for an admission batch: see
+        `Scheduler.admission_due`)."""
         scheduler = self.scheduler
         scheduled = sched.scheduled
         return (
             self.runner.last_static
-            and not (scheduler.waiting or scheduler.swapped or sched.copies)
+            and not (scheduler.swapped or sched.copies or scheduler.admission_due())
             and logits.shape[0] == len(scheduled)
             and all(item.group.plain for item in scheduled)
             and len({id(item.group) for item in scheduled}) == len(scheduler.running)
@@ -79,7 +80,7 @@ class PipelinedDecode:
     def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
         """The next decode step of every running request that `current` does not finish by length, if it fits."""
         scheduler = self.scheduler
-        if scheduler.waiting or scheduler.swapped:
+        if scheduler.swapped or scheduler.admission_due():
             return None  # admissions need the normal scheduler: let the pipeline drain
         batch = current.sched.batch
         if batch is not None and batch is scheduler.decode_batch and batch.number == current.sched.batch_step:

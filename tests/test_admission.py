@@ -1,0 +1,127 @@
+"""Batched admissions (`Scheduler.admission_due`): beside running requests, waiting ones come in `admission_batch` at a
+time, all of them when fewer wait, or after `admission_max_wait` steps withheld room; an idle engine admits at once.
+The engine's default batches only with CUDA graphs; on the CPU the tests ask for it and check that greedy tokens do
+not depend on when a request was admitted."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_paged
+from hf_paged.core import BlockManager, Scheduler
+from hf_paged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from hf_paged.engine.defaults import default_admission_batch
+from hf_paged.testing import tiny_model
+
+try:
+    from tests.helpers import greedy_reference, random_prompts
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import greedy_reference, random_prompts
+
+
+class _Queue:
+    """A scheduler over a roomy pool, stepped like the engine: scheduled tokens computed, sampled ones appended."""
+
+    def __init__(self, max_num_seqs: int, admission_batch: int, admission_max_wait: int) -> None:
+        self.sched = Scheduler(BlockManager(256, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                               admission_batch=admission_batch, admission_max_wait=admission_max_wait)
+        self.arrivals = 0
+
+    def add(self, count: int) -> list[SequenceGroup]:
+        groups = []
+        for _ in range(count):
+            group = SequenceGroup(f"r{self.arrivals}", [Sequence(token_ids=[1, 2, 3], prompt_len=3)], self.arrivals)
+            self.arrivals += 1
+            self.sched.add(group)
+            groups.append(group)
+        return groups
+
+    def step(self) -> int:
+        """One step; returns how many groups it admitted (scheduled for their prompt)."""
+        out = self.sched.schedule()
+        admitted = 0
+        for item in out.scheduled:
+            admitted += item.start == 0
+            item.seq.num_computed += item.num_tokens
+            if item.sample:
+                item.seq.token_ids.append(7)
+        return admitted
+
+    def finish(self, count: int) -> None:
+        for group in list(self.sched.running)[:count]:
+            self.sched.finish_group(group, SequenceStatus.FINISHED_STOPPED)
+
+
+def test_admissions_wait_for_a_batch_all_waiting_or_the_longest_wait():
+    q = _Queue(max_num_seqs=8, admission_batch=4, admission_max_wait=3)
+    q.add(8)
+    assert q.step() == 8  # an idle engine admits at once
+    q.add(6)
+    assert not q.sched.admission_due()  # no room
+    assert q.step() == 0
+    q.finish(1)  # room for 1 of the 4 a batch waits for: withheld for 3 steps, admitted at the 4th
+    assert [q.step() for _ in range(4)] == [0, 0, 0, 1]
+    q.finish(4)  # room for a batch: at once
+    assert q.sched.admission_due() and q.step() == 4
+    q.finish(1)  # one waits, one fits: all that wait fit, at once
+    assert q.sched.admission_due() and q.step() == 1
+    assert not q.sched.waiting
+
+
+def test_admission_batch_one_admits_as_soon_as_room_frees():
+    q = _Queue(max_num_seqs=4, admission_batch=1, admission_max_wait=16)
+    q.add(4)
+    assert q.step() == 4
+    q.add(2)
+    q.finish(1)
+    assert q.step() == 1
+
+
+@pytest.mark.parametrize("name, value", [("admission_batch", 0), ("admission_batch", True),
+                                         ("admission_max_wait", -1), ("admission_max_wait", 1.5)])
+def test_bad_admission_arguments_name_themselves(name, value):
+    with pytest.raises(ValueError, match=name):
+        Scheduler(BlockManager(8, 4), **{name: value})
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=name):
+        hf_paged.Engine(model, num_blocks=8, block_size=4, **{name: value})
+
+
+def test_default_admission_batch_only_with_graphs():
+    assert default_admission_batch(256, graphed=True) == 32
+    assert default_admission_batch(4, graphed=True) == 1
+    assert default_admission_batch(256, graphed=False) == 1
+    engine = hf_paged.Engine(tiny_model("llama"), num_blocks=32, block_size=16)  # CPU: no graphs
+    assert engine.scheduler.admission_batch == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("decode_mode", ["eager", "static"])
+def test_batched_admissions_keep_greedy_tokens(decode_mode):
+    """More requests than `max_num_seqs`, admitted in batches of 3 (on the static path with the pipelined decode
+    steps in between): every request finishes with transformers' greedy tokens, in fewer prefill steps."""
+    model = tiny_model("llama", seed=1)
+    prompts = random_prompts((5, 9, 3, 12, 7, 4, 10, 6, 8, 11, 2, 13), seed=5)
+    lengths = [3, 9, 5, 12, 4, 7, 10, 6, 8, 3, 11, 5]
+    refs = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    prefill_steps = {}
+    for batch in (1, 3):
+        engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_seqs=4, admission_batch=batch,
+                                 admission_max_wait=8)
+        engine.runner.decode_mode = decode_mode
+        execute, steps = engine.runner.execute, []
+
+        def counting(sched, *args, _execute=execute, _steps=steps, **kwargs):
+            _steps.append(any(item.num_tokens > 1 for item in sched.scheduled))
+            return _execute(sched, *args, **kwargs)
+
+        engine.runner.execute = counting
+        params = [hf_paged.SamplingParams(max_new_tokens=n) for n in lengths]
+        outs = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        prefill_steps[batch] = sum(steps)
+        assert engine.block_manager.gpu.num_free == engine.block_manager.num_blocks
+        if decode_mode == "static":  # decode steps stay pipelined while requests wait for their batch
+            assert engine.pipelined_steps > 0
+        engine.close()
+    assert prefill_steps[3] < prefill_steps[1]
