@@ -210,3 +210,24 @@ def test_chat_logprobs(served):
     choice = r.json()["choices"][0]
     assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == 3
     assert all(len(e["top_logprobs"]) == 1 for e in choice["logprobs"]["content"])
+
+
+def test_cli_passes_the_admission_options(monkeypatch):
+    from hf_paged.serve import cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(cli, "load", lambda args: (tiny_model("llama"), None))
+    monkeypatch.setattr(cli, "Engine", engine)
+    for argv, expected in ((["m", "--admission-batch", "8", "--admission-max-wait", "4"], (8, 4)),
+                           (["m", "--device", "cpu"], (None, 16))):
+        with pytest.raises(Stop):
+            cli.serve_main(argv)
+        assert (seen["admission_batch"], seen["admission_max_wait"]) == expected

@@ -43,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: 8192 on CUDA, 2048 on the CPU)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--admission-batch", type=int, default=None,
+                   help="while requests run, admit waiting ones this many at a time (default: max-num-seqs // 8 with "
+                        "CUDA graphs, else 1)")
+    p.add_argument("--admission-max-wait", type=int, default=16,
+                   help="steps that may leave room unused before waiting requests are admitted anyway")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped blocks")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
@@ -85,7 +90,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
+        preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
+        admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile_decode,
     )
