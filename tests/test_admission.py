@@ -116,12 +116,20 @@ def test_batched_admissions_keep_greedy_tokens(decode_mode):
             return _execute(sched, *args, **kwargs)
 
         engine.runner.execute = counting
+        launch, waiting_launches = engine._launch, []
+
+        def recording(*args, _launch=launch, _engine=engine, _seen=waiting_launches, **kwargs):
+            _seen.append(bool(_engine.scheduler.waiting))
+            return _launch(*args, **kwargs)
+
+        engine._launch = recording
         params = [hf_paged.SamplingParams(max_new_tokens=n) for n in lengths]
         outs = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == refs
         prefill_steps[batch] = sum(steps)
         assert engine.block_manager.gpu.num_free == engine.block_manager.num_blocks
-        if decode_mode == "static":  # decode steps stay pipelined while requests wait for their batch
+        if decode_mode == "static":  # decode steps stay pipelined while requests wait for their batch, and only then
             assert engine.pipelined_steps > 0
+            assert any(waiting_launches) == (batch > 1)
         engine.close()
     assert prefill_steps[3] < prefill_steps[1]
