@@ -217,6 +217,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         )
         self.scheduler.admission_batch = admission_batch or default_admission_batch(
             max_num_seqs, self.runner.use_cuda_graph)
+        self.runner.token_limit = max_num_batched_tokens  # ragged steps are padded up to it at most
         self._lock = threading.RLock()
         self._waiters = 0  # calls from other threads waiting for the lock; the stepping thread lets them in first
         self._waiters_lock = threading.Lock()

@@ -78,6 +78,21 @@ def _kept_rows(batch, number: int, last: tuple) -> np.ndarray | None:
     return last[2][step.source]
 
 
+def padded_tokens(tokens: int, limit: int | None = None) -> int:
+    """The token count a ragged (prefill or mixed) step runs at: `tokens` rounded up to a multiple of 16 up to 256,
+    of 64 above, never past `limit` (the step's token budget) unless `tokens` already is.
+
+    Why: cuBLAS picks a GEMM's kernel by a heuristic query that it caches per shape. At a token count it has not
+    seen, a launch costs 200-300 us of host time against ~16 us (H100, `benchmarks/results/h100_2026-11-26i/`,
+    call k), and a ragged step's count is new almost every time: 16 layers' GEMMs made a mixed step of llama-1b
+    cost ~16 ms of host time for ~3 ms of GPU work. On a grid the counts repeat. The padding rows belong to no
+    sequence: their K/V are not written (slot -1), their attention output is zero and no logits are kept for them.
+    """
+    grain = 16 if tokens <= 256 else 64
+    padded = -(-tokens // grain) * grain
+    return max(tokens, min(padded, limit)) if limit is not None else padded
+
+
 def _buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8]
     size = 16
@@ -125,6 +140,10 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
         self.model_ref = model_ref  # weak when the model owns the engine (hf_paged.runner.model_ref)
         self.cache = cache
         self.device = cache.device
+        # ragged steps run at `padded_tokens` counts on CUDA (cuBLAS's per-shape heuristic cache); capped by
+        # `token_limit` (the engine sets its token budget)
+        self.pad_ragged = self.device.type == "cuda"
+        self.token_limit: int | None = None
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         if use_cuda_graph is None:
@@ -239,6 +258,13 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
             if item.sample:
                 sample_index.append(offset - 1)
                 samplers.append(k)
+        tokens = offset
+        if self.pad_ragged and input_tokens is None and any(n != 1 for n in q_lens):
+            pad = padded_tokens(offset, self.token_limit) - offset  # rows of no sequence (see `padded_tokens`)
+            ids.extend([0] * pad)
+            positions.extend([0] * pad)
+            slots.extend([-1] * pad)
+            tokens += pad
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
         self.cache.set_engine_step(step)
         if input_tokens is None:
@@ -250,7 +276,7 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
         keep = torch.tensor(rows if rows else [offset - 1], dtype=torch.long).to(self.device)
-        with self._prefill_layers(offset):
+        with self._prefill_layers(tokens):
             output = self.model(
                 input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
                 logits_to_keep=keep,
