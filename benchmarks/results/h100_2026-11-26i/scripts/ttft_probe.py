@@ -18,7 +18,7 @@ rng = random.Random(0)
 prompts = [[rng.randrange(100, 30000) for _ in range(rng.randrange(20, 600))] for _ in range(40)]
 times = {True: [], False: []}
 for rep in range(2):  # the second pass is measured: every padded count (and every other count) was seen once
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         for pad in (True, False):
             engine.runner.pad_ragged = pad
             torch.cuda.synchronize()
