@@ -227,27 +227,29 @@ class Scheduler:
         after `admission_max_wait` steps in a row left room unused; an idle engine admits at once. TGI's router
         batches its prefills the same way (`waiting_served_ratio`, `max_waiting_tokens`).
         """
+        return self._admission()[0]
+
+    def _admission(self) -> tuple[bool, bool]:
+        """(admission due, room withheld from waiting groups this step), from one look at the queues."""
         if not self.waiting:
-            return False
+            return False, False
         if self.admission_batch <= 1 or not self.running:
-            return True
+            return True, False
         free = self.max_num_seqs - self.num_running_seqs()
         if free <= 0:
-            return False
+            return False, False
         want = 0
         for group in self.waiting:
             want += group.max_running_seqs()
             if want >= self.admission_batch:
                 break
-        return free >= min(want, self.admission_batch) or self._withheld_steps >= self.admission_max_wait
+        due = free >= min(want, self.admission_batch) or self._withheld_steps >= self.admission_max_wait
+        return due, not due
 
     def _count_admission(self) -> bool:
         """`admission_due()` for the step being planned, counting the steps that withhold room from waiting groups."""
-        due = self.admission_due()
-        if due or not self.waiting or self.num_running_seqs() >= self.max_num_seqs:
-            self._withheld_steps = 0
-        else:
-            self._withheld_steps += 1
+        due, withheld = self._admission()
+        self._withheld_steps = self._withheld_steps + 1 if withheld else 0
         return due
 
     # ------------------------------------------------------------------ scheduling
