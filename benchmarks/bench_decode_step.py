@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import build_model  # noqa: E402
+from roofline import model_bytes  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.cache import kv_bytes_per_token  # noqa: E402
@@ -109,7 +110,7 @@ def main() -> None:
         raise SystemExit("bench_decode_step.py times CUDA graphs: it needs a GPU")
     model = build_model(args.model, "cuda", getattr(torch, args.dtype))
     batches = [int(x) for x in args.batches.split(",")]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model_bytes(model)  # what a step reads: not the rows-only input embedding of an untied model
     kv_token = kv_bytes_per_token(model.config, model.dtype)
     import transformers
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import build_model  # noqa: E402
-from roofline import copy_bandwidth, decode_bound_s  # noqa: E402
+from roofline import copy_bandwidth, decode_bound_s, model_bytes  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
@@ -155,7 +155,7 @@ def main() -> None:
         meta = build_model(args.model, "meta", getattr(torch, args.dtype))
         rows = [(p, args.new_tokens) for p in prompts for _ in range(args.generations)]
         kv = hf_paged.cache.kv_bytes_per_token(meta.config, getattr(torch, args.dtype))
-        weights = sum(p.numel() * p.element_size() for p in meta.parameters())  # (meta tensors: no data_ptr)
+        weights = model_bytes(meta)
         bound = decode_bound_s(rows, weights, kv, copy_bandwidth())
         print(f"decode bound per rollout step: {bound:.2f} s")
     print(f"\n{args.prompts} prompts x {args.generations} generations x {args.new_tokens} tokens, {args.model} "

@@ -57,14 +57,29 @@ def local_parameters(model) -> list:
     return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
 
 
+def _key(tensor):
+    """Where a weight lives: its local shard's address (tied weights share it); on the meta device, the tensor."""
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return id(tensor) if tensor.device.type == "meta" else tensor.data_ptr()
+
+
 def model_bytes(model) -> int:
-    """Bytes of the weights one forward reads in this process (every parameter once; tied embeddings count once;
-    under tensor parallelism this rank's shards)."""
-    seen, total = set(), 0
-    for p in local_parameters(model):
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    """Bytes of the weights one decode forward reads in this process: every parameter once, except embedding tables
+    that the forward only gathers rows of (the input token embedding of an untied model, position embeddings): a step
+    of B sequences reads B of their rows, not the table. An embedding tied to the output projection counts once, since
+    the lm_head reads all of it. Under tensor parallelism, this rank's shards.
+
+    (Until 2026-11-26 the untied input embedding was counted too: for llama-1b that added 525 MB, a sixth of the
+    bytes, to every step's bound, so the fractions reported for untied models were too high by about that much.)"""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    read_whole = {_key(output.weight)} if output is not None and hasattr(output, "weight") else set()
+    gathered = {_key(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    seen, total = gathered - read_whole, 0
+    for p in model.parameters():
+        if _key(p) not in seen:
+            seen.add(_key(p))
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
     return total
 
 

@@ -92,3 +92,23 @@ def test_host_step_harness_times_pipelined_steps_and_restores_the_sampler(sample
     assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True) > 0
     assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True, finishing=True) > 0
     assert (sampling._triton_module, sampling.get_backend) == saved
+
+
+def test_bound_counts_the_bytes_a_decode_step_reads():
+    """An untied input embedding is only gathered (a step reads B rows of it), so the bound leaves it out; a tied one
+    is the lm_head too and counts once; every other weight counts once."""
+    roofline = pytest.importorskip("roofline")
+    untied = bench_generate.build_model("tiny", "cpu", torch.float32)
+    embed = untied.get_input_embeddings().weight
+    every = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert roofline.model_bytes(untied) == every - embed.numel() * embed.element_size()
+    tied = bench_generate.build_model("tiny", "cpu", torch.float32, tie_word_embeddings=True)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    assert roofline.model_bytes(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
+    # the same on the meta device (no addresses there: bench_grpo_rollouts sizes its bound from a meta model)
+    assert roofline.model_bytes(bench_generate.build_model("tiny", "meta", torch.float32)) == roofline.model_bytes(untied)
+    # the bound moves by exactly the left-out bytes for each step
+    workload = [([1] * 5, 3), ([1] * 2, 1)]
+    full = roofline.decode_bound_s(workload, every, 8, 1.0)
+    assert roofline.decode_bound_s(workload, roofline.model_bytes(untied), 8, 1.0) == pytest.approx(
+        full - 3 * embed.numel() * embed.element_size())
