@@ -133,3 +133,22 @@ def test_batched_admissions_keep_greedy_tokens(decode_mode):
             assert any(waiting_launches) == (batch > 1)
         engine.close()
     assert prefill_steps[3] < prefill_steps[1]
+
+
+def test_a_decode_step_that_finds_no_room_does_not_count_towards_the_wait():
+    """The pipelined engine plans with `schedule_decode_step`; when that finds no room it plans the same step again
+    with `schedule()`. Counting both would end an admission wait one step early."""
+    sched = Scheduler(BlockManager(2, 4), max_num_seqs=2, max_num_batched_tokens=64, admission_batch=2,
+                      admission_max_wait=8)
+    running = SequenceGroup("r0", [Sequence(token_ids=[1, 2, 3, 4], prompt_len=4)], 0)
+    sched.add(running)
+    out = sched.schedule()  # an idle engine admits at once: the prompt fills block 0
+    running.seqs[0].num_computed += out.scheduled[0].num_tokens
+    running.seqs[0].token_ids.append(7)
+    for i in (1, 2):  # two wait; one would fit: withheld
+        sched.add(SequenceGroup(f"r{i}", [Sequence(token_ids=[1, 2, 3], prompt_len=3)], i))
+    sched.block_manager.allocate("elsewhere", 4)  # the last free block: no room for position 4
+    assert sched.admission_due() is False
+    before = sched._withheld_steps
+    assert sched.schedule_decode_step() is None
+    assert sched._withheld_steps == before

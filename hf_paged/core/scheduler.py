@@ -337,8 +337,16 @@ class Scheduler:
         """The next step if it is a batched decode step of every running group but those whose `id()` is in `skip`
         (groups known to finish before it), else None with nothing reserved. For a pipelined engine, which plans a
         step before the previous one's tokens are known; no admission, swap or preemption happens here (the engine
-        calls it only while `admission_due()` is False)."""
-        self._count_admission()
+        calls it only while `admission_due()` is False). Only a step it returns counts towards `admission_max_wait`:
+        after a None the engine plans the same step with `schedule()`, which counts it."""
+        withheld = self._admission()[1]
+        out = self._decode_step(skip)
+        if out is not None:
+            self._withheld_steps = self._withheld_steps + 1 if withheld else 0
+        return out
+
+    def _decode_step(self, skip: set[int]) -> SchedulerOutput | None:
+        """`schedule_decode_step`'s plan, without the admission count."""
         batch = self._batch
         if batch is not None:
             # the same sequences as the last step (see `DecodeBatch` for why that suffices), but those finishing by
