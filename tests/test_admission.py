@@ -152,3 +152,61 @@ def test_a_decode_step_that_finds_no_room_does_not_count_towards_the_wait():
     before = sched._withheld_steps
     assert sched.schedule_decode_step() is None
     assert sched._withheld_steps == before
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_no_admission_is_due_while_the_queue_head_does_not_fit_the_pool(caching):
+    """A pool-bound backlog: once the head of the queue was found short of blocks, steps are not admission steps
+    (which would admit nobody and keep the engine off its pipelined path) until enough blocks are free again."""
+    bm = BlockManager(12, 4)
+    bm.set_prefix_caching(caching)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)  # admission_batch 1: room alone never waits
+    running = [SequenceGroup(f"r{i}", [Sequence(token_ids=list(range(10 * i, 10 * i + 16)), prompt_len=16)], i)
+               for i in range(2)]
+    for group in running:
+        sched.add(group)
+
+    def step():
+        out = sched.schedule()
+        for item in out.scheduled:
+            item.seq.num_computed += item.num_tokens
+            if item.sample:
+                item.seq.token_ids.append(7)
+        return out
+
+    step()  # both prompts: 8 of the 12 blocks
+    head = SequenceGroup("w", [Sequence(token_ids=list(range(100, 120)), prompt_len=20)], 2)  # 5 blocks
+    sched.add(head)
+    assert sched.admission_due()  # not tried yet
+    out = step()  # the decodes take a block each; the head needs 5 (+ headroom) of the 2 left: it stays
+    assert head in sched.waiting and all(item.num_tokens == 1 for item in out.scheduled)
+    assert not sched.admission_due()
+    assert step().scheduled and not sched.admission_due()  # decode steps go on, nothing is tried
+    sched.finish_group(running[0], SequenceStatus.FINISHED_STOPPED)  # 5 blocks back: 7 free
+    assert sched.admission_due()
+    step()
+    assert head in sched.running
+
+
+def test_a_pool_bound_backlog_keeps_decoding_pipelined():
+    """More requests than the pool holds, room in `max_num_seqs` to spare: decode steps stay pipelined while the
+    queue waits for blocks (before, a due admission that could admit nobody kept them off that path), and every
+    request finishes with transformers' greedy tokens."""
+    model = tiny_model("llama", seed=2)
+    lengths = [10, 14, 9, 12, 11, 13, 8, 12, 10, 14]
+    prompts = random_prompts((12, 9, 14, 7, 11, 13, 10, 8, 12, 9), seed=7)
+    refs = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    engine = hf_paged.Engine(model, num_blocks=20, block_size=4, max_num_seqs=8, admission_batch=1)
+    engine.runner.decode_mode = "static"
+    launch, waiting_launches = engine._launch, []
+
+    def recording(*args, **kwargs):
+        waiting_launches.append(bool(engine.scheduler.waiting))
+        return launch(*args, **kwargs)
+
+    engine._launch = recording
+    outs = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in lengths])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert any(waiting_launches)
+    assert engine.block_manager.gpu.num_free == engine.block_manager.num_blocks
+    engine.close()

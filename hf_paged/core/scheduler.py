@@ -125,6 +125,7 @@ class Scheduler:
         self.admission_batch = admission_batch
         self.admission_max_wait = admission_max_wait
         self._withheld_steps = 0  # steps in a row that left free room unused for `admission_batch` (see admission_due)
+        self._short_of_blocks: tuple[SequenceGroup, int] | None = None  # (head of `waiting`, free blocks it needs)
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -226,6 +227,10 @@ class Scheduler:
         requests run, waiting ones come in when k sequences (or every waiting one, if fewer) fit `max_num_seqs`, or
         after `admission_max_wait` steps in a row left room unused; an idle engine admits at once. TGI's router
         batches its prefills the same way (`waiting_served_ratio`, `max_waiting_tokens`).
+
+        Nor is admission due while the group at the head of the queue is known not to fit the pool: the last try
+        found it short of blocks, and the pool has not freed as many as that try needed since (a pool-bound
+        backlog). Such steps would admit nobody, and a due admission keeps the pipelined engine off its fast path.
         """
         return self._admission()[0]
 
@@ -233,7 +238,14 @@ class Scheduler:
         """(admission due, room withheld from waiting groups this step), from one look at the queues."""
         if not self.waiting:
             return False, False
-        if self.admission_batch <= 1 or not self.running:
+        if not self.running:
+            return True, False
+        short = self._short_of_blocks
+        if short is not None:  # the head of the queue did not fit the pool: it cannot come in before blocks free up
+            if short[0] is self.waiting[0] and self.block_manager.gpu.num_free < short[1]:
+                return False, False
+            self._short_of_blocks = None
+        if self.admission_batch <= 1:
             return True, False
         free = self.max_num_seqs - self.num_running_seqs()
         if free <= 0:
@@ -320,6 +332,7 @@ class Scheduler:
                     needed = sum(bm.blocks_for(n) for _, n in plan)
                     headroom = self.watermark_blocks if self.running else 0
                     if needed + headroom > bm.gpu.num_free:
+                        self._short_of_blocks = (group, needed + headroom)
                         break
                 self.waiting.pop(0)
                 for seq, _ in plan:
@@ -474,6 +487,7 @@ class Scheduler:
             headroom = self.watermark_blocks if self.running else 0
             if needed + headroom <= bm.gpu.num_free:
                 return plan, matches
+            self._short_of_blocks = (group, needed + headroom)
         for seq in seqs:
             seq.num_computed = 0
         return None, None
