@@ -210,3 +210,33 @@ def test_a_pool_bound_backlog_keeps_decoding_pipelined():
     assert any(waiting_launches)
     assert engine.block_manager.gpu.num_free == engine.block_manager.num_blocks
     engine.close()
+
+
+def test_a_batch_waits_for_the_blocks_of_its_prompts():
+    """With `admission_batch` = k, places in `max_num_seqs` are not enough: the pool must also have the blocks of the k
+    prompts' first chunks, or the wait runs out. Before, a pool-bound backlog admitted a request or two whenever a few
+    blocks came free, each time in a step off the fast path."""
+    bm = BlockManager(16, 4)  # watermark 1 block
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, admission_batch=2, admission_max_wait=2)
+
+    def step():
+        out = sched.schedule()
+        for item in out.scheduled:
+            item.seq.num_computed += item.num_tokens
+            if item.sample:
+                item.seq.token_ids.append(7)
+        return [item.group.request_id for item in out.scheduled if item.start == 0]
+
+    def group(name, n):
+        return SequenceGroup(name, [Sequence(token_ids=list(range(3, 3 + n)), prompt_len=n)], len(name))
+
+    running = [group("r0", 16), group("r1", 16)]
+    for g in running:
+        sched.add(g)
+    assert sorted(step()) == ["r0", "r1"]  # an idle engine admits at once: 8 of 16 blocks
+    for name in ("w0", "w1"):
+        sched.add(group(name, 16))  # 4 blocks each: the pair needs 9 with the watermark, 8 are free
+    assert [step() for _ in range(3)] == [[], [], ["w0"]]  # withheld twice, then what fits comes in
+    sched.finish_group(running[0], SequenceStatus.FINISHED_STOPPED)
+    sched.add(group("w2", 4))
+    assert sched.admission_due() and step() == ["w1", "w2"]  # both fit now: at once

@@ -224,8 +224,9 @@ class Scheduler:
         path (CUDA graphs, pipelining), and on a GPU it costs about ten decode steps of host time whatever the
         number of prompts (llama-1b on an H100: ~25 ms against ~2.5 ms). Admitting each request as soon as one
         finishes turns a saturated engine's every step into such a step. So with `admission_batch` = k > 1, while
-        requests run, waiting ones come in when k sequences (or every waiting one, if fewer) fit `max_num_seqs`, or
-        after `admission_max_wait` steps in a row left room unused; an idle engine admits at once. TGI's router
+        requests run, waiting ones come in when k sequences (or every waiting one, if fewer) fit `max_num_seqs` and
+        their first prompt chunks fit the free blocks (prefix hits not counted), or after `admission_max_wait` steps
+        in a row left room unused; an idle engine admits at once. TGI's router
         batches its prefills the same way (`waiting_served_ratio`, `max_waiting_tokens`).
 
         Nor is admission due while the group at the head of the queue is known not to fit the pool: the last try
@@ -250,12 +251,15 @@ class Scheduler:
         free = self.max_num_seqs - self.num_running_seqs()
         if free <= 0:
             return False, False
-        want = 0
+        bm, chunk = self.block_manager, self.max_num_batched_tokens
+        want = blocks = 0
         for group in self.waiting:
             want += group.max_running_seqs()
+            blocks += sum(bm.blocks_for(min(seq.num_uncomputed, chunk)) for seq in group.live_seqs())
             if want >= self.admission_batch:
                 break
-        due = free >= min(want, self.admission_batch) or self._withheld_steps >= self.admission_max_wait
+        fits = free >= min(want, self.admission_batch) and blocks + self.watermark_blocks <= bm.gpu.num_free
+        due = fits or self._withheld_steps >= self.admission_max_wait
         return due, not due
 
     def _count_admission(self) -> bool:
