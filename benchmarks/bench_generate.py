@@ -541,8 +541,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['system']} | failed: {r['error']} |")
     if "decode_bound_s" in meta:
-        print(f"\nbound: decode {meta['decode_bound_s']:.2f} s at {meta['copy_tb_s']:.2f} TB/s (weights + every running "
-              f"sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s")
+        print(f"\nbound: decode {meta['decode_bound_s']:.2f} s at {meta['copy_tb_s']:.2f} TB/s (the weights a step reads "
+              f"+ every running sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s")
         print("| system | run s (steady) | bound / run | decode step ms (host ms) | steps | prefill s | prefill MFU | "
               "TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms |")
         print("|---|---|---|---|---|---|---|---|---|")
