@@ -65,9 +65,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             GPUs, 2,048 on the CPU); `hf-paged serve` uses 8,192.
         preemption_mode: "recompute" (default) or "swap"; `swap_space` GiB of (pinned) CPU memory back the swap.
         admission_batch, admission_max_wait: while requests run, waiting ones are admitted when `admission_batch`
-            sequences (or all that wait) fit at once, or after `admission_max_wait` steps left room unused; an idle
-            engine admits at once (`Scheduler.admission_due`). Default `None`: `max_num_seqs // 8` with CUDA graphs,
-            1 (each as soon as it fits) without (`default_admission_batch`).
+            sequences (or all that wait) fit at once, in places and in their prompts' blocks, or after
+            `admission_max_wait` steps left room unused; an idle engine admits at once (`Scheduler.admission_due`).
+            Default `None`: `max_num_seqs // 8` with CUDA graphs, 1 (each as soon as it fits) without
+            (`default_admission_batch`).
         seed: seed of the engine's generator for requests without their own `seed`.
         use_cuda_graph: replay CUDA graphs for decode-only steps (default: on CUDA).
         enable_prefix_caching: reuse the KV blocks of earlier prompts' common prefixes (default on; see
