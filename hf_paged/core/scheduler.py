@@ -35,6 +35,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .admission import AdmissionPolicy
 from .block_manager import BlockManager
 from .decode_batch import DecodeBatch
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -88,7 +89,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(AdmissionPolicy):
     """FCFS iteration-level scheduler over sequence groups: admission, decode reservation, preemption.
 
     Why one class of this size: admission, the batched decode fast path and preemption all decide against one token
@@ -215,58 +216,6 @@ class Scheduler:
         if batch is not None and running == batch.groups:  # one sequence each (`DecodeBatch`): no need to look
             return len(running)
         return len(running) + sum(len(g.live_seqs()) - 1 for g in running if len(g.seqs) != 1)
-
-    # ------------------------------------------------------------------ admission
-    def admission_due(self) -> bool:
-        """Whether this step should admit waiting groups (False when none waits).
-
-        Why batch admissions: a step that prefills new prompts beside the running decodes leaves the engine's fast
-        path (CUDA graphs, pipelining), and on a GPU it costs about ten decode steps of host time whatever the
-        number of prompts (llama-1b on an H100: ~25 ms against ~2.5 ms). Admitting each request as soon as one
-        finishes turns a saturated engine's every step into such a step. So with `admission_batch` = k > 1, while
-        requests run, waiting ones come in when k sequences (or every waiting one, if fewer) fit `max_num_seqs` and
-        their first prompt chunks fit the free blocks (prefix hits not counted), or after `admission_max_wait` steps
-        in a row left room unused; an idle engine admits at once. TGI's router
-        batches its prefills the same way (`waiting_served_ratio`, `max_waiting_tokens`).
-
-        Nor is admission due while the group at the head of the queue is known not to fit the pool: the last try
-        found it short of blocks, and the pool has not freed as many as that try needed since (a pool-bound
-        backlog). Such steps would admit nobody, and a due admission keeps the pipelined engine off its fast path.
-        """
-        return self._admission()[0]
-
-    def _admission(self) -> tuple[bool, bool]:
-        """(admission due, room withheld from waiting groups this step), from one look at the queues."""
-        if not self.waiting:
-            return False, False
-        if not self.running:
-            return True, False
-        short = self._short_of_blocks
-        if short is not None:  # the head of the queue did not fit the pool: it cannot come in before blocks free up
-            if short[0] is self.waiting[0] and self.block_manager.gpu.num_free < short[1]:
-                return False, False
-            self._short_of_blocks = None
-        if self.admission_batch <= 1:
-            return True, False
-        free = self.max_num_seqs - self.num_running_seqs()
-        if free <= 0:
-            return False, False
-        bm, chunk = self.block_manager, self.max_num_batched_tokens
-        want = blocks = 0
-        for group in self.waiting:
-            want += group.max_running_seqs()
-            blocks += sum(bm.blocks_for(min(seq.num_uncomputed, chunk)) for seq in group.live_seqs())
-            if want >= self.admission_batch:
-                break
-        fits = free >= min(want, self.admission_batch) and blocks + self.watermark_blocks <= bm.gpu.num_free
-        due = fits or self._withheld_steps >= self.admission_max_wait
-        return due, not due
-
-    def _count_admission(self) -> bool:
-        """`admission_due()` for the step being planned, counting the steps that withhold room from waiting groups."""
-        due, withheld = self._admission()
-        self._withheld_steps = self._withheld_steps + 1 if withheld else 0
-        return due
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
