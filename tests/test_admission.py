@@ -240,3 +240,19 @@ def test_a_batch_waits_for_the_blocks_of_its_prompts():
     sched.finish_group(running[0], SequenceStatus.FINISHED_STOPPED)
     sched.add(group("w2", 4))
     assert sched.admission_due() and step() == ["w1", "w2"]  # both fit now: at once
+
+
+def test_an_aborted_queue_head_is_not_held():
+    """The scheduler remembers the queue head that did not fit the pool; aborting that request drops the memory."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add(SequenceGroup("r", [Sequence(token_ids=list(range(3, 27)), prompt_len=24)], 0))  # 6 of 8 blocks
+    for item in sched.schedule().scheduled:
+        item.seq.num_computed += item.num_tokens
+        item.seq.token_ids.append(7)
+    head = SequenceGroup("w", [Sequence(token_ids=list(range(3, 19)), prompt_len=16)], 1)  # 4 blocks: no room
+    sched.add(head)
+    sched.schedule()
+    assert head in sched.waiting and not sched.admission_due()
+    sched.abort("w")
+    assert sched._short_of_blocks is None and not sched.waiting

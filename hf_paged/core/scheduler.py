@@ -186,6 +186,8 @@ class Scheduler(AdmissionPolicy):
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
+        if self._short_of_blocks is not None and self._short_of_blocks[0] is group:
+            self._short_of_blocks = None  # (hold no reference to a dropped request)
 
     def abort(self, request_id) -> SequenceGroup | None:
         group = self.find(request_id)
@@ -288,6 +290,7 @@ class Scheduler(AdmissionPolicy):
                         self._short_of_blocks = (group, needed + headroom)
                         break
                 self.waiting.pop(0)
+                self._short_of_blocks = None
                 for seq, _ in plan:
                     if caching:
                         cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, matches[seq.seq_id])
