@@ -1,7 +1,7 @@
 """When waiting requests come in: the admission policy of `Scheduler` (a mixin), kept apart from the planning of steps.
 
-The scheduler asks `_count_admission()` once per planned step; the pipelined engine asks `admission_due()` whether it
-may plan the next step without the general scheduler. State (set up by `Scheduler.__init__`): `admission_batch`,
+`schedule()` asks `_count_admission()` once per planned step, `schedule_decode_step()` `_admission()` once per plan;
+the engine asks `admission_due()` whether a step may start the pipeline. State (set up by `Scheduler.__init__`): `admission_batch`,
 `admission_max_wait`, `_withheld_steps`, `_short_of_blocks`, `watermark_blocks`, and the queues.
 """
 

@@ -305,11 +305,11 @@ class Scheduler(AdmissionPolicy):
     def schedule_decode_step(self, skip: set[int] = frozenset()) -> SchedulerOutput | None:
         """The next step if it is a batched decode step of every running group but those whose `id()` is in `skip`
         (groups known to finish before it), else None with nothing reserved. For a pipelined engine, which plans a
-        step before the previous one's tokens are known; no admission, swap or preemption happens here (the engine
-        calls it only while `admission_due()` is False). Only a step it returns counts towards `admission_max_wait`:
-        after a None the engine plans the same step with `schedule()`, which counts it."""
-        withheld = self._admission()[1]
-        out = self._decode_step(skip)
+        step before the previous one's tokens are known; no admission, swap or preemption happens here: None as well
+        when an admission is due (one look at the queues per plan). Only a step it returns counts towards
+        `admission_max_wait`: after a None the engine plans the same step with `schedule()`, which counts it."""
+        due, withheld = self._admission()
+        out = None if due else self._decode_step(skip)
         if out is not None:
             self._withheld_steps = self._withheld_steps + 1 if withheld else 0
         return out

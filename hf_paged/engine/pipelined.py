@@ -80,8 +80,8 @@ class PipelinedDecode:
     def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
         """The next decode step of every running request that `current` does not finish by length, if it fits."""
         scheduler = self.scheduler
-        if scheduler.swapped or scheduler.admission_due():
-            return None  # admissions need the normal scheduler: let the pipeline drain
+        if scheduler.swapped:
+            return None  # swaps need the normal scheduler: let the pipeline drain (so do admissions: see below)
         batch = current.sched.batch
         if batch is not None and batch is scheduler.decode_batch and batch.number == current.sched.batch_step:
             # the batch's length limits say which rows finish, on its arrays (usually none: no need to look)
@@ -91,7 +91,7 @@ class PipelinedDecode:
                     if len(item.seq.token_ids) - item.seq.prompt_len >= item.group.params.max_new_tokens}
         sched = scheduler.schedule_decode_step(done)
         if sched is None:
-            return None  # nothing was reserved
+            return None  # an admission is due, or no room: nothing was reserved
         # cheap: a step of `schedule_decode_step` is marked a decode step, so the runner skips its per-item check
         assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
         return sched
