@@ -19,6 +19,16 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
     from helpers import greedy_reference, random_prompts
 
 
+def _run_step(sched: Scheduler):
+    """One step as the engine takes it: the scheduled tokens are computed, the sampled ones appended."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        item.seq.num_computed += item.num_tokens
+        if item.sample:
+            item.seq.token_ids.append(7)
+    return out
+
+
 class _Queue:
     """A scheduler over a roomy pool, stepped like the engine: scheduled tokens computed, sampled ones appended."""
 
@@ -38,14 +48,7 @@ class _Queue:
 
     def step(self) -> int:
         """One step; returns how many groups it admitted (scheduled for their prompt)."""
-        out = self.sched.schedule()
-        admitted = 0
-        for item in out.scheduled:
-            admitted += item.start == 0
-            item.seq.num_computed += item.num_tokens
-            if item.sample:
-                item.seq.token_ids.append(7)
-        return admitted
+        return sum(item.start == 0 for item in _run_step(self.sched).scheduled)
 
     def finish(self, count: int) -> None:
         for group in list(self.sched.running)[:count]:
@@ -167,12 +170,7 @@ def test_no_admission_is_due_while_the_queue_head_does_not_fit_the_pool(caching)
         sched.add(group)
 
     def step():
-        out = sched.schedule()
-        for item in out.scheduled:
-            item.seq.num_computed += item.num_tokens
-            if item.sample:
-                item.seq.token_ids.append(7)
-        return out
+        return _run_step(sched)
 
     step()  # both prompts: 8 of the 12 blocks
     head = SequenceGroup("w", [Sequence(token_ids=list(range(100, 120)), prompt_len=20)], 2)  # 5 blocks
@@ -220,12 +218,7 @@ def test_a_batch_waits_for_the_blocks_of_its_prompts():
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, admission_batch=2, admission_max_wait=2)
 
     def step():
-        out = sched.schedule()
-        for item in out.scheduled:
-            item.seq.num_computed += item.num_tokens
-            if item.sample:
-                item.seq.token_ids.append(7)
-        return [item.group.request_id for item in out.scheduled if item.start == 0]
+        return [item.group.request_id for item in _run_step(sched).scheduled if item.start == 0]
 
     def group(name, n):
         return SequenceGroup(name, [Sequence(token_ids=list(range(3, 3 + n)), prompt_len=n)], len(name))
@@ -247,9 +240,7 @@ def test_an_aborted_queue_head_is_not_held():
     bm = BlockManager(8, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     sched.add(SequenceGroup("r", [Sequence(token_ids=list(range(3, 27)), prompt_len=24)], 0))  # 6 of 8 blocks
-    for item in sched.schedule().scheduled:
-        item.seq.num_computed += item.num_tokens
-        item.seq.token_ids.append(7)
+    _run_step(sched)
     head = SequenceGroup("w", [Sequence(token_ids=list(range(3, 19)), prompt_len=16)], 1)  # 4 blocks: no room
     sched.add(head)
     sched.schedule()

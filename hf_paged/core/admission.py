@@ -1,8 +1,8 @@
 """When waiting requests come in: the admission policy of `Scheduler` (a mixin), kept apart from the planning of steps.
 
 `schedule()` asks `_count_admission()` once per planned step, `schedule_decode_step()` `_admission()` once per plan;
-the engine asks `admission_due()` whether a step may start the pipeline. State (set up by `Scheduler.__init__`): `admission_batch`,
-`admission_max_wait`, `_withheld_steps`, `_short_of_blocks`, `watermark_blocks`, and the queues.
+the engine asks `admission_due()` whether a step may start the pipeline. State (set up by `Scheduler.__init__`):
+`admission_batch`, `admission_max_wait`, `_withheld_steps`, `_short_of_blocks`, `watermark_blocks`, and the queues.
 """
 
 from __future__ import annotations
