@@ -382,6 +382,8 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
         "preemptions": sum(engine.scheduler.num_preemptions.values()),
         "graph_steps": engine.runner.graph_steps,
         "eager_steps": engine.runner.eager_steps,
+        "ragged_graph_steps": engine.runner.ragged_graph_steps,
+        "ragged_capture_s": sum(engine.runner.ragged_capture_seconds.values()),
         "table_rows_uploaded": engine.runner.table_rows_uploaded,
         "pipelined_steps": engine.pipelined_steps,
         "timing": {**timer.summary(), "outside_steps_s": run_s - timer.step_wall_s},

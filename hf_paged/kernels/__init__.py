@@ -30,6 +30,7 @@ __all__ = [
     "copy_blocks",
     "decode_variant",
     "prefill_tile_lengths",
+    "prefill_query_tile",
     "get_backend",
     "triton_available",
 ]
@@ -406,6 +407,17 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
             seen.add(key)
             picked.append(q_len)
     return picked
+
+
+def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> int:
+    """Query tokens one program of the prefill kernel takes at most (its tile for long queries): a caller that cuts
+    sequences into pieces of this many queries gets one program per piece (`hf_paged.runner.ragged_graphs`). 32 on
+    the torch backend, which has no tiles."""
+    if get_backend(torch.device(device)) != "triton":
+        return 32
+    group = max(1, num_q_heads // max(1, num_kv_heads))
+    block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda")[0]
+    return max(1, block_m // group)
 
 
 def decode_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_context: int,

@@ -34,6 +34,7 @@ from ..cache import PagedCache, StepMetadata
 from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
+from .ragged_graphs import RaggedGraphs
 from .regional import CompiledLayers
 from .sibling_linears import fusing_backend, pack_siblings
 from .table_store import TableStore
@@ -118,7 +119,7 @@ def _decode_forward(model_ref: ModelRef, cache):
     return forward
 
 
-class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
+class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
     """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
 
     Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
@@ -173,7 +174,8 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
         self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
         max_len = max_model_len or 8192
         self.max_blocks_per_seq = -(-max_len // self.block_size)
-        self._graphs: dict[int, object] = {}  # bucket -> callable running the decode forward, returning its logits
+        # bucket -> callable running the decode forward, returning its logits; ("ragged", tokens) -> a ragged step's
+        self._graphs: dict[int | tuple, object] = {}
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
         self.graph_steps = 0
@@ -184,6 +186,7 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
         self.last_static = False
         self.compile_failure: str | None = None  # why an automatic compile_decode was given up (`_give_up_compiling`)
         self.graph_failure: str | None = None  # why the decode step runs without CUDA graphs (`_give_up_graphs`)
+        self._init_ragged()  # ragged steps replayed from CUDA graphs too (`hf_paged.runner.ragged_graphs`)
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -238,7 +241,12 @@ class ModelRunner(GraphCapture, TableStore, WarmUpForwards):
     def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None,
                        input_tokens=None):
         """The step's forward over the flattened `[1, T]` batch. `input_tokens`: a pipelined decode step that left
-        the static path (a table outgrew the store's rows); its ids are the previous step's picks, on the device."""
+        the static path (a table outgrew the store's rows); its ids are the previous step's picks, on the device.
+        Where its token bucket has a CUDA graph (or earns one now), the step replays it instead (`_execute_ragged`)."""
+        if not extra_rows and input_tokens is None and (bucket := self._ragged_bucket(sched)) is not None:
+            replayed = self._execute_ragged(sched, bucket)
+            if replayed is not None:
+                return replayed
         bm = self.cache.block_manager
         ids: list[int] = []
         positions: list[int] = []

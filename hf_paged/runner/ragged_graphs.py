@@ -1,0 +1,257 @@
+"""CUDA graphs of ragged steps (prompts prefilled, alone or beside running decodes): one recording per token bucket.
+
+Why: such a step ran the compiled layers one call at a time with the host in the loop. For llama-1b on an H100 that
+was ~27 ms of host time a step with the GPU idle ~90 % of it (`benchmarks/results/h100_2026-11-26i/`, call f), and an
+engine with a backlog (or a server under steady arrivals) takes such a step every few decode steps, which take ~2 ms.
+Replayed from a graph, the step costs its uploads and one launch.
+
+What makes a ragged step recordable is that every launch's shape depends on the bucket alone:
+
+* token tensors (ids, positions, slots) are padded to the bucket `T` (`graph_tokens`): padding rows write nowhere
+  (slot -1), attend to nothing and are not kept;
+* the prefill kernel's grid is `(query tiles, KV heads, sequences)`, and the step's sequences and their query lengths
+  vary. The graph launches it over "virtual sequences" of one query tile each, as many as the bucket can need
+  (`ceil(T / tile) + min(T, max_num_seqs)`): every sequence of the step is cut into pieces of at most `tile` queries
+  (the kernel's own tile, `kernels.prefill_query_tile`), each a virtual sequence with its parent's block table and
+  the length up to its last query. A query attends to the keys up to its own position either way, so the output is
+  the same; the unused virtual sequences have no queries;
+* the logits of `min(T, max_num_seqs)` rows are kept (the sampling rows, then padding) and copied into one buffer
+  that every bucket shares: each graph holding its own `[rows, vocab]` output would cost ~65 MB a bucket.
+
+A bucket runs on these buffers without a graph the first time it comes up, and is recorded right after its second
+run (`ragged_capture_after`), which serves as the recording's warm-up; from then on it is replayed. A recording costs
+about one eager step of host time, and a size seen once costs none. Steps above `ragged_graph_tokens` tokens, steps that want prompt log-probabilities, and
+pipelined steps that left the decode path stay eager. Block tables come from the decode path's device-side table
+store (`TableStore`), so a sequence's table is uploaded once and then only when it changes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from .. import kernels
+from ..cache import StepMetadata, attention_heads
+from ..core import SchedulerOutput
+
+__all__ = ["RaggedGraphs", "graph_tokens"]
+
+#: most tokens of a ragged step replayed from a graph; above, the GPU time of a step outweighs its host time (a
+#: llama-8b step of 4,096 tokens is ~60 ms of GEMMs)
+RAGGED_GRAPH_TOKENS = 4096
+
+
+def graph_tokens(tokens: int, limit: int | None = None) -> int:
+    """The bucket a ragged step of `tokens` tokens is recorded at: a multiple of 16 up to 256, then of 32, 64, 128 and
+    256 up to 512, 1,024, 2,048 and above (less than 1/8 padding above 256 tokens; 48 buckets up to 4,096), never
+    past `limit` (the token budget the activations were sized for) unless `tokens` already is."""
+    grain = 16 if tokens <= 256 else 32 if tokens <= 512 else 64 if tokens <= 1024 else 128 if tokens <= 2048 else 256
+    padded = -(-tokens // grain) * grain
+    return max(tokens, min(padded, limit)) if limit is not None else padded
+
+
+class RaggedGraphs:
+    """Mixed into `ModelRunner` (which provides the model, the cache, the compiled layers, the table store and the
+    memory pool of the decode graphs)."""
+
+    def _init_ragged(self) -> None:
+        # None: on where the decode step is replayed from CUDA graphs (not under tensor parallelism); True also runs
+        # the path without graphs on the static buffers (what the CPU tests cover); False: ragged steps stay eager
+        self.ragged_graphs: bool | None = None
+        self.ragged_graph_tokens = RAGGED_GRAPH_TOKENS
+        self.ragged_capture_after = 1  # times a bucket runs eagerly before it is recorded
+        self.ragged_graph_steps = 0
+        self.ragged_graph_failure: str | None = None  # why ragged steps stopped being recorded
+        self._ragged_seen: dict[int, int] = {}
+        self._ragged_tile: int | None = None
+        self._ragged_out: dict = {}  # (vocab, dtype) -> the logits buffer every bucket's graph copies into
+        self.ragged_capture_seconds: dict[int, float] = {}  # bucket -> seconds its recording took
+
+    # ------------------------------------------------------------------ eligibility
+    def _ragged_enabled(self) -> bool:
+        mode = self.ragged_graphs
+        if mode is None:
+            mode = self.decode_mode == "graph" and (getattr(self.model, "tp_size", None) or 1) == 1
+        # the compiled layers ran a ragged step already (`_compiled_prefill` checked they do not recompile)
+        return bool(mode) and self._prefill_routable() and self._prefill_checked
+
+    def _ragged_bucket(self, sched: SchedulerOutput) -> int | None:
+        """The bucket this ragged step runs at on the ragged buffers, or None when it runs eagerly."""
+        if not self._ragged_enabled() or len(sched.scheduled) > self.max_num_seqs:
+            return None
+        tokens = sum(item.num_tokens for item in sched.scheduled)
+        bucket = graph_tokens(tokens, self.token_limit)
+        return bucket if 2 <= tokens and bucket <= self.ragged_graph_tokens else None
+
+    # ------------------------------------------------------------------ buffers
+    def _ragged_sizes(self, bucket: int) -> tuple[int, int]:
+        """(virtual sequences, kept logits rows) a bucket's graph is recorded for."""
+        rows = min(bucket, self.max_num_seqs)
+        return -(-bucket // self._ragged_tile) + rows, rows
+
+    def _ensure_ragged(self) -> None:
+        self._ensure_buffers()
+        if "ragged" in self._host_sets[0]:
+            return
+        if self._ragged_tile is None:
+            heads, kv_heads = attention_heads(self.cache.config)
+            self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device)
+        t = self._ragged_capacity = self.ragged_graph_tokens  # set `ragged_graph_tokens` before the first ragged step
+        nv, rows = self._ragged_sizes(t)
+        # one int64 buffer, one upload a step: ids, positions, slots [T]; cu_seqlens [NV+1], lengths, store rows [NV];
+        # kept rows [K]
+        spans = {"ids": t, "pos": t, "slots": t, "cu": nv + 1, "lens": nv, "vrows": nv, "keep": rows}
+        self._ragged_offsets, at = {}, 0
+        for name, size in spans.items():
+            self._ragged_offsets[name] = (at, size)
+            at += size
+        pin = self.device.type == "cuda"
+        flat = torch.zeros(at, dtype=torch.long, device=self.device)
+        self._ragged_flat = flat
+        self._ragged = {name: flat[a : a + n] for name, (a, n) in self._ragged_offsets.items()}
+        self._ragged["tables"] = torch.zeros((nv, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
+        for host_set in self._host_sets:
+            host_set["ragged"] = torch.zeros(at, dtype=torch.long, pin_memory=pin)
+
+    # ------------------------------------------------------------------ the step
+    def _execute_ragged(self, sched: SchedulerOutput, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
+        """Run the ragged step on the ragged buffers, from its bucket's graph where there is one (see the module
+        docstring); None if it must run eagerly."""
+        self._ensure_ragged()
+        if bucket > self._ragged_capacity:
+            return None
+        scheduled = sched.scheduled
+        seq_ids = [item.seq.seq_id for item in scheduled]
+        rows, changed = self._rows_and_changes(seq_ids)
+        if any(len(table) > self.max_blocks_per_seq for _, table in changed):
+            self.invalidate_tables()  # the records already say what this step would have uploaded
+            return None
+        self._host_sets.reverse()
+        host_set = self._host_sets[0]
+        samplers = self._fill_ragged(host_set["ragged"].numpy(), scheduled, rows, bucket)
+        self._ragged_flat.copy_(host_set["ragged"], non_blocking=True)
+        self._upload_tables(host_set, changed, (), ())
+        run = self._graphs.get(("ragged", bucket))
+        if run is not None:
+            logits = run()
+        else:  # the forward itself; in graph mode, it also warms up the recording made right after it
+            logits = self._ragged_forward(bucket)
+            if self.decode_mode == "graph":
+                seen = self._ragged_seen[bucket] = self._ragged_seen.get(bucket, 0) + 1
+                if seen > self.ragged_capture_after:
+                    self._capture_ragged(bucket, logits)
+        self.ragged_graph_steps += 1
+        self.eager_steps += 1
+        return logits[: len(samplers)], samplers
+
+    def _fill_ragged(self, host: np.ndarray, scheduled, rows: list[int], bucket: int) -> list[int]:
+        """Write the step's rows into the host buffer (padding included); return the sampling items' indices."""
+        view = {name: host[a : a + n] for name, (a, n) in self._ragged_offsets.items()}
+        nv, kept = self._ragged_sizes(bucket)
+        ids, pos, slots = view["ids"], view["pos"], view["slots"]
+        q_lens = np.empty(len(scheduled), dtype=np.int64)
+        ends = np.empty(len(scheduled), dtype=np.int64)
+        keep, samplers = [], []
+        at = 0
+        for k, item in enumerate(scheduled):
+            n, start = item.num_tokens, item.start
+            end = start + n
+            if n == 1:  # a running decode: scalars (most rows of a mixed step)
+                ids[at], pos[at], slots[at] = item.seq.token_ids[start], start, item.slots[0]
+            else:
+                ids[at : at + n] = item.seq.token_ids[start:end]
+                pos[at : at + n] = np.arange(start, end)
+                slots[at : at + n] = item.slots
+            q_lens[k], ends[k] = n, end
+            at += n
+            if item.sample:
+                keep.append(at - 1)
+                samplers.append(k)
+        ids[at:bucket] = 0
+        pos[at:bucket] = 0
+        slots[at:bucket] = -1
+        # virtual sequences: each sequence cut into pieces of at most `tile` queries, in order (cu_seqlens ascend)
+        tile = self._ragged_tile
+        pieces = -(-q_lens // tile)
+        parent = np.repeat(np.arange(len(scheduled)), pieces)
+        index = np.arange(parent.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        first = np.cumsum(q_lens) - q_lens  # each sequence's first row in the step
+        starts = first[parent] + index * tile
+        lengths = np.minimum(tile, q_lens[parent] - index * tile)
+        real = parent.size
+        cu, lens, vrows = view["cu"], view["lens"], view["vrows"]
+        cu[:real] = starts
+        cu[real : nv + 1] = at  # no queries: the unused virtual sequences
+        lens[:real] = ends[parent] - q_lens[parent] + index * tile + lengths
+        lens[real:nv] = 0
+        vrows[:real] = np.asarray(rows, dtype=np.int64)[parent]
+        vrows[real:nv] = 0
+        view["keep"][: len(keep)] = keep
+        view["keep"][len(keep) : kept] = 0
+        return samplers
+
+    def _ragged_forward(self, bucket: int) -> torch.Tensor:
+        """The model's forward over the ragged buffers at `bucket` tokens (what a graph records): `[K, vocab]`."""
+        r = self._ragged
+        nv, kept = self._ragged_sizes(bucket)
+        torch.index_select(self._buffers["store"], 0, r["vrows"][:nv], out=r["tables"][:nv])
+        self.cache.set_engine_step(StepMetadata(
+            layout="ragged", slot_mapping=r["slots"][:bucket], block_tables=r["tables"][:nv], seq_lens=r["lens"][:nv],
+            cu_seqlens_q=r["cu"][: nv + 1], max_seqlen_q=self._ragged_tile, decode_only=False))
+        with self._compiled_prefill(self._compiled, bucket):
+            output = self.model(input_ids=r["ids"][:bucket][None], position_ids=r["pos"][:bucket][None],
+                                past_key_values=self.cache, use_cache=True, logits_to_keep=r["keep"][:kept])
+        return output.logits[0]
+
+    def _capture_ragged(self, bucket: int, logits: torch.Tensor) -> None:
+        """Record the bucket's forward (over the step's rows, which it has just run: no warm-up needed) in the decode
+        graphs' memory pool. Recording executes nothing, so the step's own `logits` stand.
+
+        Captured with `capture_begin` rather than `torch.cuda.graph`, whose entry empties the caching allocator and
+        the pinned host cache: every eager step after it would allocate its memory from CUDA again."""
+        start = time.perf_counter()
+        _, kept = self._ragged_sizes(bucket)
+        out_key = (logits.shape[-1], logits.dtype)
+        if out_key not in self._ragged_out:
+            self._ragged_out[out_key] = torch.empty((self.max_num_seqs, logits.shape[-1]), dtype=logits.dtype,
+                                                    device=self.device)
+        out = self._ragged_out[out_key][:kept]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(self._pool, capture_error_mode="global")
+                try:
+                    out.copy_(self._ragged_forward(bucket))  # the forward's own logits go back to the pool
+                finally:
+                    graph.capture_end()
+        except Exception as error:  # noqa: BLE001 - ragged steps run eagerly from now on
+            self._give_up_ragged(error)
+            return
+
+        def replay(graph=graph, out=out):
+            graph.replay()
+            return out
+
+        self._graphs[("ragged", bucket)] = replay
+        self.ragged_capture_seconds[bucket] = time.perf_counter() - start
+
+    def _give_up_ragged(self, error: Exception) -> None:
+        """Ragged steps run eagerly from now on: this model's ragged forward cannot be recorded (host work in it)."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - the warning below names the capture's error
+            pass
+        for key in [k for k in self._graphs if isinstance(k, tuple)]:
+            del self._graphs[key]
+        self.ragged_graphs = False
+        self.ragged_graph_failure = f"{type(error).__name__}: {error}"
+        warnings.warn(f"hf-paged: the prefill steps of {type(self.model).__name__} cannot be recorded in a CUDA "
+                      f"graph ({self.ragged_graph_failure.splitlines()[0][:200]}); running them eagerly",
+                      RuntimeWarning, stacklevel=2)

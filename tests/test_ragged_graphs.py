@@ -1,0 +1,137 @@
+"""Ragged steps on the runner's static buffers (`hf_paged.runner.ragged_graphs`): what a CUDA graph of a prefill or
+mixed step records, run here without the graph (CPU).
+
+What must hold: the prompts cut into virtual sequences of one query tile each, the padding to the token bucket and
+the store's block tables give transformers' greedy tokens, for prompts prefilled alone, in chunks and beside running
+decodes, with a sliding window shorter than the prompts; and the buffers describe each step exactly (no virtual
+sequence past a sequence's queries, padding that writes nowhere).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import hf_paged
+from hf_paged.runner.ragged_graphs import graph_tokens
+from hf_paged.testing import tiny_model
+
+try:
+    from tests.helpers import greedy_reference, random_prompts
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import greedy_reference, random_prompts
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_buckets_pad_by_at_most_an_eighth_above_256_tokens_and_respect_the_budget():
+    assert [graph_tokens(n) for n in (1, 16, 17, 250, 257, 1000, 1025, 2049, 4000)] == \
+        [16, 16, 32, 256, 288, 1024, 1152, 2304, 4096]
+    for n in range(257, 5000, 37):
+        assert n <= graph_tokens(n) < n * 1.125
+    assert graph_tokens(1000, limit=1010) == 1010 and graph_tokens(1020, limit=1010) == 1020
+    assert len({graph_tokens(n) for n in range(1, 4097)}) == 48
+
+
+@pytest.mark.parametrize("family, config, tile", [("llama", {}, 5), ("mistral", {"sliding_window": 12}, 8)])
+def test_ragged_steps_on_the_static_buffers_match_transformers(family, config, tile):
+    """Prompts prefilled in chunks beside running decodes, each step through the ragged buffers: transformers'
+    tokens. A tile of 5 queries cuts most chunks into several virtual sequences."""
+    model = tiny_model(family, seed=3, num_hidden_layers=3, **config)
+    prompts = random_prompts((45, 9, 30, 17, 38, 4, 26, 12), seed=6)
+    new = [6 + (5 * i) % 9 for i in range(len(prompts))]
+    references = [greedy_reference(model, p, n) for p, n in zip(prompts, new)]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=3, max_num_batched_tokens=24, compile_decode=True)
+    runner = engine.runner
+    runner.ragged_graphs = True  # the recorded path, without the recording (no CUDA here)
+    runner._ragged_tile = tile
+    runner.ragged_graph_tokens = 64
+    engine.warm_up(freeze_gc=False)
+    graphs = counters["stats"]["unique_graphs"]
+    filled = []
+    fill = runner._fill_ragged
+
+    def checked_fill(host, scheduled, rows, bucket):
+        samplers = fill(host, scheduled, rows, bucket)
+        filled.append(_check_buffers(runner, host, scheduled, rows, bucket, samplers))
+        return samplers
+
+    runner._fill_ragged = checked_fill
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n) for n in new])
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert runner.ragged_graph_steps == len(filled) >= len(prompts) - 3
+    assert any(pieces > len(step) for step, pieces in filled)  # some sequence was cut into pieces
+    assert counters["stats"]["unique_graphs"] == graphs  # the compiled layers served every bucket
+    engine.close()
+
+
+def _check_buffers(runner, host, scheduled, rows, bucket, samplers):
+    """The host buffer of one step against its scheduled items; returns (items, virtual sequences used)."""
+    view = {name: host[a : a + n] for name, (a, n) in runner._ragged_offsets.items()}
+    nv, kept = runner._ragged_sizes(bucket)
+    tile = runner._ragged_tile
+    tokens = sum(item.num_tokens for item in scheduled)
+    assert tokens <= bucket and kept >= len(samplers)
+    assert (view["slots"][tokens:bucket] == -1).all()
+    cu, lens, vrows = view["cu"][: nv + 1], view["lens"][:nv], view["vrows"][:nv]
+    assert (np.diff(cu) >= 0).all() and cu[0] == 0 and cu[nv] == tokens
+    at, v = 0, 0
+    for item, row in zip(scheduled, rows):
+        assert list(view["ids"][at : at + item.num_tokens]) == list(item.seq.token_ids[item.start : item.start
+                                                                                      + item.num_tokens])
+        assert list(view["slots"][at : at + item.num_tokens]) == list(item.slots)
+        done = 0
+        while done < item.num_tokens:
+            size = cu[v + 1] - cu[v]
+            assert cu[v] == at + done and 0 < size <= tile and vrows[v] == row
+            assert lens[v] == item.start + done + size  # keys up to the piece's last query
+            done += size
+            v += 1
+        at += item.num_tokens
+    assert (np.diff(cu[v:]) == 0).all() and (lens[v:] == 0).all()  # the unused ones have no queries
+    return scheduled, v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family, config", [("llama", {}), ("mistral", {"sliding_window": 24})])
+def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
+    """Every bucket recorded at its first step (float32): prompts prefilled beside running decodes, in chunks, under
+    preemption (llama) and with prefix hits, replayed from CUDA graphs, give the tokens of transformers, as the eager
+    ragged steps do; the graphs share one logits buffer."""
+    model = tiny_model(family, dtype=torch.float32, **config).cuda()
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 300, (40,), generator=gen).tolist()
+    prompts = [(shared if i % 4 == 0 else []) + torch.randint(3, 300, (int(n),), generator=gen).tolist()
+               for i, n in enumerate(torch.randint(3, 90, (24,), generator=gen))]
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    hf_paged.enable(model)
+    results = []
+    for ragged in (False, True):
+        engine = hf_paged.Engine(model, num_blocks=24, block_size=16, max_num_seqs=8, max_num_batched_tokens=96,
+                                 compile_decode=True)
+        engine.runner.ragged_graphs = ragged
+        engine.runner.ragged_capture_after = 0
+        engine.warm_up(freeze_gc=False)
+        outs = engine.generate(prompts, max_new_tokens=20)
+        results.append([o.outputs[0].token_ids for o in outs])
+        runner = engine.runner
+        recorded = [key for key in runner._graphs if isinstance(key, tuple)]
+        assert (runner.ragged_graph_steps >= len(recorded) > 0) == ragged, (runner.ragged_graph_steps, recorded)
+        assert set(runner.ragged_capture_seconds) == {key[1] for key in recorded}
+        assert runner.ragged_graph_failure is None
+        if not config:  # the sliding window frees blocks as prompts pass it: no preemption there
+            assert sum(engine.scheduler.num_preemptions.values()) > 0
+        assert engine.prefix_cache_stats().hit_tokens > 0 and engine.kv_stats().used_blocks == 0
+        assert len(runner._ragged_out) <= 1
+        engine.close()
+    assert results[0] == refs and results[1] == refs
