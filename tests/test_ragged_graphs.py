@@ -59,9 +59,9 @@ def test_ragged_steps_on_the_static_buffers_match_transformers(family, config, t
     filled = []
     fill = runner._fill_ragged
 
-    def checked_fill(host, scheduled, rows, bucket):
-        samplers = fill(host, scheduled, rows, bucket)
-        filled.append(_check_buffers(runner, host, scheduled, rows, bucket, samplers))
+    def checked_fill(view, scheduled, rows, bucket):
+        samplers = fill(view, scheduled, rows, bucket)
+        filled.append(_check_buffers(runner, view, scheduled, rows, bucket, samplers))
         return samplers
 
     runner._fill_ragged = checked_fill
@@ -73,9 +73,9 @@ def test_ragged_steps_on_the_static_buffers_match_transformers(family, config, t
     engine.close()
 
 
-def _check_buffers(runner, host, scheduled, rows, bucket, samplers):
-    """The host buffer of one step against its scheduled items; returns (items, virtual sequences used)."""
-    view = {name: host[a : a + n] for name, (a, n) in runner._ragged_offsets.items()}
+def _check_buffers(runner, view, scheduled, rows, bucket, samplers):
+    """The host buffers of one step against its scheduled items; returns (items, virtual sequences used)."""
+    assert view["cu"].dtype == view["lens"].dtype == view["slots"].dtype == np.int32  # the eager steps' dtypes
     nv, kept = runner._ragged_sizes(bucket)
     tile = runner._ragged_tile
     tokens = sum(item.num_tokens for item in scheduled)

@@ -101,20 +101,24 @@ class RaggedGraphs:
             self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device)
         t = self._ragged_capacity = self.ragged_graph_tokens  # set `ragged_graph_tokens` before the first ragged step
         nv, rows = self._ragged_sizes(t)
-        # one int64 buffer, one upload a step: ids, positions, slots [T]; cu_seqlens [NV+1], lengths, store rows [NV];
-        # kept rows [K]
-        spans = {"ids": t, "pos": t, "slots": t, "cu": nv + 1, "lens": nv, "vrows": nv, "keep": rows}
-        self._ragged_offsets, at = {}, 0
-        for name, size in spans.items():
-            self._ragged_offsets[name] = (at, size)
-            at += size
+        # two flat buffers, one upload each a step. The kernels' index vectors are int32, as the eager path makes them:
+        # Triton compiles a kernel per argument dtype (and per 16-byte alignment), and the eager steps' variants are
+        # the ones `warm_up` compiled; the token ids and positions (and the gathers' indices) are int64
+        spans = {torch.long: {"ids": t, "pos": t, "vrows": nv, "keep": rows},
+                 torch.int32: {"slots": t, "cu": nv + 1, "lens": nv}}
         pin = self.device.type == "cuda"
-        flat = torch.zeros(at, dtype=torch.long, device=self.device)
-        self._ragged_flat = flat
-        self._ragged = {name: flat[a : a + n] for name, (a, n) in self._ragged_offsets.items()}
+        self._ragged_offsets, self._ragged_flat, self._ragged = {}, {}, {}
+        for dtype, fields in spans.items():
+            at = 0
+            for name, size in fields.items():
+                self._ragged_offsets[name] = (dtype, at, size)
+                at += -(-size // 16) * 16  # every vector 64-byte aligned
+            flat = self._ragged_flat[dtype] = torch.zeros(at, dtype=dtype, device=self.device)
+            self._ragged.update({name: flat[a : a + n] for name, (d, a, n) in self._ragged_offsets.items()
+                                 if d is dtype})
+            for host_set in self._host_sets:
+                host_set.setdefault("ragged", {})[dtype] = torch.zeros(at, dtype=dtype, pin_memory=pin)
         self._ragged["tables"] = torch.zeros((nv, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
-        for host_set in self._host_sets:
-            host_set["ragged"] = torch.zeros(at, dtype=torch.long, pin_memory=pin)
 
     # ------------------------------------------------------------------ the step
     def _execute_ragged(self, sched: SchedulerOutput, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
@@ -131,8 +135,9 @@ class RaggedGraphs:
             return None
         self._host_sets.reverse()
         host_set = self._host_sets[0]
-        samplers = self._fill_ragged(host_set["ragged"].numpy(), scheduled, rows, bucket)
-        self._ragged_flat.copy_(host_set["ragged"], non_blocking=True)
+        samplers = self._fill_ragged(self._host_views(host_set), scheduled, rows, bucket)
+        for dtype, flat in self._ragged_flat.items():
+            flat.copy_(host_set["ragged"][dtype], non_blocking=True)
         self._upload_tables(host_set, changed, (), ())
         run = self._graphs.get(("ragged", bucket))
         if run is not None:
@@ -147,9 +152,13 @@ class RaggedGraphs:
         self.eager_steps += 1
         return logits[: len(samplers)], samplers
 
-    def _fill_ragged(self, host: np.ndarray, scheduled, rows: list[int], bucket: int) -> list[int]:
-        """Write the step's rows into the host buffer (padding included); return the sampling items' indices."""
-        view = {name: host[a : a + n] for name, (a, n) in self._ragged_offsets.items()}
+    def _host_views(self, host_set: dict) -> dict[str, np.ndarray]:
+        """The named vectors of a host set's ragged buffers, as numpy views."""
+        flats = {dtype: tensor.numpy() for dtype, tensor in host_set["ragged"].items()}
+        return {name: flats[dtype][a : a + n] for name, (dtype, a, n) in self._ragged_offsets.items()}
+
+    def _fill_ragged(self, view: dict[str, np.ndarray], scheduled, rows: list[int], bucket: int) -> list[int]:
+        """Write the step's rows into the host buffers (padding included); return the sampling items' indices."""
         nv, kept = self._ragged_sizes(bucket)
         ids, pos, slots = view["ids"], view["pos"], view["slots"]
         q_lens = np.empty(len(scheduled), dtype=np.int64)
