@@ -135,3 +135,41 @@ def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
         assert len(runner._ragged_out) <= 1
         engine.close()
     assert results[0] == refs and results[1] == refs
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+def test_ragged_steps_keep_seeded_sampling_beams_and_parallel_samples(device):
+    """Seeded sampled requests (top-p, parallel samples) and beam searches admitted beside running decodes: ragged
+    steps on the static buffers (replayed from graphs on CUDA, every bucket recorded at once) give every token the
+    eager ragged steps give (float32), and sampled rows read the shared logits buffer only for the step that wrote
+    it."""
+    model = tiny_model("qwen3", dtype=torch.float32).to(device)
+    hf_paged.enable(model)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in torch.randint(3, 70, (18,),
+                                                                                             generator=gen)]
+    params = []
+    for i in range(len(prompts)):
+        if i % 3 == 0:
+            params.append(hf_paged.SamplingParams(max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.9,
+                                                  seed=100 + i, num_return_sequences=2))
+        elif i % 3 == 1:
+            params.append(hf_paged.SamplingParams(max_new_tokens=12, num_beams=3))
+        else:
+            params.append(hf_paged.SamplingParams(max_new_tokens=20))
+    results = []
+    for ragged in (False, True):
+        engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=10, max_num_batched_tokens=80,
+                                 compile_decode=True)
+        engine.runner.ragged_graphs = ragged
+        engine.runner.ragged_capture_after = 0
+        engine.warm_up(freeze_gc=False)
+        outs = engine.generate(prompts, params)
+        results.append([[o.token_ids for o in r.outputs] for r in outs])
+        assert (engine.runner.ragged_graph_steps > 0) == ragged and engine.runner.ragged_graph_failure is None
+        assert engine.kv_stats().used_blocks == 0
+        engine.close()
+    assert results[0] == results[1]
