@@ -24,6 +24,19 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
     from helpers import greedy_reference, random_prompts
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _compiled_engine(model, ragged: bool, **kwargs):
+    """A compiled engine, warmed up, whose ragged steps run on the ragged buffers (`ragged`: every bucket recorded
+    at its first step on CUDA) or eagerly."""
+    engine = hf_paged.Engine(model, block_size=16, compile_decode=True, **kwargs)
+    engine.runner.ragged_graphs = ragged
+    engine.runner.ragged_capture_after = 0
+    engine.warm_up(freeze_gc=False)
+    return engine
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -101,7 +114,7 @@ def _check_buffers(runner, view, scheduled, rows, bucket, samplers):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@_CUDA
 @pytest.mark.parametrize("family, config", [("llama", {}), ("mistral", {"sliding_window": 24})])
 def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
     """Every bucket recorded at its first step (float32): prompts prefilled beside running decodes, in chunks, under
@@ -117,11 +130,7 @@ def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
     hf_paged.enable(model)
     results = []
     for ragged in (False, True):
-        engine = hf_paged.Engine(model, num_blocks=24, block_size=16, max_num_seqs=8, max_num_batched_tokens=96,
-                                 compile_decode=True)
-        engine.runner.ragged_graphs = ragged
-        engine.runner.ragged_capture_after = 0
-        engine.warm_up(freeze_gc=False)
+        engine = _compiled_engine(model, ragged, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=96)
         outs = engine.generate(prompts, max_new_tokens=20)
         results.append([o.outputs[0].token_ids for o in outs])
         runner = engine.runner
@@ -135,9 +144,6 @@ def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
         assert len(runner._ragged_out) <= 1
         engine.close()
     assert results[0] == refs and results[1] == refs
-
-
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
@@ -162,11 +168,7 @@ def test_ragged_steps_keep_seeded_sampling_beams_and_parallel_samples(device):
             params.append(hf_paged.SamplingParams(max_new_tokens=20))
     results = []
     for ragged in (False, True):
-        engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=10, max_num_batched_tokens=80,
-                                 compile_decode=True)
-        engine.runner.ragged_graphs = ragged
-        engine.runner.ragged_capture_after = 0
-        engine.warm_up(freeze_gc=False)
+        engine = _compiled_engine(model, ragged, num_blocks=64, max_num_seqs=10, max_num_batched_tokens=80)
         outs = engine.generate(prompts, params)
         results.append([[o.token_ids for o in r.outputs] for r in outs])
         assert (engine.runner.ragged_graph_steps > 0) == ragged and engine.runner.ragged_graph_failure is None

@@ -120,6 +120,10 @@ class RaggedGraphs:
             for host_set in self._host_sets:
                 host_set.setdefault("ragged", {})[dtype] = torch.zeros(at, dtype=dtype, pin_memory=pin)
         self._ragged["tables"] = torch.zeros((nv, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
+        for host_set in self._host_sets:  # the named vectors of each set, as numpy views (made once, not per step)
+            flats = {dtype: tensor.numpy() for dtype, tensor in host_set["ragged"].items()}
+            host_set["ragged_views"] = {name: flats[dtype][a : a + n]
+                                        for name, (dtype, a, n) in self._ragged_offsets.items()}
 
     # ------------------------------------------------------------------ the step
     def _execute_ragged(self, sched: SchedulerOutput, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
@@ -136,7 +140,7 @@ class RaggedGraphs:
             return None
         self._host_sets.reverse()
         host_set = self._host_sets[0]
-        samplers = self._fill_ragged(self._host_views(host_set), scheduled, rows, bucket)
+        samplers = self._fill_ragged(host_set["ragged_views"], scheduled, rows, bucket)
         for dtype, flat in self._ragged_flat.items():
             flat.copy_(host_set["ragged"][dtype], non_blocking=True)
         self._upload_tables(host_set, changed, (), ())
@@ -152,11 +156,6 @@ class RaggedGraphs:
         self.ragged_graph_steps += 1
         self.eager_steps += 1
         return logits[: len(samplers)], samplers
-
-    def _host_views(self, host_set: dict) -> dict[str, np.ndarray]:
-        """The named vectors of a host set's ragged buffers, as numpy views."""
-        flats = {dtype: tensor.numpy() for dtype, tensor in host_set["ragged"].items()}
-        return {name: flats[dtype][a : a + n] for name, (dtype, a, n) in self._ragged_offsets.items()}
 
     def _fill_ragged(self, view: dict[str, np.ndarray], scheduled, rows: list[int], bucket: int) -> list[int]:
         """Write the step's rows into the host buffers (padding included); return the sampling items' indices."""
