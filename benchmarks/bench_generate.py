@@ -383,6 +383,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
         "graph_steps": engine.runner.graph_steps,
         "eager_steps": engine.runner.eager_steps,
         "ragged_graph_steps": engine.runner.ragged_graph_steps,
+        "ragged_graph_replays": engine.runner.ragged_graph_replays,
         "ragged_capture_s": sum(engine.runner.ragged_capture_seconds.values()),
         "table_rows_uploaded": engine.runner.table_rows_uploaded,
         "pipelined_steps": engine.pipelined_steps,

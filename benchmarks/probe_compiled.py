@@ -4,9 +4,13 @@ For each `model_type` whose verdict in docs/architectures.json is "pass" (or tho
 `hf_paged.model_zoo` on CUDA, greedy `generate()` of a few ragged prompts through three engines: no CUDA graphs
 (the reference), CUDA graphs, CUDA graphs + `compile_decode`. In float32 (the default) the tokens must be equal:
 Inductor's fused kernels round bf16 differently from eager ones, so with `--dtype bfloat16` only failures count.
+There are more prompts than the engines' `max_num_seqs`, with different output lengths, and each engine runs them
+twice: so prompts are also admitted beside running decodes, and the compiled engine, which records each token bucket
+of such ragged steps at its first repeat here (`ragged_capture_after = 0`), replays ragged steps from CUDA graphs.
 Records, per architecture, the verdict (`same`, `differs`, `error`), how each graphed engine decodes after its
 warm-up (`graph`, or `static` when the model's forward could not be recorded and the engine decodes without graphs),
-the compiled engine's start-up seconds and any error; prints a table, and `--out` writes them as JSON.
+the compiled engine's ragged steps and how many of them replayed a recording, its start-up seconds and any error;
+prints a table, and `--out` writes them as JSON.
 
 Architectures are spread over `--jobs` worker processes (one GPU is enough: the models are tiny).
 
@@ -44,15 +48,19 @@ def check(model_type: str, dtype_name: str = "float32") -> dict:
     import hf_paged
     from hf_paged import model_zoo
 
-    record = {"model_type": model_type, "verdict": "error", "error": "", "startup_s": None, "modes": []}
+    record = {"model_type": model_type, "verdict": "error", "error": "", "startup_s": None, "modes": [],
+              "ragged_steps": 0, "ragged_replays": 0}
     try:
         model = model_zoo.tiny_model(model_type, seed=0).to(getattr(torch, dtype_name)).cuda().eval()
-        prompts = _prompts(6, model.config.get_text_config().vocab_size, seed=len(model_type))
+        prompts = _prompts(12, model.config.get_text_config().vocab_size, seed=len(model_type))
+        params = [hf_paged.SamplingParams(max_new_tokens=4 + 3 * (k % 4), ignore_eos=True) for k in range(len(prompts))]
         outputs = []
         for graphs, compiled in ((False, False), (True, False), (True, True)):
             start = time.perf_counter()
             engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=8, use_cuda_graph=graphs,
-                                     compile_decode=compiled)
+                                     compile_decode=compiled, enable_prefix_caching=False)
+            runner = engine.runner
+            runner.ragged_capture_after = 0
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 engine.warm_up()
@@ -60,12 +68,18 @@ def check(model_type: str, dtype_name: str = "float32") -> dict:
             if compiled:
                 record["startup_s"] = round(time.perf_counter() - start, 2)
             if graphs:
-                record["modes"].append(engine.runner.decode_mode)
-            outs = engine.generate(prompts, max_new_tokens=12, ignore_eos=True)
-            failed = [o.error for o in outs if o.error is not None]
-            if failed:
-                raise failed[0]
-            outputs.append([o.outputs[0].token_ids for o in outs])
+                record["modes"].append(runner.decode_mode)
+            for _ in range(2):  # the second run repeats the first one's ragged steps: recorded, then replayed
+                outs = engine.generate(prompts, params)
+                failed = [o.error for o in outs if o.error is not None]
+                if failed:
+                    raise failed[0]
+                outputs.append([o.outputs[0].token_ids for o in outs])
+            if compiled:
+                record["ragged_steps"] = runner.ragged_graph_steps
+                record["ragged_replays"] = runner.ragged_graph_replays
+                if runner.ragged_graph_failure:
+                    raise RuntimeError(f"ragged graphs turned off: {runner.ragged_graph_failure}")
             engine.close()
         same = all(o == outputs[0] for o in outputs[1:])
         record["verdict"] = "same" if same or dtype_name != "float32" else "differs"
@@ -105,13 +119,15 @@ def main() -> None:
                 for t in missing]
     records.sort(key=lambda r: r["model_type"])
     print(f"{args.dtype}: graphs and graphs + compile_decode vs no graphs (greedy tokens)")
-    print("| architecture | verdict | decode after warm-up (graphs / compiled) | compiled start-up s | error |")
-    print("|---|---|---|---|---|")
+    print("| architecture | verdict | decode after warm-up (graphs / compiled) | ragged steps (replayed) "
+          "| compiled start-up s | error |")
+    print("|---|---|---|---|---|---|")
     for r in records:
-        print(f"| {r['model_type']} | {r['verdict']} | {' / '.join(r.get('modes', []))} | {r['startup_s']} | "
-              f"{r['error'][:120]} |")
+        print(f"| {r['model_type']} | {r['verdict']} | {' / '.join(r.get('modes', []))} | "
+              f"{r.get('ragged_steps', 0)} ({r.get('ragged_replays', 0)}) | {r['startup_s']} | {r['error'][:120]} |")
     counts = {v: sum(r["verdict"] == v for r in records) for v in ("same", "differs", "error")}
     counts["without graphs"] = sum("static" in r.get("modes", []) for r in records)
+    counts["no ragged replay"] = sum(not r.get("ragged_replays") for r in records)
     print(f"\n{len(records)} architectures: " + ", ".join(f"{v} {n}" for v, n in counts.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({"dtype": args.dtype, "records": records, "counts": counts}, indent=1))

@@ -175,3 +175,41 @@ def test_ragged_steps_keep_seeded_sampling_beams_and_parallel_samples(device):
         assert engine.kv_stats().used_blocks == 0
         engine.close()
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_two_engines_in_two_threads_record_ragged_steps_while_the_other_steps():
+    """Buckets are recorded while serving. Two compiled engines stepping in two threads, each recording new buckets
+    while the other allocates, uploads and syncs: no request fails, neither engine gives up its ragged graphs, and
+    each gives the tokens it gives alone (float32)."""
+    import threading
+
+    model = tiny_model("llama", dtype=torch.float32).cuda()
+    hf_paged.enable(model)
+    gen = torch.Generator().manual_seed(9)
+    rounds = [[torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in torch.randint(3, 120, (12,),
+                                                                                              generator=gen)]
+              for _ in range(6)]  # 2 engines x 3 rounds of new prompts: new buckets keep coming
+    alone = _compiled_engine(model, True, num_blocks=128, max_num_seqs=6, max_num_batched_tokens=256)
+    expected = [[o.outputs[0].token_ids for o in alone.generate(prompts, max_new_tokens=8)] for prompts in rounds]
+    alone.close()
+    engines = [_compiled_engine(model, True, num_blocks=128, max_num_seqs=6, max_num_batched_tokens=256)
+               for _ in range(2)]
+    results: list = [[], []]
+
+    def serve(i: int) -> None:
+        for prompts in rounds[i::2]:
+            outs = engines[i].generate(prompts, max_new_tokens=8)
+            results[i].append([repr(o.error) if o.error is not None else o.outputs[0].token_ids for o in outs])
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert results == [expected[0::2], expected[1::2]]
+    for engine in engines:
+        assert engine.runner.ragged_graph_failure is None and engine.runner.ragged_graph_replays > 0
+        assert len(engine.runner.ragged_capture_seconds) > 3
+        engine.close()

@@ -44,6 +44,11 @@ __all__ = ["RaggedGraphs", "graph_tokens"]
 #: llama-8b step of 4,096 tokens is ~60 ms of GEMMs)
 RAGGED_GRAPH_TOKENS = 4096
 
+#: how a recording guards against unsafe CUDA calls. Buckets are recorded while serving, when another engine (or any
+#: CUDA work) may be running in another thread of the process: "global" would make that thread's allocations and
+#: syncs fail for the length of the recording, while "thread_local" checks only the recording thread's own calls
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 def graph_tokens(tokens: int, limit: int | None = None) -> int:
     """The bucket a ragged step of `tokens` tokens is recorded at: a multiple of 16 up to 256, then of 32, 64, 128 and
@@ -64,7 +69,8 @@ class RaggedGraphs:
         self.ragged_graphs: bool | None = None
         self.ragged_graph_tokens = RAGGED_GRAPH_TOKENS
         self.ragged_capture_after = 1  # a bucket is recorded right after its (ragged_capture_after + 1)-th run
-        self.ragged_graph_steps = 0
+        self.ragged_graph_steps = 0  # ragged steps run on the ragged buffers
+        self.ragged_graph_replays = 0  # of which replayed a bucket's recording
         self.ragged_graph_failure: str | None = None  # why ragged steps stopped being recorded
         self._ragged_seen: dict[int, int] = {}
         self._ragged_tile: int | None = None
@@ -147,6 +153,7 @@ class RaggedGraphs:
         run = self._graphs.get(("ragged", bucket))
         if run is not None:
             logits = run()
+            self.ragged_graph_replays += 1
         else:  # the forward itself; in graph mode, it also warms up the recording made right after it
             logits = self._ragged_forward(bucket)
             if self.decode_mode == "graph":
@@ -235,7 +242,7 @@ class RaggedGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(self._pool, capture_error_mode="global")
+                graph.capture_begin(self._pool, capture_error_mode=CAPTURE_ERROR_MODE)
                 try:
                     out.copy_(self._ragged_forward(bucket))  # the forward's own logits go back to the pool
                 finally:
