@@ -179,10 +179,11 @@ def test_ragged_steps_keep_seeded_sampling_beams_and_parallel_samples(device):
 
 @pytest.mark.gpu
 @_CUDA
-def test_two_engines_in_two_threads_record_ragged_steps_while_the_other_steps():
-    """Buckets are recorded while serving. Two compiled engines stepping in two threads, each recording new buckets
-    while the other allocates, uploads and syncs: no request fails, neither engine gives up its ragged graphs, and
-    each gives the tokens it gives alone (float32)."""
+def test_an_engine_records_its_graphs_while_another_serves_in_another_thread():
+    """Graphs are recorded while serving: ragged buckets at their first repeat, decode buckets at warm-up (and after a
+    weight change). One compiled engine serves rounds of new prompts in a thread while a second one is built and warmed
+    up in another, then serves too, both recording new ragged buckets while the other allocates, uploads and syncs. No
+    request fails, neither engine gives up its graphs, and each gives the tokens an engine gives alone (float32)."""
     import threading
 
     model = tiny_model("llama", dtype=torch.float32).cuda()
@@ -190,26 +191,42 @@ def test_two_engines_in_two_threads_record_ragged_steps_while_the_other_steps():
     gen = torch.Generator().manual_seed(9)
     rounds = [[torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in torch.randint(3, 120, (12,),
                                                                                               generator=gen)]
-              for _ in range(6)]  # 2 engines x 3 rounds of new prompts: new buckets keep coming
-    alone = _compiled_engine(model, True, num_blocks=128, max_num_seqs=6, max_num_batched_tokens=256)
+              for _ in range(4)]  # new prompts each round: new buckets keep coming
+    kwargs = {"num_blocks": 128, "max_num_seqs": 6, "max_num_batched_tokens": 256}
+    alone = _compiled_engine(model, True, **kwargs)
     expected = [[o.outputs[0].token_ids for o in alone.generate(prompts, max_new_tokens=8)] for prompts in rounds]
     alone.close()
-    engines = [_compiled_engine(model, True, num_blocks=128, max_num_seqs=6, max_num_batched_tokens=256)
-               for _ in range(2)]
+    engines: list = [_compiled_engine(model, True, **kwargs), None]
+    warmed = threading.Event()
     results: list = [[], []]
 
-    def serve(i: int) -> None:
-        for prompts in rounds[i::2]:
-            outs = engines[i].generate(prompts, max_new_tokens=8)
-            results[i].append([repr(o.error) if o.error is not None else o.outputs[0].token_ids for o in outs])
+    def run_round(i: int, k: int) -> None:
+        outs = engines[i].generate(rounds[k], max_new_tokens=8)
+        results[i].append((k, [repr(o.error) if o.error is not None else o.outputs[0].token_ids for o in outs]))
 
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    def first() -> None:  # serves while the second engine records its decode graphs, then beside its serving
+        k = 0
+        while not warmed.is_set() or k < 4:
+            run_round(0, k % 4)
+            k += 1
+
+    def second() -> None:
+        try:
+            engines[1] = _compiled_engine(model, True, **kwargs)
+        finally:
+            warmed.set()
+        for k in (3, 2, 1, 0):
+            run_round(1, k)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert results == [expected[0::2], expected[1::2]]
+    assert len(results[1]) == 4 and len(results[0]) >= 4
+    assert [tokens for _, tokens in results[0] + results[1]] == [expected[k] for k, _ in results[0] + results[1]]
     for engine in engines:
-        assert engine.runner.ragged_graph_failure is None and engine.runner.ragged_graph_replays > 0
-        assert len(engine.runner.ragged_capture_seconds) > 3
+        runner = engine.runner
+        assert runner.decode_mode == "graph" and runner.ragged_graph_failure is None
+        assert runner.ragged_graph_replays > 0 and len(runner.ragged_capture_seconds) > 3
         engine.close()

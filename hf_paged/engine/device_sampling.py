@@ -30,6 +30,7 @@ from ..kernels.sampling import (
     log_min_p,
     sample_normalised,
 )
+from ..runner import recording
 from .params import SamplingParams
 
 __all__ = ["DevicePicker", "device_params", "offset", "SAMPLE_INDEX_SHIFT"]
@@ -100,7 +101,7 @@ class DevicePicker:
                 warm_greedy(vocab, pick_dtype)
             else:
                 self.pick(logits.to(pick_dtype), [(0.0, 0, 1.0, 0.0, 0)], [0])
-        torch.cuda.synchronize(self.device)
+        recording.device_synchronize(self.device)
 
     def request_seed(self, seed: int | None) -> int:
         """The seed a request draws with: its own, or the next one of the engine's random stream."""

@@ -21,7 +21,7 @@ from ..attention import prepare_model
 from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only
-from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
+from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules, recording
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
@@ -248,16 +248,16 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     # ------------------------------------------------------------------ memory
     def _profile_num_blocks(self, per_block: int, utilization: float) -> int:
         """vLLM-style sizing: peak memory of a forward at the full token budget, then the rest to the KV pool."""
-        torch.cuda.empty_cache()
+        recording.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = torch.zeros((1, self.max_num_batched_tokens), dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self.model(input_ids=tokens, use_cache=False, logits_to_keep=min(256, self.max_num_batched_tokens))
-        torch.cuda.synchronize(self.device)
+        recording.device_synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * utilization) - peak
-        torch.cuda.empty_cache()
+        recording.empty_cache()
         if budget < per_block:
             raise ValueError(
                 f"gpu_memory_utilization={utilization} leaves no room for the KV cache "

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from . import recording
+
 __all__ = ["GraphCapture"]
 
 
@@ -42,8 +44,9 @@ class GraphCapture:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
+        try:  # (`torch.cuda.graph` syncs the device and empties the allocator's cache first)
+            with recording.RECORDING, torch.cuda.graph(graph, pool=self._pool,
+                                                       capture_error_mode=recording.CAPTURE_ERROR_MODE):
                 logits = self._run_model(batch)
         except Exception as error:  # the forward ran above, outside a capture: it is not capturable
             self._give_up_graphs(error)
@@ -65,7 +68,7 @@ class GraphCapture:
         `compile_decode`) and run the model each step; `graph_failure` says why.
         """
         try:
-            torch.cuda.synchronize(self.device)  # a failed capture leaves no sticky error; surface any other now
+            recording.device_synchronize(self.device)  # a failed capture leaves no sticky error; surface any other now
         except Exception:  # noqa: BLE001 - nothing more to learn: the warning below names the capture's error
             pass
         self._graphs.clear()
@@ -86,4 +89,4 @@ class GraphCapture:
                     self._graphs[batch] = self._capture(batch)
                     self.capture_seconds[batch] = time.perf_counter() - start
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            recording.device_synchronize(self.device)

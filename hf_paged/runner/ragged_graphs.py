@@ -37,17 +37,13 @@ import torch
 from .. import kernels
 from ..cache import StepMetadata, attention_heads
 from ..core import SchedulerOutput
+from . import recording
 
 __all__ = ["RaggedGraphs", "graph_tokens"]
 
 #: most tokens of a ragged step replayed from a graph; above, the GPU time of a step outweighs its host time (a
 #: llama-8b step of 4,096 tokens is ~60 ms of GEMMs)
 RAGGED_GRAPH_TOKENS = 4096
-
-#: how a recording guards against unsafe CUDA calls. Buckets are recorded while serving, when another engine (or any
-#: CUDA work) may be running in another thread of the process: "global" would make that thread's allocations and
-#: syncs fail for the length of the recording, while "thread_local" checks only the recording thread's own calls
-CAPTURE_ERROR_MODE = "thread_local"
 
 
 def graph_tokens(tokens: int, limit: int | None = None) -> int:
@@ -241,8 +237,8 @@ class RaggedGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(self._pool, capture_error_mode=CAPTURE_ERROR_MODE)
+            with recording.RECORDING, torch.cuda.stream(stream):
+                graph.capture_begin(self._pool, capture_error_mode=recording.CAPTURE_ERROR_MODE)
                 try:
                     out.copy_(self._ragged_forward(bucket))  # the forward's own logits go back to the pool
                 finally:
@@ -261,7 +257,7 @@ class RaggedGraphs:
     def _give_up_ragged(self, error: Exception) -> None:
         """Ragged steps run eagerly from now on: this model's ragged forward cannot be recorded (host work in it)."""
         try:
-            torch.cuda.synchronize(self.device)
+            recording.device_synchronize(self.device)
         except Exception:  # noqa: BLE001 - the warning below names the capture's error
             pass
         for key in [k for k in self._graphs if isinstance(k, tuple)]:

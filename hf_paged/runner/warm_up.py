@@ -13,6 +13,7 @@ import torch
 
 from .. import kernels
 from ..cache import attention_heads
+from . import recording
 
 __all__ = ["WarmUpForwards"]
 
@@ -36,7 +37,7 @@ class WarmUpForwards:
             for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            recording.device_synchronize(self.device)
 
     def warm_up_decode_kernels(self) -> None:
         """Run the decode step over the static buffers, once per distinct kernel variant of the batch buckets, so
@@ -85,7 +86,7 @@ class WarmUpForwards:
             flat = b["store"].view(-1)  # and its single entries (`point_index` holds 0s until a step writes it)
             flat.index_copy_(0, b["point_index"][:1], torch.index_select(flat, 0, b["point_index"][:1]))
             torch.index_select(b["ids"], 0, b["src"][:1])
-        torch.cuda.synchronize(self.device)
+        recording.device_synchronize(self.device)
 
     def warm_up_compiled_prefill(self) -> None:
         """Run one dummy ragged step through the compiled layers (once the decode step compiled them:
@@ -96,7 +97,7 @@ class WarmUpForwards:
         with torch.inference_mode():
             self._dummy_prefill(8, 2, compiled=True)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            recording.device_synchronize(self.device)
 
     def _dummy_prefill(self, q_len: int, num_seqs: int, compiled: bool = False) -> None:
         """A prefill forward of `num_seqs` sequences of `q_len` tokens that writes nothing (slot -1) and reads block
