@@ -138,12 +138,46 @@ def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
         assert (runner.ragged_graph_steps >= len(recorded) > 0) == ragged, (runner.ragged_graph_steps, recorded)
         assert set(runner.ragged_capture_seconds) == {key[1] for key in recorded}
         assert runner.ragged_graph_failure is None
+        if ragged:  # each bucket ran once uncaptured, recorded right after; every later step of it replayed
+            assert runner.ragged_graph_steps - runner.ragged_graph_replays == len(recorded)
         if not config:  # the sliding window frees blocks as prompts pass it: no preemption there
             assert sum(engine.scheduler.num_preemptions.values()) > 0
         assert engine.prefix_cache_stats().hit_tokens > 0 and engine.kv_stats().used_blocks == 0
         assert len(runner._ragged_out) <= 1
         engine.close()
     assert results[0] == refs and results[1] == refs
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_bucket_is_recorded_right_after_its_second_step_and_replayed_from_its_third():
+    """The default engine: a bucket's first two steps run uncaptured (the second one also warms up its recording,
+    made right after it), every later one is replayed; the tokens are transformers' (float32)."""
+    model = tiny_model("llama", dtype=torch.float32).cuda()
+    prompts = random_prompts((37, 5, 60, 22, 11, 48, 30), seed=4)
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=9, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    hf_paged.enable(model)
+    engine = hf_paged.Engine(model, block_size=16, compile_decode=True, max_num_seqs=3, enable_prefix_caching=False)
+    engine.warm_up(freeze_gc=False)
+    runner = engine.runner
+    buckets = []
+    execute = runner._execute_ragged
+
+    def noted(sched, bucket):
+        buckets.append(bucket)
+        return execute(sched, bucket)
+
+    runner._execute_ragged = noted
+    for _ in range(3):
+        outs = engine.generate(prompts, max_new_tokens=9)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+    counts = {bucket: buckets.count(bucket) for bucket in buckets}
+    assert runner.ragged_graph_steps == len(buckets) and runner.ragged_graph_failure is None
+    assert runner.ragged_graph_replays == sum(max(0, n - 2) for n in counts.values())
+    assert set(runner.ragged_capture_seconds) == {bucket for bucket, n in counts.items() if n >= 2}
+    assert len(runner.ragged_capture_seconds) > 2
+    engine.close()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
