@@ -15,7 +15,18 @@ import torch
 
 from . import recording
 
-__all__ = ["GraphCapture"]
+__all__ = ["GraphCapture", "replayer"]
+
+
+def replayer(graph: torch.cuda.CUDAGraph, out: torch.Tensor):
+    """A callable that replays `graph` and returns its static output `out` (it holds no reference to the runner: no
+    reference cycle keeps a dropped engine alive)."""
+
+    def replay(graph=graph, out=out):
+        graph.replay()
+        return out
+
+    return replay
 
 
 class GraphCapture:
@@ -42,21 +53,20 @@ class GraphCapture:
             self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         try:  # (`torch.cuda.graph` syncs the device and empties the allocator's cache first)
-            with recording.RECORDING, torch.cuda.graph(graph, pool=self._pool,
+            with recording.RECORDING, torch.cuda.graph(graph, pool=self._graph_pool(),
                                                        capture_error_mode=recording.CAPTURE_ERROR_MODE):
                 logits = self._run_model(batch)
         except Exception as error:  # the forward ran above, outside a capture: it is not capturable
             self._give_up_graphs(error)
             return None
+        return replayer(graph, logits)
 
-        def replay(graph=graph, logits=logits):
-            graph.replay()
-            return logits
-
-        return replay
+    def _graph_pool(self):
+        """The memory pool every graph of this runner (decode and ragged) is recorded in."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def _give_up_graphs(self, error: Exception) -> None:
         """Decode without CUDA graphs from now on: the model's forward cannot be recorded in one.

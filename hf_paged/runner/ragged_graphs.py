@@ -38,6 +38,7 @@ from .. import kernels
 from ..cache import StepMetadata, attention_heads
 from ..core import SchedulerOutput
 from . import recording
+from .graphs import replayer
 
 __all__ = ["RaggedGraphs", "graph_tokens"]
 
@@ -231,14 +232,13 @@ class RaggedGraphs:
             self._ragged_out[out_key] = torch.empty((self.max_num_seqs, logits.shape[-1]), dtype=logits.dtype,
                                                     device=self.device)
         out = self._ragged_out[out_key][:kept]
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         try:
             with recording.RECORDING, torch.cuda.stream(stream):
-                graph.capture_begin(self._pool, capture_error_mode=recording.CAPTURE_ERROR_MODE)
+                graph.capture_begin(pool, capture_error_mode=recording.CAPTURE_ERROR_MODE)
                 try:
                     out.copy_(self._ragged_forward(bucket))  # the forward's own logits go back to the pool
                 finally:
@@ -246,12 +246,7 @@ class RaggedGraphs:
         except Exception as error:  # noqa: BLE001 - ragged steps run eagerly from now on
             self._give_up_ragged(error)
             return
-
-        def replay(graph=graph, out=out):
-            graph.replay()
-            return out
-
-        self._graphs[("ragged", bucket)] = replay
+        self._graphs[("ragged", bucket)] = replayer(graph, out)
         self.ragged_capture_seconds[bucket] = time.perf_counter() - start
 
     def _give_up_ragged(self, error: Exception) -> None:
