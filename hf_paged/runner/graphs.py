@@ -47,14 +47,14 @@ class GraphCapture:
                 with torch.inference_mode():
                     self._run_model(batch)  # compile now (warm_up), not in a serving step
             return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:  # (`torch.cuda.graph` syncs the device and empties the allocator's cache first)
-            with recording.RECORDING, torch.cuda.graph(graph, pool=self._graph_pool(),
+            with recording.RECORDING, torch.cuda.graph(graph, pool=self._graph_pool(), stream=stream,
                                                        capture_error_mode=recording.CAPTURE_ERROR_MODE):
                 logits = self._run_model(batch)
         except Exception as error:  # the forward ran above, outside a capture: it is not capturable
@@ -67,6 +67,18 @@ class GraphCapture:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The stream every recording of this runner (decode and ragged) runs on.
+
+        One stream, not a new one per recording: the caching allocator hands a freed block only to allocations on
+        the stream that allocated it, so recordings on streams of their own could not reuse each other's memory in
+        the shared pool. Recorded that way (each prefill bucket on a stream of its own), a llama-1b server's pool
+        grew by 3.8-4.0 GiB on an H100 as its buckets were recorded, against 0.3 GiB on one stream
+        (`hf_paged.runner.ragged_graphs`)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def _give_up_graphs(self, error: Exception) -> None:
         """Decode without CUDA graphs from now on: the model's forward cannot be recorded in one.

@@ -178,6 +178,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._graphs: dict[int | tuple, object] = {}
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
+        self._stream = None  # the stream every recording runs on (`_capture_stream`)
         self.graph_steps = 0
         self.eager_steps = 0  # ragged (prefill-carrying) steps; `compiled_prefill_steps` of them ran compiled layers
         self.compiled_prefill_steps = 0
@@ -388,6 +389,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._host_sets = []
         self._compiled = None
         self._pool = None
+        self._stream = None
 
     def repack(self) -> int:
         """Stack the model's sibling projections again (after `param.data = ...`, `load_state_dict(assign=True)`), so

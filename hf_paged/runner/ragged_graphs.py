@@ -233,7 +233,7 @@ class RaggedGraphs:
                                                     device=self.device)
         out = self._ragged_out[out_key][:kept]
         pool = self._graph_pool()
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         try:
