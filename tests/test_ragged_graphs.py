@@ -138,8 +138,11 @@ def test_recorded_ragged_steps_give_transformers_tokens_on_cuda(family, config):
         assert (runner.ragged_graph_steps >= len(recorded) > 0) == ragged, (runner.ragged_graph_steps, recorded)
         assert set(runner.ragged_capture_seconds) == {key[1] for key in recorded}
         assert runner.ragged_graph_failure is None
-        if ragged:  # each bucket ran once uncaptured, recorded right after; every later step of it replayed
-            assert runner.ragged_graph_steps - runner.ragged_graph_replays == len(recorded)
+        if ragged:  # each bucket ran once uncaptured, recorded right after (the largest first, on dummy rows,
+            # before the first of them); every later step of a bucket replayed
+            dummies = runner.ragged_dummy_recorded
+            assert dummies <= {96} and 96 in runner.ragged_capture_seconds  # the budget's bucket
+            assert runner.ragged_graph_steps - runner.ragged_graph_replays == len(recorded) - len(dummies)
         if not config:  # the sliding window frees blocks as prompts pass it: no preemption there
             assert sum(engine.scheduler.num_preemptions.values()) > 0
         assert engine.prefix_cache_stats().hit_tokens > 0 and engine.kv_stats().used_blocks == 0
@@ -175,7 +178,11 @@ def test_a_bucket_is_recorded_right_after_its_second_step_and_replayed_from_its_
     counts = {bucket: buckets.count(bucket) for bucket in buckets}
     assert runner.ragged_graph_steps == len(buckets) and runner.ragged_graph_failure is None
     assert runner.ragged_graph_replays == sum(max(0, n - 2) for n in counts.values())
-    assert set(runner.ragged_capture_seconds) == {bucket for bucket, n in counts.items() if n >= 2}
+    # the largest bucket (the ragged buffers' 4,096 tokens) is recorded first, on dummy rows, before the first
+    # recording a step earns: later recordings carve their memory out of its blocks
+    assert runner.ragged_dummy_recorded == {4096} and 4096 not in counts
+    assert set(runner.ragged_capture_seconds) == {bucket for bucket, n in counts.items() if n >= 2} | {4096}
+    assert next(iter(runner.ragged_capture_seconds)) == 4096
     assert len(runner.ragged_capture_seconds) > 2
     engine.close()
 
@@ -264,3 +271,104 @@ def test_an_engine_records_its_graphs_while_another_serves_in_another_thread():
         assert runner.decode_mode == "graph" and runner.ragged_graph_failure is None
         assert runner.ragged_graph_replays > 0 and len(runner.ragged_capture_seconds) > 3
         engine.close()
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_warm_up_with_prefill_graphs_records_every_bucket_so_that_serving_only_replays():
+    """`warm_up(prefill_graphs=True)` records every bucket up to the token budget before the first request, on rows
+    that write and read nothing; serving then replays every ragged step and records none, with transformers' tokens
+    (float32), prefix hits included."""
+    model = tiny_model("llama", dtype=torch.float32).cuda()
+    prompts = random_prompts((37, 5, 60, 22, 11, 48, 30, 90), seed=9)
+    prompts += [prompts[2] + prompts[4]]  # a prefix hit on the second pass and within the first
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=9, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    hf_paged.enable(model)
+    engine = hf_paged.Engine(model, block_size=16, compile_decode=True, max_num_seqs=4, max_num_batched_tokens=128)
+    engine.warm_up(freeze_gc=False, prefill_graphs=True)
+    runner = engine.runner
+    buckets = {graph_tokens(n, 128) for n in range(2, 129)}
+    assert set(runner.ragged_capture_seconds) == buckets == {key[1] for key in runner._graphs if isinstance(key, tuple)}
+    assert engine.warm_up_seconds["prefill_buckets"] == len(buckets) and runner.ragged_graph_failure is None
+    assert list(runner.ragged_capture_seconds) == sorted(buckets, reverse=True)  # the largest first
+    assert runner.ragged_dummy_recorded == buckets
+    recorded = dict(runner.ragged_capture_seconds)
+    for _ in range(2):
+        outs = engine.generate(prompts, max_new_tokens=9)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+    assert runner.ragged_graph_steps == runner.ragged_graph_replays > 2
+    assert runner.ragged_capture_seconds == recorded and runner.record_ragged_buckets() == 0
+    assert engine.prefix_cache_stats().hit_tokens > 0
+    engine.close()
+
+
+def test_prefill_graphs_need_cuda_graphs_and_a_bool():
+    """Without CUDA graphs (the CPU) there is nothing to record: the warm-up says so (0 buckets); a non-bool is a
+    TypeError naming the argument."""
+    engine = hf_paged.Engine(tiny_model("llama", num_hidden_layers=2), block_size=16, compile_decode=True)
+    engine.runner.ragged_graphs = True  # the recorded path's buffers exist on the CPU, its graphs do not
+    engine.warm_up(freeze_gc=False, prefill_graphs=True)
+    assert engine.warm_up_seconds["prefill_buckets"] == 0 and engine.runner.record_ragged_buckets() == 0
+    with pytest.raises(TypeError, match="prefill_graphs"):
+        engine.warm_up(freeze_gc=False, prefill_graphs="yes")
+    engine.close()
+
+
+def test_a_bucket_run_on_dummy_rows_writes_nothing_and_is_handed_to_the_recording():
+    """`_record_dummy` (the warm-up's recording of a bucket, and the largest bucket's before the first one recorded
+    while serving): its forward over the ragged buffers leaves every cached K/V as it was, hands the recording logits
+    of the bucket's kept rows, and the engine's later steps give transformers' tokens (CPU, the recording stood in
+    for)."""
+    model = tiny_model("llama", seed=3, num_hidden_layers=2)
+    prompts = random_prompts((45, 9, 30, 17, 38, 4), seed=2)
+    refs = [greedy_reference(model, p, 7) for p in prompts]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=3, max_num_batched_tokens=64, compile_decode=True)
+    runner = engine.runner
+    runner.ragged_graphs = True
+    runner.ragged_graph_tokens = 64
+    engine.warm_up(freeze_gc=False)
+    held = engine.generate(prompts[:3], max_new_tokens=7)  # cached K/V (prefix caching keeps the blocks)
+    assert [o.outputs[0].token_ids for o in held] == refs[:3]
+    caches = [t.clone() for i in range(2) for t in engine.cache.layer_caches(i)]
+    handed = []
+    runner._capture_ragged = lambda bucket, logits: handed.append((bucket, tuple(logits.shape)))
+    runner._ensure_ragged()
+    assert runner._record_dummy(64) is False  # nothing recorded (no CUDA): reported as such
+    assert handed == [(64, (runner._ragged_sizes(64)[1], model.config.vocab_size))]
+    assert all(torch.equal(a, b) for a, b in zip(caches, [t for i in range(2) for t in engine.cache.layer_caches(i)]))
+    outs = engine.generate(prompts, max_new_tokens=7)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    engine.close()
+
+
+def _pool_bytes(runner) -> int:
+    """Bytes the allocator holds in the runner's graph pool."""
+    pool = tuple(runner._pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == pool)
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_every_bucket_recorded_takes_about_the_memory_of_the_largest_one():
+    """The recordings share the pool's memory: with the largest bucket recorded, the 47 others add at most a quarter
+    of what it took (each recording on a stream of its own took memory of its own: about their sum)."""
+    model = tiny_model("llama", dtype=torch.float32, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                       vocab_size=512).cuda()
+    hf_paged.enable(model)
+    engine = hf_paged.Engine(model, block_size=16, compile_decode=True, max_num_seqs=8, num_blocks=256,
+                             max_num_batched_tokens=4096)
+    engine.warm_up(freeze_gc=False)
+    runner = engine.runner
+    before = _pool_bytes(runner)
+    assert runner._record_dummy(4096)
+    largest = _pool_bytes(runner) - before
+    assert runner.record_ragged_buckets() == 47
+    assert _pool_bytes(runner) - before <= 1.25 * largest, (largest, _pool_bytes(runner) - before)
+    prompts = random_prompts((300, 40, 450), seed=1)
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=4, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, max_new_tokens=4)] == refs
+    assert runner.ragged_graph_replays == runner.ragged_graph_steps > 0
+    engine.close()

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
@@ -231,3 +232,34 @@ def test_cli_passes_the_admission_options(monkeypatch):
         with pytest.raises(Stop):
             cli.serve_main(argv)
         assert (seen["admission_batch"], seen["admission_max_wait"]) == expected
+
+
+def test_cli_records_the_prefill_graphs_at_start_up_unless_told_not_to(monkeypatch):
+    """`hf-paged serve` warms its engine up with `prefill_graphs=True` (a fresh server's first prompts then pay no
+    recording); `--no-prefill-graphs` leaves them to serving."""
+    from hf_paged.serve import cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Warmed:
+        device = torch.device("cuda")  # the CLI warms up on CUDA only
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def warm_up(self, **kwargs):
+            seen.append(kwargs)
+
+    def app(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(cli, "load", lambda args: (tiny_model("llama"), None))
+    monkeypatch.setattr(cli, "Engine", Warmed)
+    monkeypatch.setattr(cli, "build_app", app)
+    for argv in (["m"], ["m", "--no-prefill-graphs"]):
+        with pytest.raises(Stop):
+            cli.serve_main(argv)
+    assert seen == [{"prefill_graphs": True}, {"prefill_graphs": False}]

@@ -73,6 +73,7 @@ class RaggedGraphs:
         self._ragged_tile: int | None = None
         self._ragged_out: dict = {}  # (vocab, dtype) -> the logits buffer every bucket's graph copies into
         self.ragged_capture_seconds: dict[int, float] = {}  # bucket -> seconds its recording took
+        self.ragged_dummy_recorded: set[int] = set()  # buckets recorded on dummy rows (`_record_dummy`)
 
     # ------------------------------------------------------------------ eligibility
     def _ragged_enabled(self) -> bool:
@@ -135,6 +136,11 @@ class RaggedGraphs:
         self._ensure_ragged()
         if bucket > self._ragged_capacity:
             return None
+        run = self._graphs.get(("ragged", bucket))
+        if run is None and self.decode_mode == "graph" and self._ragged_seen.get(bucket, 0) >= self.ragged_capture_after:
+            largest = graph_tokens(self._ragged_top(), self.token_limit)  # (a recording is due after this step)
+            if largest != bucket and ("ragged", largest) not in self._graphs and not self._record_dummy(largest):
+                return None  # the prefill cannot be recorded (warned): this step and the later ones run eagerly
         scheduled = sched.scheduled
         seq_ids = [item.seq.seq_id for item in scheduled]
         rows, changed = self._rows_and_changes(seq_ids)
@@ -147,7 +153,6 @@ class RaggedGraphs:
         for dtype, flat in self._ragged_flat.items():
             flat.copy_(host_set["ragged"][dtype], non_blocking=True)
         self._upload_tables(host_set, changed, (), ())
-        run = self._graphs.get(("ragged", bucket))
         if run is not None:
             logits = run()
             self.ragged_graph_replays += 1
@@ -218,6 +223,72 @@ class RaggedGraphs:
             output = self.model(input_ids=r["ids"][:bucket][None], position_ids=r["pos"][:bucket][None],
                                 past_key_values=self.cache, use_cache=True, logits_to_keep=r["keep"][:kept])
         return output.logits[0]
+
+    def record_ragged_buckets(self, max_tokens: int | None = None) -> int:
+        """Record now every bucket of up to `max_tokens` tokens (default and cap: `ragged_graph_tokens`, and the token
+        budget) that has no recording yet, the largest first; return how many were recorded. Nothing when ragged steps
+        are not replayed from graphs here (no CUDA graphs, tensor parallelism, a model whose prefill is not compiled,
+        turned off).
+
+        Why: a bucket is otherwise recorded while serving, after its second run, so a server's first prompts of each
+        size pay an eager step and the recording (~40 ms for llama-1b on an H100, against ~3 ms replayed). Each
+        bucket runs once on rows that write and read nothing (`_record_dummy`), which warms it up as its second run
+        would, and is recorded: a recording depends on its bucket's shapes alone, and every later step of the bucket
+        fills the same buffers."""
+        if self.decode_mode != "graph" or not self._ragged_enabled():
+            return 0
+        self._ensure_ragged()
+        top = self._ragged_top(max_tokens)
+        buckets = sorted({graph_tokens(t, self.token_limit) for t in range(2, top + 1)}, reverse=True)
+        recorded = 0
+        for bucket in buckets:
+            if bucket <= top and ("ragged", bucket) not in self._graphs:
+                if not self._record_dummy(bucket):
+                    break  # the prefill cannot be recorded (warned): the path is off
+                recorded += 1
+        return recorded
+
+    def _ragged_top(self, max_tokens: int | None = None) -> int:
+        """The most tokens a recorded ragged step can have: no step has more than the token budget."""
+        cap = self.ragged_graph_tokens
+        return min(self._ragged_capacity, cap, max_tokens or cap, self.token_limit or cap)
+
+    def _record_dummy(self, bucket: int) -> bool:
+        """Run `bucket` once on rows that write and read nothing (every slot -1, no virtual sequence has a query) and
+        record it; return whether it was recorded.
+
+        Also what a lazily recorded bucket does first when the largest bucket has no recording yet
+        (`_execute_ragged`). Why the largest first: the recordings share one memory pool (and one stream:
+        `_capture_stream`), and a recording reuses memory that earlier ones freed only where it fits in their blocks;
+        recorded from the largest down, each smaller bucket carves its activations out of the blocks the largest
+        left. On an H100, llama-1b's 48 buckets take 0.3 GiB of pool this way, at warm-up or while serving."""
+        cuda = self.device.type == "cuda"
+        if cuda:  # no upload of an earlier step still reads the host buffers
+            recording.device_synchronize(self.device)
+        nv, kept = self._ragged_sizes(bucket)
+        host_set = self._host_sets[0]
+        view = host_set["ragged_views"]
+        for name, size in (("ids", bucket), ("pos", bucket), ("cu", nv + 1), ("lens", nv), ("vrows", nv),
+                           ("keep", kept)):
+            view[name][:size] = 0
+        view["slots"][:bucket] = -1
+        try:
+            with torch.inference_mode():  # (the buffers are inference tensors: a step made them)
+                for dtype, flat in self._ragged_flat.items():
+                    flat.copy_(host_set["ragged"][dtype])  # synchronous: the next step rewrites the host buffers
+                logits = self._ragged_forward(bucket)
+        except Exception as error:  # noqa: BLE001 - as a failed recording: ragged steps run eagerly from now on
+            self._give_up_ragged(error)
+            return False
+        with torch.inference_mode():  # as a step's recording: the compiled layers' guards include the grad mode
+            self._capture_ragged(bucket, logits)
+        del logits
+        if cuda:
+            recording.device_synchronize(self.device)
+        if ("ragged", bucket) not in self._graphs:
+            return False
+        self.ragged_dummy_recorded.add(bucket)
+        return True
 
     def _capture_ragged(self, bucket: int, logits: torch.Tensor) -> None:
         """Record the bucket's forward (over the step's rows, which it has just run: no warm-up needed) in the decode
