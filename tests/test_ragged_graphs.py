@@ -333,7 +333,6 @@ def test_a_bucket_run_on_dummy_rows_writes_nothing_and_is_handed_to_the_recordin
     caches = [t.clone() for i in range(2) for t in engine.cache.layer_caches(i)]
     handed = []
     runner._capture_ragged = lambda bucket, logits: handed.append((bucket, tuple(logits.shape)))
-    runner._ensure_ragged()
     assert runner._record_dummy(64) is False  # nothing recorded (no CUDA): reported as such
     assert handed == [(64, (runner._ragged_sizes(64)[1], model.config.vocab_size))]
     assert all(torch.equal(a, b) for a, b in zip(caches, [t for i in range(2) for t in engine.cache.layer_caches(i)]))

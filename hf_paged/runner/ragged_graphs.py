@@ -262,6 +262,7 @@ class RaggedGraphs:
         `_capture_stream`), and a recording reuses memory that earlier ones freed only where it fits in their blocks;
         recorded from the largest down, each smaller bucket carves its activations out of the blocks the largest
         left. On an H100, llama-1b's 48 buckets take 0.3 GiB of pool this way, at warm-up or while serving."""
+        self._ensure_ragged()
         cuda = self.device.type == "cuda"
         if cuda:  # no upload of an earlier step still reads the host buffers
             recording.device_synchronize(self.device)
