@@ -335,6 +335,8 @@ def test_a_bucket_run_on_dummy_rows_writes_nothing_and_is_handed_to_the_recordin
     runner._capture_ragged = lambda bucket, logits: handed.append((bucket, tuple(logits.shape)))
     assert runner._record_dummy(64) is False  # nothing recorded (no CUDA): reported as such
     assert handed == [(64, (runner._ragged_sizes(64)[1], model.config.vocab_size))]
+    view, (nv, _) = runner._host_sets[0]["ragged_views"], runner._ragged_sizes(64)
+    assert (view["slots"][:64] == -1).all() and not view["cu"][: nv + 1].any() and not view["lens"][:nv].any()
     assert all(torch.equal(a, b) for a, b in zip(caches, [t for i in range(2) for t in engine.cache.layer_caches(i)]))
     outs = engine.generate(prompts, max_new_tokens=7)
     assert [o.outputs[0].token_ids for o in outs] == refs

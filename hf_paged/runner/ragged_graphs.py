@@ -266,13 +266,8 @@ class RaggedGraphs:
         cuda = self.device.type == "cuda"
         if cuda:  # no upload of an earlier step still reads the host buffers
             recording.device_synchronize(self.device)
-        nv, kept = self._ragged_sizes(bucket)
         host_set = self._host_sets[0]
-        view = host_set["ragged_views"]
-        for name, size in (("ids", bucket), ("pos", bucket), ("cu", nv + 1), ("lens", nv), ("vrows", nv),
-                           ("keep", kept)):
-            view[name][:size] = 0
-        view["slots"][:bucket] = -1
+        self._fill_ragged(host_set["ragged_views"], [], [], bucket)  # a step of no rows: all padding
         try:
             with torch.inference_mode():  # (the buffers are inference tensors: a step made them)
                 for dtype, flat in self._ragged_flat.items():
