@@ -112,3 +112,32 @@ def test_bound_counts_the_bytes_a_decode_step_reads():
     full = roofline.decode_bound_s(workload, every, 8, 1.0)
     assert roofline.decode_bound_s(workload, roofline.model_bytes(untied), 8, 1.0) == pytest.approx(
         full - 3 * embed.numel() * embed.element_size())
+
+
+def test_bound_reads_a_sliding_window_and_the_routed_experts_only():
+    """A sliding-window layer reads at most its window of the context in a step; a mixture of experts reads the
+    experts its tokens are routed to (their expected number under uniform routing), so a one-token step of a model
+    with 8 experts and 2 per token reads a quarter of the expert weights."""
+    roofline = pytest.importorskip("roofline")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", num_hidden_layers=4, sliding_window=3)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    groups = roofline.kv_read_groups(config, 40)
+    assert groups == [(20, 3), (20, None)]
+    workload = [([1] * 5, 2)]  # contexts of 5 then 6 tokens: the sliding layers read 3 of them
+    assert roofline.decode_bound_s(workload, 0, groups, 1.0) == pytest.approx(20 * (3 + 3) + 20 * (5 + 6))
+    assert roofline.kv_read_groups(AutoConfig.for_model("llama", num_hidden_layers=2), 40) == [(40, None)]
+
+    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
+                                  num_experts_per_tok=2, vocab_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expert_bytes, num, top = roofline.expert_weights(model)
+    assert (num, top) == (8, 2) and expert_bytes == 4 * 8 * 3 * 16 * 32
+    weights = roofline.model_bytes(model)
+    one = roofline.decode_bound_s([([1], 1)], weights, 0, 1.0, experts=(expert_bytes, num, top))
+    assert one == pytest.approx(weights - expert_bytes * 3 / 4)
+    dense = bench_generate.build_model("tiny", "meta", torch.float32)
+    assert roofline.expert_weights(dense) == (0, 1, 1)

@@ -71,7 +71,7 @@ def _both(q, k, v, kc, vc, slots, bt, lens, counters=None, **opts):
 
 
 CASES = [dict(), dict(sliding_window=5), dict(softcap=2.0, sinks=True), dict(chunk_size=8), dict(dv=32),
-         dict(kv_start=True)]
+         dict(kv_start=True), dict(d=24, dv=40)]  # the last: head dims that are no power of two (padded, masked)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -89,7 +89,7 @@ def test_fused_equals_write_then_decode(backend, case, splits, counters, monkeyp
     # long enough for 3 splits of 64-key tiles (fewer are clamped to what fits); rows 1 and 3 fill one run only, so
     # with counters they take the direct write (no partials), whose bits must still be the combine's
     seq_lens = [200, 5, 130, 1]
-    q, k, v, kc, vc, slots, bt, lens = _step(seq_lens, dv=case.get("dv", 16))
+    q, k, v, kc, vc, slots, bt, lens = _step(seq_lens, d=case.get("d", 16), dv=case.get("dv", 16))
     opts = {name: case[name] for name in ("sliding_window", "softcap", "chunk_size") if name in case}
     if case.get("sinks"):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], device=DEVICE)
@@ -98,7 +98,7 @@ def test_fused_equals_write_then_decode(backend, case, splits, counters, monkeyp
         opts["kv_start"] = torch.tensor([3, 0, 100, 1], dtype=torch.int32, device=DEVICE)
     count = torch.zeros(len(seq_lens) * k.shape[1], dtype=torch.int32, device=DEVICE) if counters else None
     if backend == "triton":
-        assert triton_decode.default_num_splits(4, k.shape[1], 16, bt.shape[1] * 8, DEVICE) == splits
+        assert triton_decode.default_num_splits(4, k.shape[1], k.shape[2], bt.shape[1] * 8, DEVICE) == splits
     (out, kc1, vc1), (ref, kc2, vc2) = _both(q, k, v, kc, vc, slots, bt, lens, count, **opts)
     assert torch.equal(out, ref)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)

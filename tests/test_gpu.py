@@ -33,6 +33,25 @@ def test_engine_greedy_matches_dynamic_cache_on_cuda(family):
     assert engine.kv_stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2)),  # head dim 96, as Phi-3-mini's
+    ("llama", dict(head_dim=80)),
+])
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_head_dims_that_are_no_power_of_two_on_cuda(family, overrides, compile_decode):
+    """The Triton kernels compute a head dim of 80 or 96 in a padded tile: transformers' greedy tokens, through the
+    eager / graphed and the compiled decode step alike."""
+    model = tiny_model(family, **overrides).cuda()
+    prompts = _prompts(8, seed=3)
+    refs = [
+        model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=16, compile_decode=compile_decode)
+    outs = engine.generate(prompts, max_new_tokens=16)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
 def test_drop_in_cache_beam_search_on_cuda():
     model = tiny_model("llama").cuda()
     ids = torch.randint(3, 300, (3, 20), device="cuda")

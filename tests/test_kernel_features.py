@@ -1,4 +1,5 @@
-"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, Dv != Dk.
+"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, Dv != Dk,
+head dims that are no power of two.
 
 Each case checks Triton (interpreter on CPU, tiny shapes) == torch reference == a dense float64 oracle
 (``reference.naive_attention``, an explicit softmax over a dense mask written the way transformers'
@@ -71,6 +72,8 @@ CASES = [
     dict(sliding_window=9, softcap=3.0, sinks=True),
     dict(chunk_size=8, sinks=True, dv=32),
     dict(sliding_window=1),
+    dict(dk=24),  # head dims that are no power of two: computed in padded tiles, the lanes past them masked
+    dict(dk=24, dv=40, sliding_window=9, sinks=True),
 ]
 
 
@@ -96,7 +99,7 @@ def _first_visible(n, start, pos, opts):
 def test_decode_features(backend, case, splits):
     if splits > 1 and backend == "torch":
         pytest.skip("split-K is a Triton option")
-    dk, dv = 16, case.get("dv", 16)
+    dk, dv = case.get("dk", 16), case.get("dv", 16)
     opts = _opts(case)
     seq_lens, starts = [150, 5, 70, 1], [0, 2, 3, 0]  # 150 keys: 3 splits of 64-key tiles fit (fewer are clamped)
     vis = [_first_visible(n, st, n - 1, opts) for n, st in zip(seq_lens, starts)]
@@ -118,7 +121,7 @@ def test_decode_features(backend, case, splits):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_prefill_features(backend, case):
-    dk, dv = 16, case.get("dv", 16)
+    dk, dv = case.get("dk", 16), case.get("dv", 16)
     opts = _opts(case)
     # (cached prefix + new tokens): a long fresh prompt, a chunked-prefill continuation, a left-padded row
     seq_lens, q_lens, starts = [29, 26, 13], [29, 7, 10], [0, 0, 4]

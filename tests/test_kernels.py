@@ -87,6 +87,9 @@ DECODE_CASES = [
     pytest.param(torch.bfloat16, 8, 2, 128, 16, [1, 50, 130, 16], [0, 7, 100, 0], [None, 3], id="bf16-gqa4-bs16-d128"),
     pytest.param(torch.float32, 8, 1, 64, 32, [0, 33, 200, 5, 64], [0, 40, 60, 5, 0], [1, 4], id="f32-gqa8-bs32-d64"),
     pytest.param(torch.float16, 14, 2, 64, 16, [3, 100], [0, 17], [2], id="f16-gqa7-bs16-d64"),
+    # head dims that are no power of two (phi-3's 96, phi-2's 80): padded tiles, masked lanes
+    pytest.param(torch.bfloat16, 6, 2, 96, 16, [1, 50, 130], [0, 7, 0], [None, 3], id="bf16-gqa3-bs16-d96"),
+    pytest.param(torch.float32, 4, 4, 80, 8, [9, 37, 2], None, [None, 2], id="f32-mha-bs8-d80"),
 ]
 
 
@@ -127,6 +130,8 @@ PREFILL_CASES = [
     ),
     pytest.param(torch.float32, 8, 1, 64, 32, [(40, 100, 0), (3, 3, 0), (1, 1, 0)], 2, id="f32-gqa8-bs32-d64"),
     pytest.param(torch.float16, 14, 2, 64, 16, [(12, 30, 4), (5, 5, 0)], 1, id="f16-gqa7-bs16-d64"),
+    pytest.param(torch.bfloat16, 6, 2, 96, 16, [(20, 45, 3), (1, 9, 0)], 2, id="bf16-gqa3-bs16-d96"),
+    pytest.param(torch.float32, 4, 4, 80, 8, [(17, 17, 0), (3, 30, 0)], 0, id="f32-mha-bs8-d80"),
 ]
 
 
@@ -173,9 +178,10 @@ def test_prefill_matches_decode(backend):
 # cache ops
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-@pytest.mark.parametrize("dtype,src_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
-def test_write_kv(backend, dtype, src_dtype):
-    nb, h, bs, d, T = 6, 4, 8, 64, 13
+@pytest.mark.parametrize("dtype,src_dtype,d", [(torch.float32, torch.float32, 64), (torch.bfloat16, torch.float32, 64),
+                                               (torch.float32, torch.float32, 96)])
+def test_write_kv(backend, dtype, src_dtype, d):
+    nb, h, bs, T = 6, 4, 8, 13
     g = _gen(7)
     kc = torch.randn(nb, h, bs, d, generator=g).to(dtype).to(DEVICE)
     vc = torch.randn(nb, h, bs, d, generator=g).to(dtype).to(DEVICE)
@@ -283,11 +289,11 @@ def test_validation_errors(monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_dim_checks(monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
-    kc = torch.zeros(4, 2, 8, 48, device=DEVICE)
-    q = torch.zeros(2, 4, 48, device=DEVICE)
+    kc = torch.zeros(4, 2, 8, 320, device=DEVICE)
+    q = torch.zeros(2, 4, 320, device=DEVICE)
     bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     sl = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="head_dim from 1 to 256, got 320"):
         kernels.paged_decode(q, kc, kc, bt, sl, 1.0)
     kc = torch.zeros(4, 2, 12, 64, device=DEVICE)
     with pytest.raises(ValueError, match="block_size"):
@@ -426,7 +432,8 @@ def _random_paged_cuda(b, hkv, d, bs, max_len, dtype=torch.bfloat16, seed=0):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 256, 128), (4, 4, 16, 8), (16, 2, 32, 256), (12, 4, 128, 64)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 256, 128), (4, 4, 16, 8), (16, 2, 32, 256), (12, 4, 128, 64),
+                                        (32, 32, 96, 16), (8, 2, 80, 16), (4, 1, 192, 16)])
 def test_cuda_dims_sweep(monkeypatch, hq, hkv, d, bs):
     """Head dims 16..256 and block sizes 8..256 on the real GPU, decode and long prefill, vs the reference."""
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)

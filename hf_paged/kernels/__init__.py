@@ -110,8 +110,8 @@ def _is_pow2(x: int) -> bool:
 
 def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not (_is_pow2(d) and 16 <= d <= 256):
-            raise ValueError(f"Triton kernels support {name} in {{16, 32, 64, 128, 256}}, got {d}")
+        if not 1 <= d <= 256:  # any size: one that is no power of two is computed padded (`triton_dims`)
+            raise ValueError(f"Triton kernels support {name} from 1 to 256, got {d}")
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 

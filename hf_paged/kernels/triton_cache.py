@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_dims import _dim_mask, padded_dim
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -31,6 +33,7 @@ def _write_kv_kernel(
     stride_vct,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -39,9 +42,10 @@ def _write_kv_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
     # (slot broadcast before the compare: the interpreter rejects masks built from scalar & tensor)
-    m = (offs_h[:, None] < num_heads) & ((offs_d[None, :] * 0 + slot) >= 0)
+    m = _dim_mask((offs_h[:, None] < num_heads) & ((offs_d[None, :] * 0 + slot) >= 0), offs_d[None, :], HEAD_DIM,
+                  D_PAD)
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
@@ -57,7 +61,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         return
     bs = key_cache.shape[2]
     # at most ~4K elements per program (K and V each)
-    block_h = min(triton.next_power_of_2(H), max(1, 4096 // D))
+    d_pad = padded_dim(D)
+    block_h = min(triton.next_power_of_2(H), max(1, 4096 // d_pad))
     grid = (T, triton.cdiv(H, block_h))
     _write_kv_kernel[grid](
         key,
@@ -78,8 +83,9 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         value_cache.stride(2),
         BLOCK_SIZE=bs,
         HEAD_DIM=D,
+        D_PAD=d_pad,
         BLOCK_H=block_h,
-        num_warps=4 if block_h * D >= 1024 else 1,
+        num_warps=4 if block_h * d_pad >= 1024 else 1,
     )
 
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention_end import _combine_splits, _paged_decode_reduce_kernel, _write_output
+from .triton_dims import _dim_mask, padded_dim
 
 _LOG2E = 1.4426950408889634
 
@@ -101,7 +102,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 
 def default_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device) -> int:
     """The split count `paged_decode` picks when not told (the forced `FORCE_NUM_SPLITS` included)."""
-    block_n = _CONFIGS.get(head_dim, (64, 4, 2))[0]
+    block_n = _CONFIGS.get(padded_dim(head_dim), (64, 4, 2))[0]
     return _launch_splits(FORCE_NUM_SPLITS, batch, num_kv_heads, max_context, block_n, device)
 
 
@@ -179,6 +180,8 @@ def _paged_decode_kernel(
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_KV_START: tl.constexpr,
@@ -229,7 +232,7 @@ def _paged_decode_kernel(
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                         stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                         stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
-                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, SPLIT, IEEE,
+                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, SPLIT, IEEE,
                         DOT_F32, WRITE, FUSE_REDUCE)
 
 
@@ -239,23 +242,24 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
                     stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                     stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
                     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
                     WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
     offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
+    offs_dv = tl.arange(0, DV_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     head = kvh * G + offs_g
     gmask = offs_g < G
 
     b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=_dim_mask(gmask[:, None], offs_d[None, :], HEAD_DIM, D_PAD), other=0.0)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_DIM_V], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
 
     bt_row = BT + b64 * stride_btb
     k_base = KC + kvh.to(tl.int64) * stride_kh
@@ -270,10 +274,13 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
         if owner & (slot >= 0):
             blk_new = slot // BLOCK_SIZE
             off_new = slot % BLOCK_SIZE
-            k_new = tl.load(KNEW + b64 * stride_knb + kvh * stride_knh + offs_d)
-            v_new = tl.load(VNEW + b64 * stride_vnb + kvh * stride_vnh + offs_dv)
-            tl.store(k_base + blk_new * stride_kb + off_new * stride_kt + offs_d, k_new.to(KC.dtype.element_ty))
-            tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv, v_new.to(VC.dtype.element_ty))
+            dm, dvm = offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V
+            k_new = tl.load(KNEW + b64 * stride_knb + kvh * stride_knh + offs_d, mask=dm)
+            v_new = tl.load(VNEW + b64 * stride_vnb + kvh * stride_vnh + offs_dv, mask=dvm)
+            tl.store(k_base + blk_new * stride_kb + off_new * stride_kt + offs_d, k_new.to(KC.dtype.element_ty),
+                     mask=dm)
+            tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv, v_new.to(VC.dtype.element_ty),
+                     mask=dvm)
         tl.debug_barrier()
     start = (lo // BLOCK_N) * BLOCK_N
     for t0 in range(start, hi, BLOCK_N):
@@ -281,10 +288,10 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
         valid = (tok >= lo) & (tok < hi)
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = tok % BLOCK_SIZE
-        # K tile loaded transposed: [HEAD_DIM, BLOCK_N]
+        # K tile loaded transposed: [D_PAD, BLOCK_N]
         k = tl.load(
             k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
-            mask=valid[None, :],
+            mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD),
             other=0.0,
         )
         if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
@@ -306,7 +313,7 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
-            mask=valid[:, None],
+            mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
             other=0.0,
         )
         if DOT_F32:
@@ -324,10 +331,11 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
     if SPLIT and FUSE_REDUCE:
         direct = parts == 1
     if direct:
-        _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh, HAS_SINKS)
+        _write_output(acc, m_i, l_i, SINK, OUT, b64, head, gmask, offs_dv, stride_ob, stride_oh, HAS_SINKS,
+                      HEAD_DIM_V, DV_PAD)
     else:
         pa = PACC + b64 * stride_pab + head[:, None] * stride_pah + sp * stride_pas + offs_dv[None, :]
-        tl.store(pa, acc, mask=gmask[:, None])
+        tl.store(pa, acc, mask=_dim_mask(gmask[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD))
         pm = b64 * stride_pmb + head * stride_pmh + sp
         tl.store(PM + pm, m_i, mask=gmask)
         tl.store(PL + pm, l_i, mask=gmask)
@@ -340,7 +348,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
             ticket = tl.atomic_add(counter, 1, sem="acq_rel")
             if ticket == parts - 1:  # the sequence's last split to finish (a split past `parts` never ran)
                 _combine_splits(PACC, PM, PL, SINK, OUT, b64, head, gmask, parts, stride_pab, stride_pah,
-                                stride_pas, stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM_V, HAS_SINKS)
+                                stride_pas, stride_pmb, stride_pmh, stride_ob, stride_oh, HEAD_DIM_V, HAS_SINKS,
+                                DV_PAD)
                 tl.atomic_xchg(counter, 0)
 
 
@@ -379,7 +388,7 @@ def paged_decode(
         out = query.new_empty(B, Hq, Dv)
     if B == 0:
         return out
-    cfg_n, cfg_w, cfg_s = _CONFIGS.get(D, (64, 4, 2))
+    cfg_n, cfg_w, cfg_s = _CONFIGS.get(padded_dim(D), (64, 4, 2))
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_w
     num_stages = num_stages or cfg_s
@@ -450,6 +459,8 @@ def paged_decode(
         G_PAD=g_pad,
         HEAD_DIM=D,
         HEAD_DIM_V=Dv,
+        D_PAD=padded_dim(D),
+        DV_PAD=padded_dim(Dv),
         BLOCK_SIZE=bs,
         BLOCK_N=block_n,
         HAS_KV_START=has_kv_start,
@@ -481,6 +492,7 @@ def paged_decode(
             G_PAD=triton.next_power_of_2(G),
             HEAD_DIM=Dv,
             HAS_SINKS=sinks is not None,
+            D_PAD=padded_dim(Dv),
             num_warps=4 if D >= 128 else 2,
         )
     return out

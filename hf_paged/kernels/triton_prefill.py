@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention_end import _normalise
+from .triton_dims import _dim_mask, padded_dim
 
 _LOG2E = 1.4426950408889634
 
@@ -60,6 +61,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_KV_START: tl.constexpr,
@@ -86,8 +89,8 @@ def _paged_prefill_kernel(
         ctx = seq_len - q_len  # position of query row 0
 
         offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_dv = tl.arange(0, HEAD_DIM_V)
+        offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
+        offs_dv = tl.arange(0, DV_PAD)
         offs_n = tl.arange(0, BLOCK_N)
         tq = qt * BLOCK_Q + offs_m // G  # query token index within the sequence
         head = kvh * G + offs_m % G
@@ -97,13 +100,13 @@ def _paged_prefill_kernel(
         rows = (q_start + tq).to(tl.int64)
         q = tl.load(
             Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None],
+            mask=_dim_mask(row_ok[:, None], offs_d[None, :], HEAD_DIM, D_PAD),
             other=0.0,
         )
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
 
         # last key any row of this tile may see (+1)
         hi = tl.minimum(ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len), seq_len)
@@ -125,7 +128,7 @@ def _paged_prefill_kernel(
             off = tok % BLOCK_SIZE
             k = tl.load(
                 k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
-                mask=valid[None, :],
+                mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD),
                 other=0.0,
             )
             if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
@@ -152,7 +155,7 @@ def _paged_prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
-                mask=valid[:, None],
+                mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
                 other=0.0,
             )
             if DOT_F32:
@@ -168,12 +171,13 @@ def _paged_prefill_kernel(
         tl.store(
             OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
             o.to(OUT.dtype.element_ty),
-            mask=row_ok[:, None],
+            mask=_dim_mask(row_ok[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
         )
 
 
 def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), by the head dim's padded tile width."""
+    D = padded_dim(D)
     if D >= 256:
         cap_m, block_n = 64, 32
     else:
@@ -254,6 +258,8 @@ def paged_prefill(
         BLOCK_M=block_m,
         HEAD_DIM=D,
         HEAD_DIM_V=Dv,
+        D_PAD=padded_dim(D),
+        DV_PAD=padded_dim(Dv),
         BLOCK_SIZE=bs,
         BLOCK_N=block_n,
         HAS_KV_START=has_kv_start,
