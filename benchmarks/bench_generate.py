@@ -31,6 +31,8 @@ import torch
 from roofline import (
     copy_bandwidth,
     decode_bound_s,
+    expert_weights,
+    kv_read_groups,
     latency_stats,
     local_parameters,
     matmul_flops,
@@ -53,6 +55,19 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        tie_word_embeddings=True),
+    # shapes beyond llama's: head_dim 256 with softcaps and alternating sliding windows; one KV head and a 512-token
+    # window; multi-head attention at head_dim 96; a mixture of experts (64 experts, 8 per token)
+    "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                      sliding_window=4096, tie_word_embeddings=True),
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                      sliding_window=512, tie_word_embeddings=True),
+    "phi3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                        vocab_size=50304, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
 }
@@ -465,7 +480,8 @@ def main() -> None:
         meta["copy_tb_s"] = copy_bandwidth(args.device) / 1e12
         meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
         kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
-        meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_token, meta["copy_tb_s"] * 1e12)
+        meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_read_groups(model.config, kv_token),
+                                                meta["copy_tb_s"] * 1e12, experts=expert_weights(model))
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
         meta["prefill_tflop"] = prefill_flops(workload, model.config, sum(p.numel() for p in local_parameters(model))
                                               * world) / 1e12 / world

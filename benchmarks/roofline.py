@@ -7,6 +7,8 @@ could take and the fraction of it reached.
   running from the start (the most batching any schedule can have), step `s` (1-based) has the requests whose output
   is at least `s` tokens long, each with `prompt + s - 1` tokens of context; the bound is the sum over steps of
   (weight bytes + KV bytes of those contexts) / copy bandwidth. Prefill is left out, so the bound only gets lower.
+  A sliding-window layer reads at most its window of the context; a mixture of experts reads the experts its B
+  tokens are routed to (their expected number under uniform routing), not all of them.
 * Prefill FLOPs: 2 x parameters per token for the matrices, plus the attention's `QK^T` and `PV` products over the
   causal context (2 x 2 x heads x head_dim per (query, key) pair, half the square for a causal prompt).
 * Ceilings, measured once per run: a device-to-device copy (bytes read + written per second) and a bf16 matrix
@@ -83,15 +85,57 @@ def model_bytes(model) -> int:
     return total
 
 
-def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int, kv_bytes_per_token: int,
-                   bandwidth: float) -> float:
-    """Least time to decode `workload` [(prompt ids, output length)] at `bandwidth` bytes/s (see the docstring)."""
+def kv_read_groups(config, kv_bytes_per_token: int) -> list[tuple[int, int | None]]:
+    """[(bytes per token of context, window)]: how much of its context each group of layers must read in a decode
+    step. A sliding-window layer (`layer_types` "sliding_attention") reads at most `sliding_window` tokens; every
+    other layer reads the whole context (None). `kv_bytes_per_token` is the all-layer figure, split evenly."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = list(getattr(text, "layer_types", None) or [])
+    window = getattr(text, "sliding_window", None)
+    if not types or not window:
+        return [(kv_bytes_per_token, None)]
+    sliding = sum(t == "sliding_attention" for t in types)
+    per_layer = kv_bytes_per_token / len(types)
+    groups = [(round(per_layer * sliding), int(window)), (round(per_layer * (len(types) - sliding)), None)]
+    return [g for g in groups if g[0]]
+
+
+def expert_weights(model) -> tuple[int, int, int]:
+    """(bytes of the routed experts' weights, experts per layer, experts per token) of a mixture-of-experts model;
+    (0, 1, 1) for a dense one. Expert weights are the parameters under a module named `experts`."""
+    text = model.config.get_text_config(decoder=True)
+    num = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    top = getattr(text, "num_experts_per_tok", None)
+    if not num or not top:
+        return 0, 1, 1
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in f".{name}":
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return total, int(num), int(top)
+
+
+def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
+                   kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
+                   experts: tuple[int, int, int] = (0, 1, 1)) -> float:
+    """Least time to decode `workload` [(prompt ids, output length)] at `bandwidth` bytes/s (see the docstring).
+
+    `kv_bytes_per_token` is one all-layer figure or `kv_read_groups`' [(bytes per token, window)]. `experts` is
+    `expert_weights`' (bytes, experts, experts per token): a step of B tokens reads, with tokens routed uniformly
+    at random, the expected `experts * (1 - (1 - top / experts) ** B)` distinct experts of each layer, not all."""
+    groups = [(kv_bytes_per_token, None)] if isinstance(kv_bytes_per_token, int) else kv_bytes_per_token
+    expert_bytes, num_experts, top = experts
     prompts = np.array([len(p) for p, _ in workload], dtype=np.float64)
     outs = np.array([o for _, o in workload], dtype=np.int64)
     total = 0.0
     for s in range(1, int(outs.max()) + 1):
         alive = outs >= s
-        total += weight_bytes + kv_bytes_per_token * float((prompts[alive] + s - 1).sum())
+        context = prompts[alive] + s - 1
+        touched = 1.0 - (1.0 - top / num_experts) ** int(alive.sum())
+        total += weight_bytes - expert_bytes * (1.0 - touched)
+        for per_token, window in groups:
+            total += per_token * float((np.minimum(context, window) if window else context).sum())
     return total / bandwidth
 
 
