@@ -16,6 +16,8 @@ Imported lazily by :mod:`hf_paged.kernels` (needs triton).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -175,19 +177,43 @@ def _paged_prefill_kernel(
         )
 
 
+def _shared_memory() -> int:
+    """`_device_shared_memory` of the current device; 0 without CUDA (where only a test asks for a GPU launch's tile)."""
+    return _device_shared_memory(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+
+
+@functools.cache
+def _device_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one program may opt into on the device (0 where torch does not say)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
 def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), by the head dim's padded tile width."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), by the head dim's padded tile width.
+
+    Measured on the H100 (`benchmarks/results/h100_2026-11-27b/`, CUDA-graph timed on 16k-token chunks of long
+    prompts, of ShareGPT-like prompts and of prompts continued after 2-8k cached keys): against the earlier table
+    (8 warps from 128 x 128 tiles, 2 stages, 64 x 32 tiles at head dim 256) head dim 64 gains 12-23 % with 8 warps
+    at 128 query rows, head dim 128 (and 96, padded) 13-28 % with 4 warps and 3 stages, and head dim 256 65-135 % with
+    128 x 64 tiles in 8 warps. That tile needs ~192 KB of shared memory: on a GPU with less (an A100 has 164 KB) head
+    dim 256 keeps 64 query rows, in 4 warps (1.7x the earlier 8 on the H100)."""
     D = padded_dim(D)
-    if D >= 256:
-        cap_m, block_n = 64, 32
-    else:
-        cap_m, block_n = 128, 64
     if not on_cuda:  # interpreter: fewer, larger steps are faster
+        need = max(16, triton.next_power_of_2(G * max(1, max_seqlen_q)))
+        block_m = max(min(64, need), triton.next_power_of_2(G), 16)
+        return block_m, 32 if D >= 256 else 64, 8 if block_m * D >= 128 * 128 else 4, 2
+    cap_m = 128
+    if D >= 256 and _shared_memory() < 200 * 1024:
         cap_m = 64
     need = max(16, triton.next_power_of_2(G * max(1, max_seqlen_q)))
     block_m = max(min(cap_m, need), triton.next_power_of_2(G), 16)
-    num_warps = 8 if block_m * D >= 128 * 128 else 4
-    return block_m, block_n, num_warps, 2
+    wide = block_m >= 128
+    if D <= 64:
+        return block_m, 64, 8 if wide else 4, 2
+    if D <= 128:
+        return block_m, 64, 4, 3 if wide else 2
+    return (block_m, 64, 8, 2) if wide else (block_m, 32, 4, 2)
 
 
 def paged_prefill(
