@@ -34,10 +34,10 @@ from roofline import (
     expert_weights,
     kv_read_groups,
     latency_stats,
-    local_parameters,
     matmul_flops,
     model_bytes,
     prefill_flops,
+    prefill_params,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -483,8 +483,9 @@ def main() -> None:
         meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_read_groups(model.config, kv_token),
                                                 meta["copy_tb_s"] * 1e12, experts=expert_weights(model))
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
-        meta["prefill_tflop"] = prefill_flops(workload, model.config, sum(p.numel() for p in local_parameters(model))
-                                              * world) / 1e12 / world
+        token_params, prompt_params = prefill_params(model)
+        meta["prefill_tflop"] = prefill_flops(workload, model.config, token_params * world, prompt_params * world) \
+            / 1e12 / world
     for system in args.systems.split(","):
         gc.collect()
         if args.device.startswith("cuda"):

@@ -9,8 +9,12 @@ could take and the fraction of it reached.
   (weight bytes + KV bytes of those contexts) / copy bandwidth. Prefill is left out, so the bound only gets lower.
   A sliding-window layer reads at most its window of the context; a mixture of experts reads the experts its B
   tokens are routed to (their expected number under uniform routing), not all of them.
-* Prefill FLOPs: 2 x parameters per token for the matrices, plus the attention's `QK^T` and `PV` products over the
-  causal context (2 x 2 x heads x head_dim per (query, key) pair, half the square for a causal prompt).
+* Prefill FLOPs: 2 x parameters per token for the matrices (not the embedding tables: the input one is gathered and
+  the output projection runs on each prompt's last token only; a mixture of experts' routed experts at the share a
+  token uses), plus the attention's `QK^T` and `PV` products over the causal context (2 x 2 x heads x head_dim per
+  (query, key) pair, half the square for a causal prompt). (Until 2026-11-27 every parameter was counted for every
+  token: for llama-1b that counted 1.50 B parameters per token where its matrices have 0.97 B, and the prefill MFU
+  reported was too high by about that ratio.)
 * Ceilings, measured once per run: a device-to-device copy (bytes read + written per second) and a bf16 matrix
   product of 8192^3, as METHOD.md asks.
 """
@@ -139,8 +143,37 @@ def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
     return total / bandwidth
 
 
-def prefill_flops(workload: list[tuple[list[int], int]], config, num_params: int) -> float:
-    """FLOPs to prefill every prompt once (matrices + causal attention), no prefix reuse."""
+def prefill_params(model) -> tuple[int, int]:
+    """(parameters each prompt token multiplies, parameters only each prompt's last token multiplies) in this
+    process: the first leaves out the embedding tables (a gather, no product; the output projection is applied to the
+    rows a step keeps, one per prompt, `logits_to_keep`) and, in a mixture of experts, counts the routed experts at
+    `experts per token / experts`; the second is the output projection. Under tensor parallelism, this rank's
+    shards."""
+    def count(params) -> int:
+        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tables = {_key(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = {_key(output.weight)} if output is not None and hasattr(output, "weight") else set()
+    seen, dense, experts = set(), 0, 0
+    for name, p in model.named_parameters():
+        key = _key(p)
+        if key in seen or key in tables | head:
+            continue
+        seen.add(key)
+        if ".experts." in f".{name}":
+            experts += count([p])
+        else:
+            dense += count([p])
+    _, num_experts, top = expert_weights(model)
+    head_params = count([output.weight]) if head else 0
+    return dense + round(experts * top / num_experts), head_params
+
+
+def prefill_flops(workload: list[tuple[list[int], int]], config, token_params: int, prompt_params: int = 0) -> float:
+    """FLOPs to prefill every prompt once, no prefix reuse: 2 x `token_params` per token and 2 x `prompt_params` per
+    prompt (`prefill_params`: the output projection runs on each prompt's last token only), plus the causal
+    attention's `QK^T` and `PV` products."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -148,7 +181,7 @@ def prefill_flops(workload: list[tuple[list[int], int]], config, num_params: int
     total = 0.0
     for prompt, _ in workload:
         n = len(prompt)
-        total += 2.0 * num_params * n + 4.0 * layers * heads * head_dim * n * (n + 1) / 2
+        total += 2.0 * token_params * n + 2.0 * prompt_params + 4.0 * layers * heads * head_dim * n * (n + 1) / 2
     return total
 
 

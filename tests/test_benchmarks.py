@@ -141,3 +141,31 @@ def test_bound_reads_a_sliding_window_and_the_routed_experts_only():
     assert one == pytest.approx(weights - expert_bytes * 3 / 4)
     dense = bench_generate.build_model("tiny", "meta", torch.float32)
     assert roofline.expert_weights(dense) == (0, 1, 1)
+
+
+def test_prefill_flops_count_the_products_a_prompt_runs():
+    """A prompt token multiplies the layers' matrices, not the embedding tables (the input one is gathered; the output
+    projection runs on each prompt's last token only), and a token of a mixture of experts uses `top / experts` of
+    the routed experts."""
+    roofline = pytest.importorskip("roofline")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    untied = bench_generate.build_model("tiny", "meta", torch.float32)
+    every = sum(p.numel() for p in untied.parameters())
+    embed, head = untied.get_input_embeddings().weight.numel(), untied.get_output_embeddings().weight.numel()
+    assert roofline.prefill_params(untied) == (every - embed - head, head)
+    tied = bench_generate.build_model("tiny", "meta", torch.float32, tie_word_embeddings=True)
+    assert roofline.prefill_params(tied) == (sum(p.numel() for p in tied.parameters()) - embed, embed)
+    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
+                                  num_experts_per_tok=2, vocab_size=64)
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(config)
+    experts = 8 * 3 * 16 * 32
+    dense = sum(p.numel() for p in moe.parameters()) - experts - 2 * 64 * 16
+    assert roofline.prefill_params(moe) == (dense + experts // 4, 64 * 16)
+    # 2 FLOPs per product; the head once per prompt; attention over the causal square
+    flops = roofline.prefill_flops([([1] * 3, 1)], untied.config, 10, 7)
+    text = untied.config
+    attention = 4.0 * text.num_hidden_layers * text.num_attention_heads * text.head_dim * 3 * 4 / 2
+    assert flops == pytest.approx(2 * 10 * 3 + 2 * 7 + attention)
