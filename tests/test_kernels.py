@@ -10,6 +10,7 @@ bfloat16, split-K on and off.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -432,23 +433,27 @@ def _random_paged_cuda(b, hkv, d, bs, max_len, dtype=torch.bfloat16, seed=0):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 256, 128), (4, 4, 16, 8), (16, 2, 32, 256), (12, 4, 128, 64),
-                                        (32, 32, 96, 16), (8, 2, 80, 16), (4, 1, 192, 16)])
-def test_cuda_dims_sweep(monkeypatch, hq, hkv, d, bs):
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", [
+    (8, 2, 256, 128, torch.bfloat16), (4, 4, 16, 8, torch.bfloat16), (16, 2, 32, 256, torch.bfloat16),
+    (12, 4, 128, 64, torch.bfloat16), (32, 32, 96, 16, torch.bfloat16), (8, 2, 80, 16, torch.bfloat16),
+    (4, 1, 192, 16, torch.bfloat16),
+    # float32 tiles take twice the shared memory: the tile table keeps them within the GPU's
+    (8, 2, 256, 16, torch.float32), (12, 4, 128, 16, torch.float32), (32, 8, 64, 16, torch.float32)])
+def test_cuda_dims_sweep(monkeypatch, hq, hkv, d, bs, dtype):
     """Head dims 16..256 and block sizes 8..256 on the real GPU, decode and long prefill, vs the reference."""
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
     b, L = 3, 1300
-    kc, vc, bt, g = _random_paged_cuda(b, hkv, d, bs, L, seed=d + bs)
+    kc, vc, bt, g = _random_paged_cuda(b, hkv, d, bs, L, dtype=dtype, seed=d + bs)
     sl = torch.tensor([L, 1, 700], device="cuda", dtype=torch.int32)
     ks = torch.tensor([0, 0, 650], device="cuda", dtype=torch.int32)
-    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
     for ns in (None, 1, 5):
         out = kernels.paged_decode(q, kc, vc, bt, sl, d**-0.5, ks, _num_splits=ns)
         ref = reference.paged_decode(q, kc, vc, bt, sl, d**-0.5, ks)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     q_lens = [1100, 1, 64]
     cu = torch.tensor([0, 1100, 1101, 1165], device="cuda", dtype=torch.int32)
-    qp = torch.randn(1170, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(1170, hq, d, device="cuda", dtype=dtype, generator=g)
     out = kernels.paged_prefill(qp, kc, vc, bt, cu, sl, d**-0.5, max(q_lens), ks)
     ref = reference.paged_prefill(qp, kc, vc, bt, cu, sl, d**-0.5, max(q_lens), ks)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -464,12 +469,17 @@ def test_prefill_warm_up_lengths_cover_every_tile_shape(monkeypatch, device):
 
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     on_cuda = device == "cuda"
-    for heads, kv_heads, head_dim in ((32, 8, 64), (16, 8, 128), (8, 8, 256), (64, 8, 128), (14, 2, 64)):
-        group = heads // kv_heads
-        lengths = kernels.prefill_tile_lengths(heads, kv_heads, head_dim, 8192, device)
-        shapes = [triton_prefill._config(group, head_dim, q, on_cuda) for q in lengths]
+    for (heads, kv_heads, head_dim), dtype in itertools.product(
+            ((32, 8, 64), (16, 8, 128), (8, 8, 256), (64, 8, 128), (14, 2, 64), (32, 32, 96)),
+            (torch.bfloat16, torch.float32)):
+        group, elem = heads // kv_heads, dtype.itemsize
+        lengths = kernels.prefill_tile_lengths(heads, kv_heads, head_dim, 8192, device, dtype)
+        shapes = [triton_prefill._config(group, head_dim, q, on_cuda, elem) for q in lengths]
         assert len(set(shapes)) == len(shapes) and lengths[0] == 2
-        assert {triton_prefill._config(group, head_dim, 2 ** i, on_cuda) for i in range(1, 14)} == set(shapes)
+        assert {triton_prefill._config(group, head_dim, 2 ** i, on_cuda, elem) for i in range(1, 14)} == set(shapes)
+        if dtype == torch.float32:  # twice the bytes a tile: never the 3-stage or the 128 x 256 ones
+            assert all(stages == 2 and block_m * triton_prefill.padded_dim(head_dim) <= 128 * 128
+                       for block_m, _, _, stages in shapes)
     assert max(kernels.prefill_tile_lengths(8, 8, 64, 40, device)) <= 40  # never longer than a step's budget
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     assert kernels.prefill_tile_lengths(32, 8, 64, 8192, device) == [2]  # nothing to compile

@@ -390,10 +390,10 @@ def paged_prefill(
 
 
 def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max_q: int,
-                         device: torch.device | str) -> list[int]:
+                         device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> list[int]:
     """Query lengths (powers of two, 2..min(max_q, 512)) whose prefill steps together use every tile shape the prefill
-    kernel can pick for this head layout: one per shape (what a JIT warm-up must run). On the torch backend nothing
-    is compiled, so the shortest length alone."""
+    kernel can pick for this head layout and cache `dtype`: one per shape (what a JIT warm-up must run). On the torch
+    backend nothing is compiled, so the shortest length alone."""
     lengths = [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_q)]
     if get_backend(torch.device(device)) != "triton":
         return lengths[:1]
@@ -401,22 +401,26 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
     group = max(1, num_q_heads // max(1, num_kv_heads))
     on_cuda = torch.device(device).type == "cuda"
     seen, picked = set(), []
+    elem = torch.empty((), dtype=dtype).element_size()
     for q_len in lengths:
-        key = config(group, head_dim, q_len, on_cuda)
+        key = config(group, head_dim, q_len, on_cuda, elem)
         if key not in seen:
             seen.add(key)
             picked.append(q_len)
     return picked
 
 
-def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> int:
-    """Query tokens one program of the prefill kernel takes at most (its tile for long queries): a caller that cuts
-    sequences into pieces of this many queries gets one program per piece (`hf_paged.runner.ragged_graphs`). 32 on
-    the torch backend, which has no tiles."""
+def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
+                       dtype: torch.dtype = torch.bfloat16) -> int:
+    """Query tokens one program of the prefill kernel takes at most (its tile for long queries of a `dtype` cache): a
+    caller that cuts sequences into pieces of this many queries gets one program per piece
+    (`hf_paged.runner.ragged_graphs`). 32 on the torch backend, which has no tiles."""
     if get_backend(torch.device(device)) != "triton":
         return 32
     group = max(1, num_q_heads // max(1, num_kv_heads))
-    block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda")[0]
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda",
+                                                       elem)[0]
     return max(1, block_m // group)
 
 

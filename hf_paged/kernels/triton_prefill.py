@@ -189,24 +189,23 @@ def _device_shared_memory(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
-def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), by the head dim's padded tile width.
+def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool, elem_bytes: int = 2):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), by the head dim's padded tile width and the element size.
 
-    Measured on the H100 (`benchmarks/results/h100_2026-11-27b/`, CUDA-graph timed on 16k-token chunks of long
-    prompts, of ShareGPT-like prompts and of prompts continued after 2-8k cached keys): against the earlier table
-    (8 warps from 128 x 128 tiles, 2 stages, 64 x 32 tiles at head dim 256) head dim 64 gains 12-23 % with 8 warps
-    at 128 query rows, head dim 128 (and 96, padded) 13-28 % with 4 warps and 3 stages, and head dim 256 65-135 % with
-    128 x 64 tiles in 8 warps. That tile needs ~192 KB of shared memory: on a GPU with less (an A100 has 164 KB) head
-    dim 256 keeps 64 query rows, in 4 warps (1.7x the earlier 8 on the H100)."""
+    Measured on the H100 for 16-bit types (`benchmarks/results/h100_2026-11-27b/`, CUDA-graph timed on 16k-token
+    chunks of long prompts, of ShareGPT-like prompts and of prompts continued after 2-8k cached keys): against the
+    earlier table (8 warps from 128 x 128 tiles, 2 stages, 64 x 32 tiles at head dim 256) head dim 64 gains 12-23 %
+    with 8 warps at 128 query rows, head dim 128 (and 96, padded) 13-28 % with 4 warps and 3 stages, and head dim 256
+    65-135 % with 128 x 64 tiles in 8 warps. That tile needs ~192 KB of shared memory: on a GPU with less (an A100 has
+    164 KB) head dim 256 keeps 64 query rows, in 4 warps (1.7x the earlier 8 on the H100). Float32 tiles take twice
+    the shared memory (the 3-stage head dim 128 one would not fit an H100's): they keep the earlier table."""
     D = padded_dim(D)
-    if not on_cuda:  # interpreter: fewer, larger steps are faster
-        need = max(16, triton.next_power_of_2(G * max(1, max_seqlen_q)))
-        block_m = max(min(64, need), triton.next_power_of_2(G), 16)
-        return block_m, 32 if D >= 256 else 64, 8 if block_m * D >= 128 * 128 else 4, 2
-    cap_m = 128
-    if D >= 256 and _shared_memory() < 200 * 1024:
-        cap_m = 64
     need = max(16, triton.next_power_of_2(G * max(1, max_seqlen_q)))
+    if not on_cuda or elem_bytes > 2:  # the interpreter (fewer, larger steps are faster) and float32
+        cap_m = 64 if D >= 256 or not on_cuda else 128
+        block_m = max(min(cap_m, need), triton.next_power_of_2(G), 16)
+        return block_m, 32 if D >= 256 else 64, 8 if block_m * D >= 128 * 128 else 4, 2
+    cap_m = 64 if D >= 256 and _shared_memory() < 200 * 1024 else 128
     block_m = max(min(cap_m, need), triton.next_power_of_2(G), 16)
     wide = block_m >= 128
     if D <= 64:
@@ -245,7 +244,7 @@ def paged_prefill(
     out = query.new_zeros(T, Hq, Dv)  # rows outside every sequence stay zero
     if T == 0 or S == 0 or max_seqlen_q <= 0:
         return out
-    bm, bn, nw, ns = _config(G, D, max_seqlen_q, query.is_cuda)
+    bm, bn, nw, ns = _config(G, D, max_seqlen_q, query.is_cuda, query.element_size())
     block_m = block_m or bm
     block_n = block_n or bn
     num_warps = num_warps or nw

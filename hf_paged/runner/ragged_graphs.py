@@ -103,7 +103,8 @@ class RaggedGraphs:
             return
         if self._ragged_tile is None:
             heads, kv_heads = attention_heads(self.cache.config)
-            self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device)
+            self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device,
+                                                           self.cache.dtype)
         t = self._ragged_capacity = self.ragged_graph_tokens  # set `ragged_graph_tokens` before the first ragged step
         nv, rows = self._ragged_sizes(t)
         # two flat buffers, one upload each a step. The kernels' index vectors are int32, as the eager path makes them:
