@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import build_model  # noqa: E402
-from roofline import model_bytes  # noqa: E402
+from roofline import decode_bound_s, expert_weights, kv_read_groups, model_bytes  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.cache import kv_bytes_per_token  # noqa: E402
@@ -129,7 +129,9 @@ def main() -> None:
     print("|---" * (3 + 2 * len(names)) + "|")
     table = []
     for i, batch in enumerate(batches):
-        bound_ms = (weight_bytes + batch * args.context * kv_token) / (HBM_TBPS * 1e12) * 1e3
+        step = [([0] * args.context, 1)] * batch  # one step of `batch` rows at `context` keys each
+        bound_ms = decode_bound_s(step, weight_bytes, kv_read_groups(model.config, kv_token), HBM_TBPS * 1e12,
+                                  experts=expert_weights(model)) * 1e3
         cells = [results[n]["rows"][i] for n in names]
         row = {"batch": batch, "bound_ms": bound_ms, **{n: c for n, c in zip(names, cells)}}
         table.append(row)

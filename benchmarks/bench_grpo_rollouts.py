@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import build_model  # noqa: E402
-from roofline import copy_bandwidth, decode_bound_s, model_bytes  # noqa: E402
+from roofline import copy_bandwidth, decode_bound_s, expert_weights, kv_read_groups, model_bytes  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
@@ -156,7 +156,8 @@ def main() -> None:
         rows = [(p, args.new_tokens) for p in prompts for _ in range(args.generations)]
         kv = hf_paged.cache.kv_bytes_per_token(meta.config, getattr(torch, args.dtype))
         weights = model_bytes(meta)
-        bound = decode_bound_s(rows, weights, kv, copy_bandwidth())
+        bound = decode_bound_s(rows, weights, kv_read_groups(meta.config, kv), copy_bandwidth(),
+                               experts=expert_weights(meta))
         print(f"decode bound per rollout step: {bound:.2f} s")
     print(f"\n{args.prompts} prompts x {args.generations} generations x {args.new_tokens} tokens, {args.model} "
           f"{args.dtype} on {device}")
