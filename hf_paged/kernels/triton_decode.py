@@ -232,8 +232,8 @@ def _paged_decode_kernel(
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                         stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                         stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
-                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS, SPLIT, IEEE,
-                        DOT_F32, WRITE, FUSE_REDUCE)
+                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS,
+                        SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE)
 
 
 @triton.jit
@@ -242,9 +242,9 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
                     stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                     stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
                     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                    WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
+                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                    DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked

@@ -3,7 +3,9 @@
 `tl.arange` and `tl.dot` take powers of two, so every kernel computes a head dim `d` in a tile `padded_dim(d)` wide
 and masks the lanes past `d` in its loads and stores: those lanes load as zeros, add nothing to `q . k` or to
 `p @ v`, and are never written. For a power-of-two head dim the tile is the head dim and `_dim_mask` adds no
-term, so those kernels compile exactly as before. Imported lazily with the kernels (needs triton).
+term, so the key loops and output stores compile as before (only the decode kernel's one-off write of the step's
+own K/V carries a lane mask either way; the decode kernel's H100 timings at power-of-two head dims are unchanged,
+`benchmarks/results/h100_2026-11-27b/`). Imported lazily with the kernels (needs triton).
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def _paged_prefill_kernel(
 
 
 def _shared_memory() -> int:
-    """`_device_shared_memory` of the current device; 0 without CUDA (where only a test asks for a GPU launch's tile)."""
+    """`_device_shared_memory` of the current device; 0 without CUDA (only a test asks then, for a GPU's tile)."""
     return _device_shared_memory(torch.cuda.current_device()) if torch.cuda.is_available() else 0
 
 
