@@ -173,15 +173,25 @@ def prefill_params(model) -> tuple[int, int]:
 def prefill_flops(workload: list[tuple[list[int], int]], config, token_params: int, prompt_params: int = 0) -> float:
     """FLOPs to prefill every prompt once, no prefix reuse: 2 x `token_params` per token and 2 x `prompt_params` per
     prompt (`prefill_params`: the output projection runs on each prompt's last token only), plus the causal
-    attention's `QK^T` and `PV` products."""
+    attention's `QK^T` and `PV` products (a sliding-window layer's query sees at most its window of keys)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     layers = text.num_hidden_layers
+    types = list(getattr(text, "layer_types", None) or [])
+    window = getattr(text, "sliding_window", None) if types else None
+    sliding = sum(t == "sliding_attention" for t in types) if window else 0
+
+    def pairs(n: int, w: int | None) -> float:  # (query, key) pairs of a causal prompt of n tokens, keys within w
+        if w is None or n <= w:
+            return n * (n + 1) / 2
+        return w * (w + 1) / 2 + (n - w) * w
+
     total = 0.0
     for prompt, _ in workload:
         n = len(prompt)
-        total += 2.0 * token_params * n + 2.0 * prompt_params + 4.0 * layers * heads * head_dim * n * (n + 1) / 2
+        attention = (layers - sliding) * pairs(n, None) + sliding * pairs(n, window)
+        total += 2.0 * token_params * n + 2.0 * prompt_params + 4.0 * heads * head_dim * attention
     return total
 
 

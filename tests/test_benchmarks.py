@@ -169,3 +169,7 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     text = untied.config
     attention = 4.0 * text.num_hidden_layers * text.num_attention_heads * text.head_dim * 3 * 4 / 2
     assert flops == pytest.approx(2 * 10 * 3 + 2 * 7 + attention)
+    # a sliding-window layer's queries see at most the window: 5 tokens, window 2 -> 1 + 2 + 2 + 2 + 2 pairs
+    gemma = AutoConfig.for_model("gemma2", num_hidden_layers=2, sliding_window=2, num_attention_heads=2, head_dim=4)
+    per_pair = 4.0 * 2 * 4
+    assert roofline.prefill_flops([([1] * 5, 1)], gemma, 0) == pytest.approx(per_pair * ((1 + 2 + 3 + 4 + 5) + 9))
