@@ -138,6 +138,37 @@ def test_prefill_features(backend, case):
     _close(out, naive, f"{backend} vs naive")
 
 
+WHOLE_TILE_CASES = [
+    dict(),
+    dict(sliding_window=100),
+    dict(sliding_window=70, softcap=3.0, sinks=True),
+    dict(chunk_size=64),  # a chunked layer keeps every tile masked
+    dict(dk=24, dv=40, sliding_window=130),
+]
+
+
+@pytest.mark.parametrize("case", WHOLE_TILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "causal")
+def test_prefill_whole_key_tiles(case, monkeypatch):
+    """Prompts long enough that most key tiles are seen whole by every row of a query tile, which the Triton kernel
+    reads without masks (`triton_prefill._prefill_tile`): a fresh prompt, one over a cached prefix with a kv_start
+    that is no multiple of the key tile, one short. Slots no row may see hold NaN, so an unmasked tile that reached
+    past the window or below kv_start would fail."""
+    if not kernels.triton_available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    dk, dv = case.get("dk", 16), case.get("dv", 16)
+    opts = _opts(case)
+    seq_lens, q_lens, starts = [300, 250, 90], [300, 120, 90], [0, 37, 5]
+    vis = [_first_visible(n, st, n - ql, opts) for n, ql, st in zip(seq_lens, q_lens, starts)]
+    kc, vc, bt, sl, ks = _make(seq_lens, starts, dk, dv, vis, seed=3)
+    T = sum(q_lens)
+    q = torch.randn(T, HKV * G, dk, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_prefill(q, kc, vc, bt, cu, sl, 0.3, max(q_lens), ks, **opts)
+    naive = reference.naive_paged_prefill(q, kc, vc, bt, cu, sl, 0.3, max(q_lens), ks, **opts)
+    _close(out, naive, "triton vs naive")
+
+
 def test_naive_matches_transformers_masks_and_eager_sinks():
     """The oracle's mask equals transformers' sliding-window / chunked mask functions; its sinks equal gpt-oss eager."""
     from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay, sliding_window_overlay

@@ -462,8 +462,9 @@ def test_cuda_dims_sweep(monkeypatch, hq, hkv, d, bs, dtype):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_prefill_warm_up_lengths_cover_every_tile_shape(monkeypatch, device):
-    """`prefill_tile_lengths` runs one query length per tile shape the prefill kernel can pick: every power of two up
-    to 512 maps to the shape of one of them, and no two of them share a shape (a warm-up forward each)."""
+    """`prefill_tile_lengths` runs one query length per kernel variant the prefill kernel can pick (tile shape and
+    whole-tile mode, for steps whose sequences all have that length): every power of two up to 8192 maps to the
+    variant of one of them, and no two of them share one (a warm-up forward each)."""
     pytest.importorskip("triton")
     from hf_paged.kernels import triton_prefill
 
@@ -474,9 +475,12 @@ def test_prefill_warm_up_lengths_cover_every_tile_shape(monkeypatch, device):
             (torch.bfloat16, torch.float32)):
         group, elem = heads // kv_heads, dtype.itemsize
         lengths = kernels.prefill_tile_lengths(heads, kv_heads, head_dim, 8192, device, dtype)
-        shapes = [triton_prefill._config(group, head_dim, q, on_cuda, elem) for q in lengths]
-        assert len(set(shapes)) == len(shapes) and lengths[0] == 2
-        assert {triton_prefill._config(group, head_dim, 2 ** i, on_cuda, elem) for i in range(1, 14)} == set(shapes)
+        variants = [(triton_prefill._config(group, head_dim, q, on_cuda, elem),
+                     triton_prefill._whole_tiles(head_dim, q, False)) for q in (*lengths, *(2 ** i for i in range(1, 14)))]
+        variants, every = variants[: len(lengths)], variants[len(lengths):]
+        assert len(set(variants)) == len(variants) and lengths[0] == 2
+        assert set(every) == set(variants)
+        shapes = [v[0] for v in variants]
         if dtype == torch.float32:  # twice the bytes a tile: never the 3-stage or the 128 x 256 ones
             assert all(stages == 2 and block_m * triton_prefill.padded_dim(head_dim) <= 128 * 128
                        for block_m, _, _, stages in shapes)

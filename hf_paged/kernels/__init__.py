@@ -391,19 +391,20 @@ def paged_prefill(
 
 def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max_q: int,
                          device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> list[int]:
-    """Query lengths (powers of two, 2..min(max_q, 512)) whose prefill steps together use every tile shape the prefill
-    kernel can pick for this head layout and cache `dtype`: one per shape (what a JIT warm-up must run). On the torch
-    backend nothing is compiled, so the shortest length alone."""
+    """Query lengths (powers of two, 2..min(max_q, 512)) whose prefill steps together use every kernel variant the
+    prefill kernel can pick for this head layout and cache `dtype`: one per tile shape and whole-tile mode (what a JIT
+    warm-up must run, with every sequence of a step that long). On the torch backend nothing is compiled, so the
+    shortest length alone."""
     lengths = [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_q)]
     if get_backend(torch.device(device)) != "triton":
         return lengths[:1]
-    config = _triton_module("triton_prefill")._config
+    module = _triton_module("triton_prefill")
     group = max(1, num_q_heads // max(1, num_kv_heads))
     on_cuda = torch.device(device).type == "cuda"
     seen, picked = set(), []
     elem = torch.empty((), dtype=dtype).element_size()
     for q_len in lengths:
-        key = config(group, head_dim, q_len, on_cuda, elem)
+        key = (module._config(group, head_dim, q_len, on_cuda, elem), module._whole_tiles(head_dim, q_len, False))
         if key not in seen:
             seen.add(key)
             picked.append(q_len)

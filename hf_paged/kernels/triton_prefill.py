@@ -11,6 +11,9 @@ Query row ``i`` of sequence ``s`` sits at position ``p = seq_lens[s] - q_len_s +
 attends keys ``[kv_start[s], p]``. Rows outside every sequence (output pre-zeroed)
 and rows with an empty range get zeros.
 
+A query tile's key tiles that every one of its rows sees whole (all but the diagonal ones of a
+long prompt) are read in a loop of their own without masks (``WHOLE``, `_whole_tiles`).
+
 Imported lazily by :mod:`hf_paged.kernels` (needs triton).
 """
 
@@ -74,6 +77,7 @@ def _paged_prefill_kernel(
     HAS_SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
     # heavy (late) tiles first for better load balance of the causal triangle
     qt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -123,51 +127,41 @@ def _paged_prefill_kernel(
         if HAS_CHUNK:
             lo_tile = tl.maximum(lo_tile, kv_lo + (tl.maximum(pos0 - kv_lo, 0) // chunk) * chunk)
         start = (lo_tile // BLOCK_N) * BLOCK_N
-        for t0 in range(start, hi, BLOCK_N):
-            tok = t0 + offs_n
-            valid = (tok >= lo_tile) & (tok < hi)
-            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            off = tok % BLOCK_SIZE
-            k = tl.load(
-                k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
-                mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD),
-                other=0.0,
-            )
-            if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
-                sc = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                sc = tl.dot(q, k, input_precision="ieee")
-            else:
-                sc = tl.dot(q, k)
-            keep = valid[None, :] & (tok[None, :] <= pos[:, None])
-            if HAS_WINDOW:  # transformers: kv > q - W
-                keep = keep & (tok[None, :] > pos[:, None] - window)
-            if HAS_CHUNK:  # transformers: same chunk, counted from the first (non-padding) key
-                keep = keep & ((tok[None, :] - kv_lo) // chunk == tl.maximum(pos[:, None] - kv_lo, 0) // chunk)
-            if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
-                x = sc * sm_scale / softcap
-                sc = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
-            else:
-                sc = sc * qk_scale
-            sc = tl.where(keep, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(sc - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
-                mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
-                other=0.0,
-            )
-            if DOT_F32:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if WHOLE:
+            # Key tiles that every row of the tile sees whole, [u_lo, u_hi): inside [lo_tile, hi), at or before the
+            # first row's position (pos0), and (a window) after the last row's window start. They load without
+            # bounds and skip the causal / window test and the -inf guard (see `_whole_tiles` for when and why; never
+            # with a chunked-attention layer, whose chunk boundaries cut tiles anywhere).
+            u_lo = tl.minimum(tl.cdiv(lo_tile, BLOCK_N) * BLOCK_N, hi)
+            if HAS_WINDOW:
+                last = ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len) - 1
+                u_lo = tl.minimum(tl.maximum(u_lo, tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N), hi)
+            u_hi = tl.maximum(tl.minimum(((pos0 + 1) // BLOCK_N) * BLOCK_N, hi), u_lo)
+            for t0 in range(start, u_lo, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
+                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
+                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
+                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+                                              IEEE, DOT_F32)
+            for t0 in range(u_lo, u_hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
+                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
+                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
+                                              D_PAD, DV_PAD, BLOCK_SIZE, False, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+                                              IEEE, DOT_F32)
+            for t0 in range(u_hi, hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
+                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
+                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
+                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+                                              IEEE, DOT_F32)
+        else:
+            for t0 in range(start, hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
+                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
+                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
+                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
+                                              IEEE, DOT_F32)
 
         o = _normalise(acc, m_i, l_i, SINK, head, row_ok, HAS_SINKS)
         tl.store(
@@ -175,6 +169,95 @@ def _paged_prefill_kernel(
             o.to(OUT.dtype.element_ty),
             mask=_dim_mask(row_ok[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
         )
+
+
+@triton.jit
+def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo, window, chunk, qk_scale,
+                  sm_scale, softcap, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys ``[t0, t0 + BLOCK_N)`` of one query tile: the online-softmax state `(m_i, l_i, acc)` updated.
+
+    `MASKED`: keys outside ``[lo_tile, hi)`` are not loaded and, with the causal / window / chunk rule, score -inf.
+    Unmasked (a tile every row sees whole: see the kernel) the tile loads without bounds and skips those tests; its
+    scores are all finite, so no row's maximum can be -inf, and the scale joins the exponent's subtraction."""
+    tok = t0 + offs_n
+    if MASKED:
+        valid = (tok >= lo_tile) & (tok < hi)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+    off = tok % BLOCK_SIZE
+    k_ptrs = k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None]  # [D_PAD, BLOCK_N]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD), other=0.0)
+    elif D_PAD != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
+        sc = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        sc = tl.dot(q, k, input_precision="ieee")
+    else:
+        sc = tl.dot(q, k)
+    if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
+        x = sc * sm_scale / softcap
+        sc = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
+    elif MASKED:
+        sc = sc * qk_scale
+    if MASKED:
+        keep = valid[None, :] & (tok[None, :] <= pos[:, None])
+        if HAS_WINDOW:  # transformers: kv > q - W
+            keep = keep & (tok[None, :] > pos[:, None] - window)
+        if HAS_CHUNK:  # transformers: same chunk, counted from the first (non-padding) key
+            keep = keep & ((tok[None, :] - kv_lo) // chunk == tl.maximum(pos[:, None] - kv_lo, 0) // chunk)
+        sc = tl.where(keep, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(sc - m_use[:, None])
+    elif HAS_SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = m_new
+        p = tl.math.exp2(sc - m_use[:, None])
+    else:  # the scale joins the exponent's subtraction: the largest scaled score is the scaled largest (scale > 0)
+        m_new = tl.maximum(m_i, tl.max(sc, 1) * qk_scale)
+        m_use = m_new
+        p = tl.math.exp2(sc * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :]  # [BLOCK_N, DV_PAD]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD), other=0.0)
+    elif DV_PAD != HEAD_DIM_V:
+        v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    if DOT_F32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# The mean query length of a step (tokens per sequence) from which a head dim above 64 reads whole key tiles unmasked.
+WHOLE_TILES_MEAN_QUERY = 512
+
+
+def _whole_tiles(head_dim: int, mean_query: float, chunked: bool) -> bool:
+    """Whether a launch reads the key tiles that every row of a query tile sees whole without masks (`WHOLE`).
+
+    Why: in a long prompt all but the diagonal key tiles are whole, and at head dim 64 the softmax's per-element work
+    (the causal test, the -inf guards, the bounds of the loads) sets the pace more than the two products. Measured
+    on the H100, kernel alone (`benchmarks/results/h100_2026-11-27c/`): long prompts +27-35 % at head dim 64, +14-17 %
+    at 128, +8 % at 256; ShareGPT-like short prompts +4-5 % at 64 but 5-12 % slower at 96-256, where the longer code
+    spills registers for few whole tiles. So a head dim above 64 takes it only for steps of long queries. A
+    chunked-attention layer (llama4) never does: its chunk boundaries cut tiles anywhere."""
+    return not chunked and (padded_dim(head_dim) <= 64 or mean_query >= WHOLE_TILES_MEAN_QUERY)
 
 
 def _shared_memory() -> int:
@@ -294,6 +377,7 @@ def paged_prefill(
         HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32,
         DOT_F32=not query.is_cuda,
+        WHOLE=_whole_tiles(D, T / S, chunk_size is not None),
         num_warps=num_warps,
         num_stages=num_stages,
     )
