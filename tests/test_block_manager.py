@@ -544,6 +544,51 @@ def test_slot_mapping() -> None:
         bm.slot_mapping("q", 0, 0)
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 16, 32])
+def test_slot_mapping_of_long_ranges_is_per_position(block_size: int) -> None:
+    """Ranges longer than two blocks are built block by block (`BlockManager._slots`): every range of a shuffled table,
+    partial first and last blocks included, gives table[p // bs] * bs + p % bs for each position p."""
+    import random
+
+    rng = random.Random(block_size)
+    bm = BlockManager(400, block_size)
+    bm.allocate("pad", 37 * block_size)
+    for i in range(6):  # freed tables go back on the free stack: the next table's blocks are not consecutive
+        bm.allocate(f"s{i}", rng.randint(1, 5) * block_size)
+    for i in range(6):
+        bm.free(f"s{i}")
+    n = 50 * block_size + 3
+    bm.allocate("a", n)
+    table = bm.block_table("a")
+    assert any(b != a + 1 for a, b in zip(table, table[1:]))
+    for start, end in [(0, n), (1, n), (block_size - 1, 3 * block_size + 1), (5, 5 + 2 * block_size + 1),
+                       (n - 2 * block_size - 2, n), *((a, a + rng.randint(0, n - a)) for a in rng.sample(range(n), 20))]:
+        want = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        assert bm.slot_mapping("a", start, end) == want, (start, end)
+
+
+def test_allocator_allocate_many_is_allocate_repeated() -> None:
+    """`allocate_many(n)` takes the blocks `n` calls of `allocate` would, in order, evicting the least recently released
+    cached block only when no block is truly free; all or nothing."""
+    caching = block_manager.CachingBlockAllocator
+    for cls in (BlockAllocator, caching):
+        a, b = cls(6), cls(6)
+        for pool in (a, b):
+            held = [pool.allocate() for _ in range(6)]
+            if cls is caching:
+                for k, block in enumerate(held[:3]):
+                    pool.register(block, 100 + k, 0, (k,))
+            for block in (held[4], held[1], held[2], held[0]):
+                pool.decref(block)
+        assert a.allocate_many(3) == [b.allocate() for _ in range(3)]
+        assert [a.ref_count(x) for x in range(6)] == [b.ref_count(x) for x in range(6)]
+        before = (a.free_blocks(), a.num_free)
+        with pytest.raises(NoFreeBlocksError, match="2 blocks asked, only 1"):
+            a.allocate_many(2)
+        assert (a.free_blocks(), a.num_free) == before
+        assert a.allocate_many(0) == []
+
+
 def test_slot_mapping_of_swapped_sequence_is_refused() -> None:
     bm = BlockManager(4, 2, num_cpu_blocks=4)
     bm.allocate("a", 3)

@@ -149,8 +149,24 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         return seq
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """Physical slots of positions ``[start, end)`` of a sequence with block table `table`.
+
+        A range longer than two blocks (a prefill chunk: up to the token budget, 16k slots) is built block by block
+        from `range`s, about twice as fast as a comprehension over its positions: the scheduler plans a prefill step
+        while the GPU waits for it."""
         shift, mask = self._shift, self._mask
-        return [(table[p >> shift] << shift) | (p & mask) for p in range(start, end)]
+        if end - start <= 2 << shift:
+            return [(table[p >> shift] << shift) | (p & mask) for p in range(start, end)]
+        out: list[int] = []
+        extend = out.extend
+        p = start
+        while p < end:
+            i = p >> shift
+            base = table[i] << shift
+            stop = min(end, (i + 1) << shift)
+            extend(range(base | (p & mask), base + stop - (i << shift)))
+            p = stop
+        return out
 
     def _append_plan(self, seq: _Seq, num_new_tokens: int, allocator: BlockAllocator | None = None) -> tuple[bool, int]:
         """(copy-on-write needed, new blocks needed) to append ``num_new_tokens`` tokens to a sequence.
@@ -191,7 +207,7 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         need = self.blocks_for(n)
         if need > self.gpu.num_free:
             raise NoFreeBlocksError(f"allocating {n} tokens needs {need} blocks, only {self.gpu.num_free} are free")
-        table = [self.gpu.allocate() for _ in range(need)]
+        table = self.gpu.allocate_many(need)
         self._seqs[seq_id] = _Seq(table, n)
         self._num_logical += need
         return list(table)
@@ -280,8 +296,8 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         elif k and seq.num_tokens & self._mask and self.enable_prefix_caching and self.gpu.is_cached(table[-1]):
             # sole holder of a cached block it cut into (truncate): the cache must not see it change
             self.gpu.uncache(table[-1])
-        for _ in range(new_blocks):
-            table.append(self.gpu.allocate())
+        if new_blocks:
+            table.extend(self.gpu.allocate_many(new_blocks))
         self._num_logical += new_blocks
         start = seq.num_tokens
         seq.num_tokens = start + k

@@ -151,6 +151,17 @@ class BlockAllocator:
         self._ref[block] = 1
         return block
 
+    def allocate_many(self, count: int) -> list[int]:
+        """`count` calls of :meth:`allocate`, in their order, all or nothing: the blocks a long prefill chunk appends
+        (a thousand for 16k tokens) without a call and a check each."""
+        if count > self.num_free:
+            raise NoFreeBlocksError(f"{count} blocks asked, only {self.num_free} are free")
+        take, ref = self._take_free_block, self._ref
+        blocks = [take() for _ in range(count)]
+        for block in blocks:
+            ref[block] = 1
+        return blocks
+
     def incref(self, block: int) -> None:
         """Add a reference to a block in use (a new table shares it). Sharing a free block is a bug."""
         index = self._check_block(block)
