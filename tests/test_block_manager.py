@@ -561,8 +561,10 @@ def test_slot_mapping_of_long_ranges_is_per_position(block_size: int) -> None:
     bm.allocate("a", n)
     table = bm.block_table("a")
     assert any(b != a + 1 for a, b in zip(table, table[1:]))
-    for start, end in [(0, n), (1, n), (block_size - 1, 3 * block_size + 1), (5, 5 + 2 * block_size + 1),
-                       (n - 2 * block_size - 2, n), *((a, a + rng.randint(0, n - a)) for a in rng.sample(range(n), 20))]:
+    ranges = [(0, n), (1, n), (block_size - 1, 3 * block_size + 1), (5, 5 + 2 * block_size + 1),
+              (n - 2 * block_size - 2, n)]
+    ranges += [(a, a + rng.randint(0, n - a)) for a in rng.sample(range(n), 20)]
+    for start, end in ranges:
         want = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         assert bm.slot_mapping("a", start, end) == want, (start, end)
 

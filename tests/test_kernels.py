@@ -475,8 +475,9 @@ def test_prefill_warm_up_lengths_cover_every_tile_shape(monkeypatch, device):
             (torch.bfloat16, torch.float32)):
         group, elem = heads // kv_heads, dtype.itemsize
         lengths = kernels.prefill_tile_lengths(heads, kv_heads, head_dim, 8192, device, dtype)
+        powers = [2 ** i for i in range(1, 14)]
         variants = [(triton_prefill._config(group, head_dim, q, on_cuda, elem),
-                     triton_prefill._whole_tiles(head_dim, q, False)) for q in (*lengths, *(2 ** i for i in range(1, 14)))]
+                     triton_prefill._whole_tiles(head_dim, q, False)) for q in (*lengths, *powers)]
         variants, every = variants[: len(lengths)], variants[len(lengths):]
         assert len(set(variants)) == len(variants) and lengths[0] == 2
         assert set(every) == set(variants)

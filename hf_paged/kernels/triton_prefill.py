@@ -181,7 +181,8 @@ def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi
 
     `MASKED`: keys outside ``[lo_tile, hi)`` are not loaded and, with the causal / window / chunk rule, score -inf.
     Unmasked (a tile every row sees whole: see the kernel) the tile loads without bounds and skips those tests; its
-    scores are all finite, so no row's maximum can be -inf, and the scale joins the exponent's subtraction."""
+    scores are all finite, so no row's maximum can be -inf, and (without a softcap) the scale joins the exponent's
+    subtraction."""
     tok = t0 + offs_n
     if MASKED:
         valid = (tok >= lo_tile) & (tok < hi)
