@@ -83,6 +83,36 @@ def test_hash_block_is_chained_and_deterministic() -> None:
     assert 0 <= h(block_manager.ROOT_KEY, [0, 1, 2]) < 2**64
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_chain_hashes_equal_hash_block_chained(block_size: int, monkeypatch) -> None:
+    """`chain_hashes` (a prompt's keys from one buffer of its tokens, what `match_prefix` uses) gives the keys of
+    `hash_block` chained block by block, with xxhash and with the fallback digest; a tail shorter than a block is not
+    keyed. With `hash_block` patched (the collision tests), `match_prefix` keys through the patched function."""
+    import random
+
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(2**31) for _ in range(20 * block_size + block_size // 2)]
+
+    def chained(n):
+        keys, key = [], block_manager.ROOT_KEY
+        for i in range(n):
+            key = block_manager.hash_block(key, tokens[i * block_size : (i + 1) * block_size])
+            keys.append(key)
+        return keys
+
+    for digest in ("xxhash", "fallback"):
+        if digest == "fallback":
+            monkeypatch.setitem(sys.modules, "xxhash", None)
+            monkeypatch.setattr(block_pool, "_digest", None)
+        for n in (0, 1, 7, 20):
+            assert block_pool.chain_hashes(block_manager.ROOT_KEY, tokens, n, block_size) == chained(n), (digest, n)
+    bm = manager(num_blocks=64, block_size=block_size)
+    assert list(bm.match_prefix(tokens).keys) == chained(20)
+    monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, chunk: hash((parent, tuple(chunk))))
+    patched = manager(num_blocks=64, block_size=block_size).match_prefix(tokens).keys
+    assert list(patched) != chained(20) and len(patched) == 20
+
+
 def test_xxhash_is_used_and_the_fallback_works(monkeypatch) -> None:
     import xxhash
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from .block_pool import ROOT_ENTRY, ROOT_KEY, CachingBlockAllocator, _as_int, hash_block
+from .block_pool import ROOT_ENTRY, ROOT_KEY, CachingBlockAllocator, _as_int, chain_hashes, hash_block
 from .block_stats import PrefixCacheStats, PrefixMatch
 from .seq_blocks import _Seq
 
 __all__ = ["PrefixCaching"]
+
+_HASH_BLOCK = hash_block  # the module's own; `hash_block` below is looked up per call (tests patch it)
 
 
 class PrefixCaching:
@@ -34,17 +36,18 @@ class PrefixCaching:
             else:
                 pending.pop(key, None)
 
-    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        """The chained keys of the first `num_blocks` full blocks of `token_ids` (`hash_block`'s, in one pass over a
+        buffer of the tokens unless a test patched `hash_block`)."""
+        if hash_block is _HASH_BLOCK:
+            return chain_hashes(ROOT_KEY, token_ids, num_blocks, 1 << self._shift)
         shift = self._shift
         keys: list[int] = []
-        chunks: list[tuple[int, ...]] = []
         key = ROOT_KEY
         for i in range(num_blocks):
-            chunk = tuple(token_ids[i << shift : (i + 1) << shift])
-            key = hash_block(key, chunk)
+            key = hash_block(key, tuple(token_ids[i << shift : (i + 1) << shift]))
             keys.append(key)
-            chunks.append(chunk)
-        return keys, chunks
+        return keys
 
     def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None) -> PrefixMatch:
         """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
@@ -59,15 +62,16 @@ class PrefixCaching:
         if not self.enable_prefix_caching or n <= 0:
             return PrefixMatch(num_tokens=n)
         gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
-        keys, chunks = self._chain_keys(token_ids, n >> self._shift)
+        keys = self._chain_keys(token_ids, n >> self._shift)
         usable = (n - 1) >> self._shift
         if max_cached_tokens is not None:
             usable = min(usable, _as_int("max_cached_tokens", max_cached_tokens, 0) >> self._shift)
         blocks: list[int] = []
         entries: list[int] = []
         parent = ROOT_ENTRY
-        for key, chunk in zip(keys, chunks):
-            entry = gpu.lookup(key, parent, chunk)
+        shift = self._shift
+        for i, key in enumerate(keys):  # up to the first miss: only those blocks' tokens are sliced
+            entry = gpu.lookup(key, parent, tuple(token_ids[i << shift : (i + 1) << shift]))
             if entry is None:
                 break
             blocks.append(entry.block)
