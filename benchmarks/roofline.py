@@ -57,16 +57,30 @@ def matmul_flops(device: str = "cuda", n: int = 8192, repeats: int = 10) -> floa
     return 2 * n**3 / float(np.median(times[3:]))
 
 
-def local_parameters(model) -> list:
-    """The parameters as this process holds them: a tensor-parallel model's DTensors as their local shards (a
-    DTensor's `numel()` is the whole tensor's, and its `data_ptr()` is no shard's address)."""
-    return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+def _local(tensor):
+    """A weight as this process holds it: a tensor-parallel model's DTensor as its local shard (a DTensor's `numel()`
+    is the whole tensor's, and its `data_ptr()` is no shard's address)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _key(tensor):
     """Where a weight lives: its local shard's address (tied weights share it); on the meta device, the tensor."""
-    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    tensor = _local(tensor)
     return id(tensor) if tensor.device.type == "meta" else tensor.data_ptr()
+
+
+def _text_config(config):
+    """The decoder's config (a multimodal config's text part)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _sliding_layers(text) -> tuple[int, int | None]:
+    """(layers with a sliding window, the window) of a decoder config; (0, None) when none slides."""
+    types = list(getattr(text, "layer_types", None) or [])
+    window = getattr(text, "sliding_window", None)
+    if not types or not window:
+        return 0, None
+    return sum(t == "sliding_attention" for t in types), int(window)
 
 
 def model_bytes(model) -> int:
@@ -84,7 +98,7 @@ def model_bytes(model) -> int:
     for p in model.parameters():
         if _key(p) not in seen:
             seen.add(_key(p))
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = _local(p)
             total += local.numel() * local.element_size()
     return total
 
@@ -93,14 +107,13 @@ def kv_read_groups(config, kv_bytes_per_token: int) -> list[tuple[int, int | Non
     """[(bytes per token of context, window)]: how much of its context each group of layers must read in a decode
     step. A sliding-window layer (`layer_types` "sliding_attention") reads at most `sliding_window` tokens; every
     other layer reads the whole context (None). `kv_bytes_per_token` is the all-layer figure, split evenly."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    types = list(getattr(text, "layer_types", None) or [])
-    window = getattr(text, "sliding_window", None)
-    if not types or not window:
+    text = _text_config(config)
+    sliding, window = _sliding_layers(text)
+    if not sliding:
         return [(kv_bytes_per_token, None)]
-    sliding = sum(t == "sliding_attention" for t in types)
-    per_layer = kv_bytes_per_token / len(types)
-    groups = [(round(per_layer * sliding), int(window)), (round(per_layer * (len(types) - sliding)), None)]
+    layers = len(text.layer_types)
+    per_layer = kv_bytes_per_token / layers
+    groups = [(round(per_layer * sliding), window), (round(per_layer * (layers - sliding)), None)]
     return [g for g in groups if g[0]]
 
 
@@ -115,7 +128,7 @@ def expert_weights(model) -> tuple[int, int, int]:
     total = 0
     for name, p in model.named_parameters():
         if ".experts." in f".{name}":
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = _local(p)
             total += local.numel() * local.element_size()
     return total, int(num), int(top)
 
@@ -149,9 +162,6 @@ def prefill_params(model) -> tuple[int, int]:
     rows a step keeps, one per prompt, `logits_to_keep`) and, in a mixture of experts, counts the routed experts at
     `experts per token / experts`; the second is the output projection. Under tensor parallelism, this rank's
     shards."""
-    def count(params) -> int:
-        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
-
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tables = {_key(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = {_key(output.weight)} if output is not None and hasattr(output, "weight") else set()
@@ -162,11 +172,11 @@ def prefill_params(model) -> tuple[int, int]:
             continue
         seen.add(key)
         if ".experts." in f".{name}":
-            experts += count([p])
+            experts += _local(p).numel()
         else:
-            dense += count([p])
+            dense += _local(p).numel()
     _, num_experts, top = expert_weights(model)
-    head_params = count([output.weight]) if head else 0
+    head_params = _local(output.weight).numel() if head else 0
     return dense + round(experts * top / num_experts), head_params
 
 
@@ -174,13 +184,11 @@ def prefill_flops(workload: list[tuple[list[int], int]], config, token_params: i
     """FLOPs to prefill every prompt once, no prefix reuse: 2 x `token_params` per token and 2 x `prompt_params` per
     prompt (`prefill_params`: the output projection runs on each prompt's last token only), plus the causal
     attention's `QK^T` and `PV` products (a sliding-window layer's query sees at most its window of keys)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     layers = text.num_hidden_layers
-    types = list(getattr(text, "layer_types", None) or [])
-    window = getattr(text, "sliding_window", None) if types else None
-    sliding = sum(t == "sliding_attention" for t in types) if window else 0
+    sliding, window = _sliding_layers(text)
 
     def pairs(n: int, w: int | None) -> float:  # (query, key) pairs of a causal prompt of n tokens, keys within w
         if w is None or n <= w:

@@ -114,12 +114,23 @@ def test_bound_counts_the_bytes_a_decode_step_reads():
         full - 3 * embed.numel() * embed.element_size())
 
 
+def _tiny_mixtral():
+    """A one-layer mixture of experts on the meta device: 8 experts of 3 x 16 x 32 weights, 2 per token, vocab 64."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
+                                  num_experts_per_tok=2, vocab_size=64)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def test_bound_reads_a_sliding_window_and_the_routed_experts_only():
     """A sliding-window layer reads at most its window of the context in a step; a mixture of experts reads the
     experts its tokens are routed to (their expected number under uniform routing), so a one-token step of a model
     with 8 experts and 2 per token reads a quarter of the expert weights."""
     roofline = pytest.importorskip("roofline")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model("gemma2", num_hidden_layers=4, sliding_window=3)
     assert config.layer_types == ["sliding_attention", "full_attention"] * 2
@@ -129,11 +140,7 @@ def test_bound_reads_a_sliding_window_and_the_routed_experts_only():
     assert roofline.decode_bound_s(workload, 0, groups, 1.0) == pytest.approx(20 * (3 + 3) + 20 * (5 + 6))
     assert roofline.kv_read_groups(AutoConfig.for_model("llama", num_hidden_layers=2), 40) == [(40, None)]
 
-    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
-                                  num_experts_per_tok=2, vocab_size=64)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = _tiny_mixtral()
     expert_bytes, num, top = roofline.expert_weights(model)
     assert (num, top) == (8, 2) and expert_bytes == 4 * 8 * 3 * 16 * 32
     weights = roofline.model_bytes(model)
@@ -148,7 +155,7 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     projection runs on each prompt's last token only), and a token of a mixture of experts uses `top / experts` of
     the routed experts."""
     roofline = pytest.importorskip("roofline")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     untied = bench_generate.build_model("tiny", "meta", torch.float32)
     every = sum(p.numel() for p in untied.parameters())
@@ -156,11 +163,7 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     assert roofline.prefill_params(untied) == (every - embed - head, head)
     tied = bench_generate.build_model("tiny", "meta", torch.float32, tie_word_embeddings=True)
     assert roofline.prefill_params(tied) == (sum(p.numel() for p in tied.parameters()) - embed, embed)
-    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
-                                  num_experts_per_tok=2, vocab_size=64)
-    with torch.device("meta"):
-        moe = AutoModelForCausalLM.from_config(config)
+    moe = _tiny_mixtral()
     experts = 8 * 3 * 16 * 32
     dense = sum(p.numel() for p in moe.parameters()) - experts - 2 * 64 * 16
     assert roofline.prefill_params(moe) == (dense + experts // 4, 64 * 16)

@@ -402,7 +402,7 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
     group = max(1, num_q_heads // max(1, num_kv_heads))
     on_cuda = torch.device(device).type == "cuda"
     seen, picked = set(), []
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     for q_len in lengths:
         key = (module._config(group, head_dim, q_len, on_cuda, elem), module._whole_tiles(head_dim, q_len, False))
         if key not in seen:
@@ -419,7 +419,7 @@ def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, devic
     if get_backend(torch.device(device)) != "triton":
         return 32
     group = max(1, num_q_heads // max(1, num_kv_heads))
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda",
                                                        elem)[0]
     return max(1, block_m // group)
