@@ -325,6 +325,8 @@ class StepTimer:
             "decode_step_ms": mean_ms(decode, 2) + mean_ms(decode, 3) + mean_ms(decode, 4),
             "decode_host_ms": mean_ms(decode, 2) + mean_ms(decode, 3),
             "prefill_step_ms": mean_ms(prefill, 2) + mean_ms(prefill, 3) + mean_ms(prefill, 4),
+            # planning a prefill step: the GPU waits through it (the step before ended in its tokens' sync)
+            "prefill_schedule_ms": mean_ms(prefill, 2),
             # engine.step() time outside schedule / execute / sample+update (outputs, bookkeeping, the first step's
             # pipeline fill), and the caller's time between steps
             "in_step_other_s": self.step_wall_s - float(sum(r[2] + r[3] + r[4] for r in self.rows)),
@@ -582,6 +584,9 @@ def main() -> None:
             if r["system"].startswith("paged") and "in_step_other_s" in t:
                 print(f"{r['system']}: {t['in_step_other_s']:.2f} s of host time in steps outside schedule / execute / "
                       f"sample+update (overlaps the GPU when pipelined), {t['outside_steps_s']:.2f} s between steps")
+                if t.get("prefill_steps"):
+                    print(f"{r['system']}: {t['prefill_steps']} prefill steps of {t['prefill_step_ms']:.1f} ms, "
+                          f"{t['prefill_schedule_ms']:.2f} ms of each planning it (the GPU idle)")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib

@@ -113,6 +113,29 @@ def test_chain_hashes_equal_hash_block_chained(block_size: int, monkeypatch) -> 
     assert list(patched) != chained(20) and len(patched) == 20
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_match_prefix_with_keys_hashed_ahead_is_the_same_match(patched: bool, monkeypatch) -> None:
+    """`match_prefix(known_keys=...)` with the keys of any leading blocks (a prompt's, from `chain_keys`) gives the
+    match it gives without them; only the blocks after the known ones are hashed (a wrong known key shows)."""
+    if patched:  # the collision tests' path: keys through a patched `hash_block`
+        monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, chunk: hash((parent, tuple(chunk))))
+    rng = random.Random(3)
+    bm = manager(num_blocks=64, block_size=4)
+    cached = [rng.randrange(1000) for _ in range(22)]
+    run(bm, "a", cached)
+    tokens = cached[:13] + [rng.randrange(1000) for _ in range(14)]  # 3 blocks shared, then a miss; 6 full blocks
+    plain = bm.match_prefix(tokens)
+    assert plain.num_cached_tokens == 12 and len(plain.keys) == 6
+    for prompt_len in (0, 3, 8, 13, 27):
+        known = bm.chain_keys(tokens[:prompt_len])
+        assert known == list(plain.keys[: prompt_len // 4])
+        assert bm.match_prefix(tokens, known_keys=known) == plain, prompt_len
+    wrong = bm.chain_keys(tokens[:8])
+    wrong[1] ^= 1
+    assert bm.match_prefix(tokens, known_keys=wrong).num_cached_tokens == 4  # the known keys are taken as given
+    assert BlockManager(8, 4).chain_keys(tokens) == []  # no prefix caching: nothing to key
+
+
 def test_xxhash_is_used_and_the_fallback_works(monkeypatch) -> None:
     import xxhash
 
@@ -518,6 +541,52 @@ def test_scheduler_admits_past_the_cached_prefix_and_waits_for_one_being_compute
         sched.finish_group(g, SequenceStatus.FINISHED_STOPPED)
     assert bm.stats().used_blocks == 0
     check_pools(bm)
+
+
+def test_keying_a_launched_step_and_hashing_admissions_ahead_change_no_decision() -> None:
+    """The engine keys a step's blocks once its forward is launched (`commit_launched`) and hashes the next
+    admissions' prompts ahead (`prepare_admissions`). Two schedulers fed the same requests, one doing both after
+    every step, schedule the same items, slots, copies and hits at every step; the launched step's full blocks are
+    cached before the next `schedule()`; prompts are hashed ahead only within one step's budgets."""
+    rng = random.Random(5)
+    system = [rng.randrange(1000) for _ in range(10)]
+    prompts = [system + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))] for _ in range(12)]
+    runs = []
+    for ahead in (False, True):
+        bm = manager(num_blocks=64, block_size=4)
+        sched = Scheduler(bm, max_num_batched_tokens=24, max_num_seqs=4)
+        groups = [group(p, i) for i, p in enumerate(prompts)]
+        for g in groups:
+            g.params = 6  # output tokens
+            sched.add(g)
+        trace = []
+        for _ in range(200):
+            if not sched.has_unfinished():
+                break
+            out = sched.schedule()
+            trace.append([(i.group.request_id, i.start, i.num_tokens, tuple(i.slots)) for i in out.scheduled]
+                         + [tuple(out.copies), bm.prefix_hit_tokens])
+            if ahead:
+                sched.commit_launched(out)
+                for item in out.scheduled:  # every full block the step computes is keyed now
+                    end = (item.start + item.num_tokens) // 4
+                    if item.num_tokens > 1:
+                        assert all(bm.gpu.is_cached(b) for b in bm.block_table(item.seq.seq_id)[:end])
+                sched.prepare_admissions()
+                hashed = [g for g in sched.waiting if g.seqs[0].prompt_keys is not None]
+                assert hashed == sched.waiting[: len(hashed)] and len(hashed) <= 4
+                for g in hashed:
+                    seq = g.seqs[0]
+                    assert seq.prompt_keys == bm.chain_keys(seq.token_ids[: seq.prompt_len])
+            finish_step(sched, out)
+            for g in list(sched.running):
+                if g.seqs[0].num_tokens - g.seqs[0].prompt_len >= g.params:
+                    sched.finish_group(g, SequenceStatus.FINISHED_LENGTH)
+        assert not sched.has_unfinished()
+        check_pools(bm)
+        runs.append(trace)
+    assert runs[0] == runs[1]
+    assert runs[1][-1][-1] > 0  # the shared system prompt was hit
 
 
 def test_scheduler_fully_cached_prompt_computes_its_last_block() -> None:

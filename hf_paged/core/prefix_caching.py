@@ -36,33 +36,46 @@ class PrefixCaching:
             else:
                 pending.pop(key, None)
 
-    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int, known: Sequence[int] = ()) -> list[int]:
         """The chained keys of the first `num_blocks` full blocks of `token_ids` (`hash_block`'s, in one pass over a
-        buffer of the tokens unless a test patched `hash_block`)."""
-        if hash_block is _HASH_BLOCK:
-            return chain_hashes(ROOT_KEY, token_ids, num_blocks, 1 << self._shift)
+        buffer of the tokens unless a test patched `hash_block`). `known`: the keys of its first blocks, computed
+        before from the same tokens (`chain_keys`); only the blocks after them are hashed."""
+        keys = list(known[:num_blocks])
+        start = len(keys)
+        if start == num_blocks:
+            return keys
         shift = self._shift
-        keys: list[int] = []
-        key = ROOT_KEY
-        for i in range(num_blocks):
+        key = keys[-1] if keys else ROOT_KEY
+        if hash_block is _HASH_BLOCK:
+            return keys + chain_hashes(key, token_ids[start << shift :], num_blocks - start, 1 << shift)
+        for i in range(start, num_blocks):
             key = hash_block(key, tuple(token_ids[i << shift : (i + 1) << shift]))
             keys.append(key)
         return keys
 
-    def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None) -> PrefixMatch:
+    def chain_keys(self, token_ids: Sequence[int]) -> list[int]:
+        """The prefix-cache keys of every full block of `token_ids` (none without prefix caching): computed ahead of
+        an admission (`Scheduler.prepare_admissions`), they are passed to `match_prefix` as `known_keys`."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._chain_keys(token_ids, len(token_ids) >> self._shift)
+
+    def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None, *,
+                     known_keys: Sequence[int] = ()) -> PrefixMatch:
         """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
 
         Walks the chain of full blocks, stopping at the first block that is not cached with exactly these tokens
         after exactly the prefix matched so far. At most ``(len(token_ids) - 1) // block_size`` blocks are used, so
         at least one token (the last) is left to compute; ``max_cached_tokens`` lowers that bound (whole blocks
         within it), for a sequence that needs the logits of the positions after it. Without prefix caching: an
-        empty match.
+        empty match. ``known_keys``: the keys of the first blocks of ``token_ids``, from an earlier :meth:`chain_keys`
+        of those tokens (a prompt's: its tokens never change); the blocks after them are hashed here.
         """
         n = len(token_ids)
         if not self.enable_prefix_caching or n <= 0:
             return PrefixMatch(num_tokens=n)
         gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
-        keys = self._chain_keys(token_ids, n >> self._shift)
+        keys = self._chain_keys(token_ids, n >> self._shift, known_keys)
         usable = (n - 1) >> self._shift
         if max_cached_tokens is not None:
             usable = min(usable, _as_int("max_cached_tokens", max_cached_tokens, 0) >> self._shift)

@@ -14,14 +14,14 @@ Every call to `schedule()` decides one engine step:
 
 The scheduler reserves the KV slots of every scheduled token (`BlockManager.append_slots`), so the engine only writes.
 
-Prefix caching (when the block manager has it on): at the start of every `schedule()` the blocks that the previous
-step's forward filled are keyed (`BlockManager.commit`), and so are a sequence's blocks before it is preempted or
-freed. A waiting sequence is admitted with its longest cached whole-block prefix mapped by reference
-(`BlockManager.allocate_prefix`): `num_computed` starts past it and only the rest is scheduled (at least the last
-token; a group's `max_cached_prefix` caps the prefix when it needs the logits of later positions). If the block
-right after a waiting group's cached prefix is being computed this very step by a running
-sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses for a step so that
-the group hits it instead of computing it a second time.
+Prefix caching (when the block manager has it on): the blocks a step's forward fills are keyed
+(`BlockManager.commit`) once the engine has launched that forward (`commit_launched`), or else at the start of the
+next `schedule()`; so are a sequence's blocks before it is preempted or freed. A waiting sequence is admitted with its
+longest cached whole-block prefix mapped by reference (`BlockManager.allocate_prefix`): `num_computed` starts past it
+and only the rest is scheduled (at least the last token; a group's `max_cached_prefix` caps the prefix when it needs
+the logits of later positions). If the block right after a waiting group's cached prefix is being computed this very
+step by a running sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses
+for a step so that the group hits it instead of computing it a second time.
 
 Sliding windows (`release_window`, set by the engine when every attention layer of the model slides): at the start
 of every `schedule()` each running sequence gives back the blocks wholly before the oldest key a future query can
@@ -175,6 +175,46 @@ class Scheduler(AdmissionPolicy):
             for seq in group.seqs:
                 if not seq.status.is_finished:
                     commit(seq.seq_id, seq.token_ids, seq.num_computed)
+
+    def commit_launched(self, out: SchedulerOutput) -> None:
+        """Key the blocks that `out`'s forward fills, once that forward is launched, before its tokens are known.
+
+        Why: `schedule()` keys them at the start of the next step otherwise (`_commit_running`), and a prefill step's
+        thousand-odd new blocks then cost host time while the GPU sits idle, the step before having ended in a sync.
+        Done here, the keying overlaps the forward it follows. The tokens a forward computes were all known when it
+        was scheduled, so the keys are those the next `schedule()` would give; whatever reads the blocks runs after
+        that forward on its stream. Rows of one token (decodes) are left to the next reservation, which keys them
+        (`append_decode_slots`, `_commit_running`): at most one block each, and a decode step has hundreds of rows.
+        """
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or out.decode_step:
+            return
+        commit = bm.commit
+        for item in out.scheduled:
+            seq = item.seq
+            if item.num_tokens > 1 and not seq.status.is_finished and bm.has_seq(seq.seq_id):
+                commit(seq.seq_id, seq.token_ids, item.start + item.num_tokens)
+
+    def prepare_admissions(self) -> None:
+        """Hash ahead the prompts of the waiting groups the next step may admit (prefix caching on).
+
+        Why: a new prompt's block keys (a 5k-token prompt has ~300) are what admission spends most of its time on,
+        and a step that admits prompts is planned while the GPU waits. The engine calls this once a forward is
+        launched; `_plan_admission` then hashes only what a sequence holds beyond its prompt (after a recompute).
+        Groups are taken in queue order while one step's budgets (tokens, sequences) could still admit them.
+        """
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return
+        tokens = seqs = 0
+        for group in self.waiting:
+            if tokens >= self.max_num_batched_tokens or seqs >= self.max_num_seqs:
+                break
+            for seq in group.seqs:
+                if seq.prompt_keys is None and not seq.status.is_finished:
+                    seq.prompt_keys = bm.chain_keys(seq.token_ids[: seq.prompt_len])
+                tokens += seq.num_tokens
+                seqs += 1
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
         """Mark every live sequence of `group` finished with `status`, free its blocks, drop it from the queues."""
@@ -431,7 +471,7 @@ class Scheduler(AdmissionPolicy):
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
-            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix)
+            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix, known_keys=seq.prompt_keys or ())
             if match.pending and self.running:
                 return None, None
             matches[seq.seq_id] = match

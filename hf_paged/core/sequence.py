@@ -45,6 +45,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     stop_reason: str | None = None
     sample_index: int = 0  # which sample of a parallel-sampling request (0 for the first / only one)
+    # prefix-cache keys of the prompt's full blocks, hashed ahead of admission (`Scheduler.prepare_admissions`)
+    prompt_keys: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

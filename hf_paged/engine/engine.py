@@ -377,6 +377,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                         else:
                             logits, samplers = self.runner.execute(sched)
                         phase = "sample"
+                        self.scheduler.commit_launched(sched)  # host work while the GPU runs the forward
+                        self.scheduler.prepare_admissions()
                         scored: list[SequenceGroup] = []
                         rest = sched
                         if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
