@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
 from ..core import NULL_BLOCK, BlockManager
+from .host_ints import int_table, int_tensor
 from .memory import attention_shape, parse_memory
 from .step import StepMetadata
 
@@ -366,19 +367,18 @@ class PagedCache(Cache):
 
     def _make_step(self, layout, slots, tables, lens, q_lens, device) -> StepMetadata:
         width = max(1, max((len(t) for t in tables), default=1))
-        table_rows = [device_table(t) + [0] * (width - len(t)) for t in tables]
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
         pin = device.type == "cuda"
 
-        def to_dev(data, dtype=torch.int32):
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+        def to_dev(data):
+            return int_tensor(data, pin=pin).to(device, non_blocking=True)
 
         return StepMetadata(
             layout=layout,
             slot_mapping=to_dev(slots),
-            block_tables=to_dev(table_rows),
+            block_tables=int_table([device_table(t) for t in tables], width, pin=pin).to(device, non_blocking=True),
             seq_lens=to_dev(lens),
             cu_seqlens_q=to_dev(cu),
             max_seqlen_q=max(q_lens, default=0),

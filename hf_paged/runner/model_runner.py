@@ -31,6 +31,7 @@ import torch
 
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
+from ..cache.host_ints import int_tensor
 from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
@@ -276,12 +277,13 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             tokens += pad
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
         self.cache.set_engine_step(step)
+        pin = self.device.type == "cuda"
         if input_tokens is None:
-            input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+            input_ids = int_tensor(ids, torch.long, pin=pin)[None].to(self.device, non_blocking=True)
         else:  # one token a row, each from the previous step's picks (its placeholder is all the host has)
             src = torch.as_tensor(np.asarray(input_tokens[1], dtype=np.int64)).to(self.device, non_blocking=True)
             input_ids = torch.index_select(input_tokens[0], 0, src)[None]
-        position_ids = torch.tensor([positions], dtype=torch.long).to(self.device, non_blocking=True)
+        position_ids = int_tensor(positions, torch.long, pin=pin)[None].to(self.device, non_blocking=True)
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
         keep = torch.tensor(rows if rows else [offset - 1], dtype=torch.long).to(self.device)
