@@ -543,17 +543,19 @@ def test_scheduler_admits_past_the_cached_prefix_and_waits_for_one_being_compute
     check_pools(bm)
 
 
-def test_keying_a_launched_step_and_hashing_admissions_ahead_change_no_decision() -> None:
+@pytest.mark.parametrize("num_blocks", [64, 16])
+def test_keying_a_launched_step_and_hashing_admissions_ahead_change_no_decision(num_blocks: int) -> None:
     """The engine keys a step's blocks once its forward is launched (`commit_launched`) and hashes the next
     admissions' prompts ahead (`prepare_admissions`). Two schedulers fed the same requests, one doing both after
     every step, schedule the same items, slots, copies and hits at every step; the launched step's full blocks are
-    cached before the next `schedule()`; prompts are hashed ahead only within one step's budgets."""
+    cached before the next `schedule()`; prompts are hashed ahead only within one step's budgets, and their keys are
+    dropped once admitted. The small pool preempts (recompute: prompts and outputs hashed again)."""
     rng = random.Random(5)
     system = [rng.randrange(1000) for _ in range(10)]
     prompts = [system + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))] for _ in range(12)]
     runs = []
     for ahead in (False, True):
-        bm = manager(num_blocks=64, block_size=4)
+        bm = manager(num_blocks=num_blocks, block_size=4)
         sched = Scheduler(bm, max_num_batched_tokens=24, max_num_seqs=4)
         groups = [group(p, i) for i, p in enumerate(prompts)]
         for g in groups:
@@ -566,6 +568,7 @@ def test_keying_a_launched_step_and_hashing_admissions_ahead_change_no_decision(
             out = sched.schedule()
             trace.append([(i.group.request_id, i.start, i.num_tokens, tuple(i.slots)) for i in out.scheduled]
                          + [tuple(out.copies), bm.prefix_hit_tokens])
+            assert all(g.seqs[0].prompt_keys is None for g in sched.running)  # admitted: the record holds them
             if ahead:
                 sched.commit_launched(out)
                 for item in out.scheduled:  # every full block the step computes is keyed now
@@ -585,6 +588,7 @@ def test_keying_a_launched_step_and_hashing_admissions_ahead_change_no_decision(
         assert not sched.has_unfinished()
         check_pools(bm)
         runs.append(trace)
+        assert (sched.num_preemptions["recompute"] > 0) == (num_blocks < 64)
     assert runs[0] == runs[1]
     assert runs[1][-1][-1] > 0  # the shared system prompt was hit
 

@@ -335,6 +335,7 @@ class Scheduler(AdmissionPolicy):
                     if caching:
                         cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, matches[seq.seq_id])
                         assert cached == seq.num_computed, "prefix match changed during admission"
+                        seq.prompt_keys = None  # the record holds them now (a recompute hashes them again)
                     else:
                         bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
