@@ -102,6 +102,55 @@ def test_triton_search_paths_match_reference(t, k, p):
         assert torch.equal(got.cpu(), want), ("min-p", cap, got, want)
 
 
+def _rounds_needed(logits, inv_t, top_p, log_min_p, seed, offset):
+    """How many (draw, check) rounds the kernel's draw-first path takes per row (top-p, no top-k): the Gumbel-max
+    over the keys from a bound up, rejected while the mass above its key reaches p * Z (then its key bounds the next
+    draw). Computed in torch from the reference's pieces."""
+    x = logits.float() * inv_t[:, None]
+    m = x.amax(1, keepdim=True)
+    keys = reference_sampling.float_key(x)
+    e = torch.exp(x - m)
+    k1, k2 = reference_sampling.row_keys(seed, offset)
+    score = x + reference_sampling.gumbel(k1[:, None], k2[:, None], torch.arange(x.shape[1])[None, :])
+    rounds = []
+    for r in range(x.shape[0]):
+        bound, n = keys[r][x[r] > -float("inf")].min(), 0
+        while True:
+            n += 1
+            allowed = (keys[r] >= bound) & ((x[r] - m[r]) >= log_min_p[r])
+            c = int(torch.where(allowed, score[r], -float("inf")).argmax())
+            if float(e[r][keys[r] > keys[r, c]].sum()) < float(top_p[r] * e[r].sum()):
+                break
+            bound = keys[r, c] + 1
+        rounds.append(n)
+    return rounds
+
+
+def test_draw_first_rounds_give_the_searched_tokens():
+    """Top-p rows without top-k draw first and check the draw (`draw_first_rounds` rounds, then the search; every p
+    here, where the engine's rows draw first from p 0.8): the tokens equal the search's and the reference's for rows
+    kept by the first draw, by a later one, and by none within the rounds (small p), with and without min-p,
+    near-flat, peaked, wide, tied and -inf rows."""
+    triton_sampling = pytest.importorskip("hf_paged.kernels.triton_sampling")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = _search_rows(300)
+    logits = torch.cat([base] * 8)
+    rows = logits.shape[0]
+    ps = [0.05, 0.3, 0.8, 0.95] * (rows // 4)
+    mps = [-float("inf")] * (rows // 2) + [float(torch.log(torch.tensor(0.05)))] * (rows // 2)
+    temperature, top_k, top_p, _, seed, offset = _params(rows, 0.8, 0, ps, seed=[5 + 3 * i for i in range(rows)])
+    inv_t, top_k = 1.0 / temperature, top_k.to(torch.int32)
+    log_min_p = torch.tensor(mps)
+    rounds = _rounds_needed(logits, inv_t, top_p, log_min_p, seed, offset)
+    assert {1, 2, 3} <= set(rounds), rounds  # with 1 and 2 rounds, rows fall back to the search
+    args = [x.to(device) for x in (inv_t, top_k, top_p, log_min_p, seed, offset)]
+    want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
+    for n in (0, 1, 2, 4):
+        got = triton_sampling.sample_tokens(logits.to(device), *args, block=64, search_block=32, draw_first_rounds=n,
+                                            draw_first_min_p=0.0)
+        assert torch.equal(got.cpu(), want), (n, got, want)
+
+
 def _exact(logits_row, t, k, p, mp):
     """transformers' warpers in generate()'s order, as a probability vector."""
     x = logits_row[None].clone()

@@ -18,6 +18,12 @@ is unique, so any search that finds it gives the same tokens; this one is built 
 A real model's peaked rows usually end on a list of a few tokens after two row passes; a near-flat row (random
 weights, top-p keeping most of the vocabulary) needs two or three.
 
+Top-p rows without top-k (p >= ``DRAW_FIRST_MIN_P``) draw first: the Gumbel-max over every token (min-p applied) is
+the draw over the kept ones whenever it is kept itself, which it is iff the mass of the keys above its own is
+``< p * Z``: one row pass to draw, one to check. A draw that is not kept bounds the threshold from below and the next
+draw is over the keys above it; after ``DRAW_FIRST_ROUNDS`` such rounds the row searches as above. With p = 0.95 most
+rows end after three row passes, none of them a search pass.
+
 FP contraction is switched off at launch (``enable_fp_fusion=False``) so ``x * inv_t + g`` rounds as in torch.
 Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 """
@@ -41,6 +47,13 @@ NC = 8  # candidate thresholds per search pass
 CAP = 16384
 NUM_WARPS = 16
 PREFETCH = True  # search passes issue the next tile's load first
+# top-p rows without top-k, p >= DRAW_FIRST_MIN_P, first draw and then check (see `_sample_kernel`): up to
+# DRAW_FIRST_ROUNDS rounds of (draw, check) before the search. H100, rows of 151,936 (benchmarks/results/
+# h100_2026-11-27d/, call c): T 0.6 / top-p 0.95 1.5-3.8x faster at 1-256 rows (1,060 -> 407 us at 256 flat bf16
+# rows), top-p 0.9 + min-p 0.05 2.7-3.9x; at top-p 0.5 a row often needs several rounds and then the search, from
+# 0.5x to 1.6x: below DRAW_FIRST_MIN_P rows search at once, as before. Same tokens everywhere.
+DRAW_FIRST_ROUNDS = 4
+DRAW_FIRST_MIN_P = 0.8
 _VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates
 
 
@@ -106,6 +119,18 @@ def _stats(ptr, n, scale, m, cands, BLOCK: tl.constexpr, NC: tl.constexpr, PREFE
         cnt += ge.to(tl.int32)
         mass += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
     return tl.sum(cnt, axis=0), tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _mass_above(ptr, n, scale, m, k, BLOCK: tl.constexpr):
+    """Mass ``sum exp(x - m)`` of the values ``x = ptr[i] * scale`` (i < n) whose key is > k."""
+    cols = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + cols
+        x = tl.load(ptr + idx, mask=idx < n, other=float("-inf")).to(tl.float32) * scale
+        mass += tl.where(_key(x) > k, tl.exp(x - m), 0.0)
+    return tl.sum(mass, axis=0)
 
 
 @triton.jit
@@ -201,10 +226,51 @@ def _draw(ptr, idx_ptr, n, scale, m, lo, log_min_p, k1, k2, vocab, INDEXED: tl.c
 
 
 @triton.jit
+def _search_and_draw(base, vocab, inv_t, m, list_x, list_i, top_k, top_p, log_min_p, k1, k2, lo, hi, lo_cnt, lo_mass,
+                     threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr,
+                     CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
+                     STORE_THRESHOLD: tl.constexpr):
+    """The kept tokens' threshold by search (top-k, then top-p), then the draw; the row's stats from pass 1."""
+    has_list = (lo_cnt <= CAP).to(tl.int32)  # a short row: search and draw on a copy of it
+    if has_list != 0:
+        _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
+    list_lo = lo
+    list_hi = hi
+    list_n = lo_cnt
+    zero_i = tl.full([], 0, tl.int32)
+    zero_f = tl.full([], 0.0, tl.float32)
+    above_cnt = zero_i
+    above_mass = zero_f
+    # top-k (a count), then top-p (a mass) from where top-k left off: one search body for both (the kernel is
+    # compiled at start-up; a second inlined copy of the search cost 1.9 s more of a cold compile on an H100)
+    for phase in range(2):
+        use_mass = phase == 1
+        if use_mass:
+            active = top_p < 1.0
+        else:
+            active = (top_k > 0) & (top_k < vocab)
+        if active:
+            lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
+                base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, use_mass,
+                lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
+                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
+                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
+    if STORE_THRESHOLD:
+        tl.store(threshold_ptr, lo)
+    # draw: Gumbel-max among kept tokens, on the list when it holds all of them
+    if (has_list != 0) & (above_cnt == 0) & (lo >= list_lo):
+        choice = _draw(list_x, list_i, list_n, 1.0, m, lo, log_min_p, k1, k2, vocab, True, BLOCK)
+    else:
+        choice = _draw(base, list_i, vocab, inv_t, m, lo, log_min_p, k1, k2, vocab, False, BLOCK)
+    return choice
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
                    out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                    NC: tl.constexpr, CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
-                   STORE_THRESHOLD: tl.constexpr):
+                   STORE_THRESHOLD: tl.constexpr, DRAW_FIRST_ROUNDS: tl.constexpr,
+                   DRAW_FIRST_MIN_P: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + row)
@@ -250,53 +316,47 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         hi = _key(m)
         lo_cnt = tl.sum(n_fin, axis=0)
         lo_mass = z_total
-        has_list = (lo_cnt <= CAP).to(tl.int32)  # a short row: search and draw on a copy of it
-        if has_list != 0:
-            _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
-        list_lo = lo
-        list_hi = hi
-        list_n = lo_cnt
-        zero_i = tl.full([], 0, tl.int32)
-        zero_f = tl.full([], 0.0, tl.float32)
-        above_cnt = zero_i
-        above_mass = zero_f
-        # top-k (a count), then top-p (a mass) from where top-k left off: one search body for both (the kernel is
-        # compiled at start-up; a second inlined copy of the search cost 1.9 s more of a cold compile on an H100)
-        for phase in range(2):
-            use_mass = phase == 1
-            if use_mass:
-                active = top_p < 1.0
-            else:
-                active = (top_k > 0) & (top_k < vocab)
-            if active:
-                lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
-                    base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, use_mass,
-                    lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
-                    has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
-                    BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
-        if STORE_THRESHOLD:
-            tl.store(threshold_ptr + row, lo)
-        # draw: Gumbel-max among kept tokens, on the list when it holds all of them
         k = _h(((off >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9)
         k = _h((off & 0xFFFFFFFF) ^ k)
         k = _h(((seed >> 32) & 0xFFFFFFFF) ^ k)
         k1 = _h((seed & 0xFFFFFFFF) ^ k)
         k2 = _h(k1 ^ 0x85EBCA6B)
-        if (has_list != 0) & (above_cnt == 0) & (lo >= list_lo):
-            choice = _draw(list_x, list_i, list_n, 1.0, m, lo, log_min_p, k1, k2, vocab, True, BLOCK)
-        else:
-            choice = _draw(base, list_i, vocab, inv_t, m, lo, log_min_p, k1, k2, vocab, False, BLOCK)
+        choice = tl.full([], -1, tl.int32)
+        if DRAW_FIRST_ROUNDS > 0:
+            # top-p without top-k: draw first, then check. A token is kept iff the mass of the keys above its own is
+            # < p * Z (the module docstring's threshold, seen from the token), and the kept tokens are the keys from
+            # some threshold up, min-p included. So the Gumbel-max over the keys >= `bound` (a bound below the
+            # threshold) is the draw over the kept tokens when it is kept itself; when it is not, the threshold lies
+            # above its key, which becomes the new bound. Each round is two row passes; with p = 0.95 the first
+            # draw is kept about 95 % of the time, where the search takes several passes of NC candidates each.
+            if ((top_k <= 0) | (top_k >= vocab)) & (top_p < 1.0) & (top_p >= DRAW_FIRST_MIN_P):
+                bound = lo
+                target = top_p * lo_mass
+                for _ in range(DRAW_FIRST_ROUNDS):
+                    if choice < 0:
+                        c = _draw(base, list_i, vocab, inv_t, m, bound, log_min_p, k1, k2, vocab, False, BLOCK)
+                        kc = _key(tl.load(base + c).to(tl.float32) * inv_t)
+                        if _mass_above(base, vocab, inv_t, m, kc, SEARCH_BLOCK) < target:
+                            choice = c
+                        else:
+                            bound = kc + 1
+        if choice < 0:
+            choice = _search_and_draw(base, vocab, inv_t, m, list_x, list_i, top_k, top_p, log_min_p, k1, k2,
+                                      lo, hi, lo_cnt, lo_mass, threshold_ptr + row, BLOCK, SEARCH_BLOCK, NC, CAP,
+                                      VALUE_SPAN, PREFETCH, STORE_THRESHOLD)
         tl.store(out_ptr + row, choice.to(tl.int64))
 
 
 def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *, cap: int = CAP,
                   block: int = BLOCK, search_block: int = SEARCH_BLOCK, num_warps: int = NUM_WARPS,
-                  prefetch: bool = PREFETCH, thresholds: torch.Tensor | None = None) -> torch.Tensor:
+                  prefetch: bool = PREFETCH, thresholds: torch.Tensor | None = None,
+                  draw_first_rounds: int = DRAW_FIRST_ROUNDS, draw_first_min_p: float = DRAW_FIRST_MIN_P
+                  ) -> torch.Tensor:
     """Token ids ``[R]`` of ``logits [R, V]`` (see the module docstring); ``cap``, ``block``, ``search_block``
-    (powers of two), ``num_warps`` and ``prefetch`` are tuning knobs that never change a token. ``thresholds``
-    (``[R]`` int32, for tests): receives each sampled row's top-k / top-p threshold key, as
-    `reference_sampling.kept_threshold` defines it."""
+    (powers of two), ``num_warps``, ``prefetch``, ``draw_first_rounds`` (0: always search) and ``draw_first_min_p``
+    are tuning knobs that never change a token. ``thresholds`` (``[R]`` int32, for tests): receives each sampled row's top-k / top-p
+    threshold key, as `reference_sampling.kept_threshold` defines it (every row then searches)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -306,5 +366,8 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, inv_t, top_k, top_p, log_min_p, seed, offset, out,
                             list_x, list_i, out if thresholds is None else thresholds, BLOCK=block, SEARCH_BLOCK=search_block, NC=NC, CAP=cap,
                             VALUE_SPAN=_VALUE_SPAN, PREFETCH=prefetch,
-                            STORE_THRESHOLD=thresholds is not None, num_warps=num_warps, enable_fp_fusion=False)
+                            STORE_THRESHOLD=thresholds is not None,
+                            DRAW_FIRST_ROUNDS=0 if thresholds is not None else int(draw_first_rounds),
+                            DRAW_FIRST_MIN_P=float(draw_first_min_p),
+                            num_warps=num_warps, enable_fp_fusion=False)
     return out
