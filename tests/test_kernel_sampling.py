@@ -87,19 +87,22 @@ def test_triton_search_paths_match_reference(t, k, p):
     finite = logits > -float("inf")  # -inf tokens (probability 0) may sit on either side of a threshold
     want_kept = ((keys >= reference_sampling.kept_threshold(logits, inv_t, top_k, top_p)[:, None]) & finite).sum(1)
     want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
-    for cap in (4, 32, 512):
+    # `sort_n`: the search alone (0); a sorted selection of the list as made (cap 4 or 32 <= sort_n), or after
+    # shrinking it in place (cap 512, sort_n 16)
+    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (4, 16), (512, 16), (32, 128)):
         thresholds = torch.zeros(rows, dtype=torch.int32, device=device)
         got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
-                                            thresholds=thresholds)
+                                            thresholds=thresholds, sort_n=sort_n)
         kept = ((keys >= thresholds.cpu().long()[:, None]) & finite).sum(1)
-        assert torch.equal(kept, want_kept), (cap, kept, want_kept)
-        assert torch.equal(got.cpu(), want), (cap, got, want)
+        assert torch.equal(kept, want_kept), (cap, sort_n, kept, want_kept)
+        assert torch.equal(got.cpu(), want), (cap, sort_n, got, want)
     # min-p on top: the draw among the keys above the list (made while compacting) applies it too
     args[3] = torch.full((rows,), float(torch.log(torch.tensor(0.02))), device=device)
     want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
-    for cap in (4, 32, 512):
-        got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32)
-        assert torch.equal(got.cpu(), want), ("min-p", cap, got, want)
+    for cap, sort_n in ((4, 0), (32, 16), (512, 128)):
+        got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
+                                            sort_n=sort_n)
+        assert torch.equal(got.cpu(), want), ("min-p", cap, sort_n, got, want)
 
 
 def _rounds_needed(logits, inv_t, top_p, log_min_p, seed, offset):

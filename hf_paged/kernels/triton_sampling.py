@@ -30,6 +30,8 @@ Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +56,14 @@ PREFETCH = True  # search passes issue the next tile's load first
 # 0.5x to 1.6x: below DRAW_FIRST_MIN_P rows search at once, as before. Same tokens everywhere.
 DRAW_FIRST_ROUNDS = 4
 DRAW_FIRST_MIN_P = 0.8
+# once a search's interval holds at most SORT_N tokens and the scratch list covers it, the answer is read off the list's
+# keys sorted (`_select`) instead of by more search passes over the list (a bisection of NC candidates per pass takes
+# about eight passes to pin a key down). The row compaction also takes every token from the interval up when they fit
+# the list (`lo_cnt <= CAP`), so a top-k row's top-p phase and its draw read the list too. 0: neither (the search as
+# before; a tuning knob, the tokens are the same).
+SORT_N = 1024
+# under the interpreter (CPU tests) a bitonic sort runs in Python: 2,048 keys take seconds, 64 a fraction of one
+INTERPRETED_SORT_N = 64
 _VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates
 
 
@@ -157,45 +167,133 @@ def _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _shrink(list_x, list_i, n, lo, hi, BLOCK: tl.constexpr):
+    """Keep, in place and in order, the scratch list's entries whose key is in [lo, hi]; returns how many. Safe in
+    place: the entries kept from one tile go below the tile's end, and the next tile is read from there on."""
+    cols = tl.arange(0, BLOCK)
+    kept = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        pos = start + cols
+        valid = pos < n
+        x = tl.load(list_x + pos, mask=valid, other=float("-inf"))
+        i = tl.load(list_i + pos, mask=valid, other=0)
+        k = _key(x)
+        sel = ((k >= lo) & (k <= hi) & valid).to(tl.int32)
+        to = kept + tl.cumsum(sel, axis=0) - 1
+        tl.debug_barrier()  # every lane has read this tile before any lane writes into it
+        tl.store(list_x + to, x, mask=sel > 0)
+        tl.store(list_i + to, i, mask=sel > 0)
+        kept += tl.sum(sel, axis=0)
+    tl.debug_barrier()
+    return kept
+
+
+@triton.jit
+def _select(list_x, n, m, lo, above_cnt, above_mass, target_count, target_mass, use_mass, SORT_N: tl.constexpr):
+    """`_search`'s answer read off a scratch list of `n` <= SORT_N tokens that holds every key of its interval, with
+    (above_cnt, above_mass) the stats of the keys above the list: the list's keys sorted, largest first, `s`. For a
+    count the answer is the key of rank `target_count` (counting the keys above the list): `s[target - above - 1]`,
+    ties included. For a mass it is `s[j]`, `j` the first rank whose running mass reaches the target: the mass of
+    the keys >= `s[j]` does, that of the next larger key does not. Returns (key, its count, its mass); `lo` when
+    rounding left the target just out of reach (the search's invariant says `lo` reaches it)."""
+    pos = tl.arange(0, SORT_N)
+    valid = pos < n
+    x = tl.load(list_x + pos, mask=valid, other=float("-inf"))
+    s = tl.sort(tl.where(valid, _key(x), -2147483648), descending=True)  # the padding sorts last
+    e = tl.where(valid, tl.exp(_unkey(s) - m), 0.0)
+    running = tl.cumsum(e, axis=0) + above_mass
+    by_mass = tl.min(tl.where(valid & (running >= target_mass), pos, SORT_N), axis=0)
+    j = tl.where(use_mass, by_mass, target_count - above_cnt - 1)
+    found = (j >= 0) & (j < n)
+    t = tl.where(found, tl.maximum(_pick(s, pos == j), lo), lo)
+    ge = valid & (s >= t)
+    return t, above_cnt + tl.sum(ge.to(tl.int32), axis=0), above_mass + tl.sum(tl.where(ge, e, 0.0), axis=0)
+
+
+@triton.jit
 def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass,
             lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
-            BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
-            VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr):
+            top_key, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
+            VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr, SORT_N: tl.constexpr):
     """Largest key t in [lo, hi] whose stat (count, or mass with `use_mass`) of keys >= t reaches its target
     (`target_count` or `target_mass`), given that `lo`'s does. Carries the stats at `lo` (lo_cnt, lo_mass) and of the
     keys above `hi` (hi_cnt, hi_mass), and the scratch list state: when `has_list`, the list holds the `list_n` tokens
-    with keys in [list_lo, list_hi] and (above_cnt, above_mass) are the stats of the keys above list_hi."""
+    with keys in [list_lo, list_hi] and (above_cnt, above_mass) are the stats of the keys above list_hi. `top_key`:
+    the row's largest key."""
     j = tl.arange(0, NC)
     while lo < hi:
-        cands = _candidates(lo, hi, NC, VALUE_SPAN)
-        if (has_list != 0) & (lo >= list_lo) & (hi <= list_hi):
-            cnt, mass = _stats(list_x, list_n, 1.0, m, cands, SEARCH_BLOCK, NC, PREFETCH)
-            cnt += above_cnt
-            mass += above_mass
+        covered = (has_list != 0) & (lo >= list_lo) & (hi <= list_hi)
+        if SORT_N > 0:  # (a compile-time branch: SORT_N = 0 compiles the search alone)
+            if covered & (lo_cnt - hi_cnt <= SORT_N):
+                if list_n > SORT_N:  # first the list down to the interval (from lo up to list_hi when that fits)
+                    if lo_cnt - above_cnt > SORT_N:
+                        list_hi = hi
+                        above_cnt = hi_cnt
+                        above_mass = hi_mass
+                    list_n = _shrink(list_x, list_i, list_n, lo, list_hi, SEARCH_BLOCK)
+                    list_lo = lo
+                lo, lo_cnt, lo_mass = _select(list_x, list_n, m, lo, above_cnt, above_mass, target_count,
+                                              target_mass, use_mass, SORT_N)
+                hi = lo
+            else:
+                lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = (
+                    _search_pass(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass, lo, hi,
+                                 lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt,
+                                 above_mass, top_key, covered, j, BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH,
+                                 True))
         else:
-            cnt, mass = _stats(base, vocab, inv_t, m, cands, SEARCH_BLOCK, NC, PREFETCH)
-        ok = tl.where(use_mass, mass >= target_mass, cnt >= target_count)
-        n_ok = tl.sum(ok.to(tl.int32), axis=0)  # the stats fall as the candidates rise: ok is a prefix
-        if n_ok > 0:
-            at = j == n_ok - 1
-            lo = _pick(cands, at)
-            lo_cnt = _pick(cnt, at)
-            lo_mass = _pick(mass, at)
-        if n_ok < NC:
-            at = j == n_ok
-            hi = _pick(cands, at) - 1
-            hi_cnt = _pick(cnt, at)
-            hi_mass = _pick(mass, at)
-        inside = lo_cnt - hi_cnt
-        if (lo < hi) & (inside <= CAP) & ((has_list == 0) | (lo < list_lo) | (hi > list_hi)):
-            _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
-            has_list = tl.full([], 1, tl.int32)
-            list_lo = lo
+            lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = (
+                _search_pass(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass, lo, hi,
+                             lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt,
+                             above_mass, top_key, covered, j, BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH,
+                             False))
+    return lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass
+
+
+@triton.jit
+def _search_pass(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass, lo, hi, lo_cnt,
+                 lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass, top_key, covered,
+                 j, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
+                 VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr, LIST_UP: tl.constexpr):
+    """One round of `_search`: NC candidates in (lo, hi] counted (on the list when it covers the interval), the
+    interval narrowed to where the answer lies, and the row compacted to the list once the interval fits it (with
+    `LIST_UP`, every token from the interval up when they fit)."""
+    cands = _candidates(lo, hi, NC, VALUE_SPAN)
+    if covered:
+        cnt, mass = _stats(list_x, list_n, 1.0, m, cands, SEARCH_BLOCK, NC, PREFETCH)
+        cnt += above_cnt
+        mass += above_mass
+    else:
+        cnt, mass = _stats(base, vocab, inv_t, m, cands, SEARCH_BLOCK, NC, PREFETCH)
+    ok = tl.where(use_mass, mass >= target_mass, cnt >= target_count)
+    n_ok = tl.sum(ok.to(tl.int32), axis=0)  # the stats fall as the candidates rise: ok is a prefix
+    if n_ok > 0:
+        at = j == n_ok - 1
+        lo = _pick(cands, at)
+        lo_cnt = _pick(cnt, at)
+        lo_mass = _pick(mass, at)
+    if n_ok < NC:
+        at = j == n_ok
+        hi = _pick(cands, at) - 1
+        hi_cnt = _pick(cnt, at)
+        hi_mass = _pick(mass, at)
+    inside = lo_cnt - hi_cnt
+    if (lo < hi) & (inside <= CAP) & ((has_list == 0) | (lo < list_lo) | (hi > list_hi)):
+        # every token from lo up when they fit (the next phase and the draw then read the list), else the interval
+        if LIST_UP & (lo_cnt <= CAP):
+            list_hi = top_key
+            list_n = lo_cnt
+            above_cnt = tl.full([], 0, tl.int32)
+            above_mass = tl.full([], 0.0, tl.float32)
+        else:
             list_hi = hi
             list_n = inside
             above_cnt = hi_cnt
             above_mass = hi_mass
-    return lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass
+        _compact(base, vocab, inv_t, lo, list_hi, list_x, list_i, BLOCK)
+        has_list = tl.full([], 1, tl.int32)
+        list_lo = lo
+    return lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass
 
 
 @triton.jit
@@ -229,8 +327,9 @@ def _draw(ptr, idx_ptr, n, scale, m, lo, log_min_p, k1, k2, vocab, INDEXED: tl.c
 def _search_and_draw(base, vocab, inv_t, m, list_x, list_i, top_k, top_p, log_min_p, k1, k2, lo, hi, lo_cnt, lo_mass,
                      threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr,
                      CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
-                     STORE_THRESHOLD: tl.constexpr):
+                     STORE_THRESHOLD: tl.constexpr, SORT_N: tl.constexpr):
     """The kept tokens' threshold by search (top-k, then top-p), then the draw; the row's stats from pass 1."""
+    top_key = hi
     has_list = (lo_cnt <= CAP).to(tl.int32)  # a short row: search and draw on a copy of it
     if has_list != 0:
         _compact(base, vocab, inv_t, lo, hi, list_x, list_i, BLOCK)
@@ -253,8 +352,8 @@ def _search_and_draw(base, vocab, inv_t, m, list_x, list_i, top_k, top_p, log_mi
             lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = _search(
                 base, vocab, inv_t, m, list_x, list_i, top_p * lo_mass, top_k, use_mass,
                 lo, hi, lo_cnt, lo_mass, zero_i, zero_f,
-                has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
-                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH)
+                has_list, list_lo, list_hi, list_n, above_cnt, above_mass, top_key,
+                BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH, SORT_N)
     if STORE_THRESHOLD:
         tl.store(threshold_ptr, lo)
     # draw: Gumbel-max among kept tokens, on the list when it holds all of them
@@ -270,7 +369,7 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
                    out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                    NC: tl.constexpr, CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
                    STORE_THRESHOLD: tl.constexpr, DRAW_FIRST_ROUNDS: tl.constexpr,
-                   DRAW_FIRST_MIN_P: tl.constexpr):
+                   DRAW_FIRST_MIN_P: tl.constexpr, SORT_N: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + row)
@@ -343,7 +442,7 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         if choice < 0:
             choice = _search_and_draw(base, vocab, inv_t, m, list_x, list_i, top_k, top_p, log_min_p, k1, k2,
                                       lo, hi, lo_cnt, lo_mass, threshold_ptr + row, BLOCK, SEARCH_BLOCK, NC, CAP,
-                                      VALUE_SPAN, PREFETCH, STORE_THRESHOLD)
+                                      VALUE_SPAN, PREFETCH, STORE_THRESHOLD, SORT_N)
         tl.store(out_ptr + row, choice.to(tl.int64))
 
 
@@ -351,12 +450,18 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
                   log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *, cap: int = CAP,
                   block: int = BLOCK, search_block: int = SEARCH_BLOCK, num_warps: int = NUM_WARPS,
                   prefetch: bool = PREFETCH, thresholds: torch.Tensor | None = None,
-                  draw_first_rounds: int = DRAW_FIRST_ROUNDS, draw_first_min_p: float = DRAW_FIRST_MIN_P
-                  ) -> torch.Tensor:
+                  draw_first_rounds: int = DRAW_FIRST_ROUNDS, draw_first_min_p: float = DRAW_FIRST_MIN_P,
+                  sort_n: int | None = None) -> torch.Tensor:
     """Token ids ``[R]`` of ``logits [R, V]`` (see the module docstring); ``cap``, ``block``, ``search_block``
-    (powers of two), ``num_warps``, ``prefetch``, ``draw_first_rounds`` (0: always search) and ``draw_first_min_p``
-    are tuning knobs that never change a token. ``thresholds`` (``[R]`` int32, for tests): receives each sampled row's top-k / top-p
+    (powers of two), ``num_warps``, ``prefetch``, ``draw_first_rounds`` (0: always search), ``draw_first_min_p`` and
+    ``sort_n`` (0, or a power of two >= 16: the most tokens `_select` sorts; 0: the search alone; None: `SORT_N`, or
+    `INTERPRETED_SORT_N` under the interpreter) are tuning knobs that never change a token. ``thresholds`` (``[R]`` int32, for tests): receives each sampled row's top-k / top-p
     threshold key, as `reference_sampling.kept_threshold` defines it (every row then searches)."""
+    if sort_n is None:
+        sort_n = INTERPRETED_SORT_N if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else SORT_N
+    sort_n = int(sort_n)
+    if sort_n and (sort_n < 16 or sort_n & (sort_n - 1)):
+        raise ValueError(f"sort_n must be 0 or a power of two >= 16, got {sort_n}")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -368,6 +473,6 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
                             VALUE_SPAN=_VALUE_SPAN, PREFETCH=prefetch,
                             STORE_THRESHOLD=thresholds is not None,
                             DRAW_FIRST_ROUNDS=0 if thresholds is not None else int(draw_first_rounds),
-                            DRAW_FIRST_MIN_P=float(draw_first_min_p),
+                            DRAW_FIRST_MIN_P=float(draw_first_min_p), SORT_N=sort_n,
                             num_warps=num_warps, enable_fp_fusion=False)
     return out
