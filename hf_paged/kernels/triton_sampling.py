@@ -60,8 +60,12 @@ DRAW_FIRST_MIN_P = 0.8
 # keys sorted (`_select`) instead of by more search passes over the list (a bisection of NC candidates per pass takes
 # about eight passes to pin a key down). The row compaction also takes every token from the interval up when they fit
 # the list (`lo_cnt <= CAP`), so a top-k row's top-p phase and its draw read the list too. 0: neither (the search as
-# before; a tuning knob, the tokens are the same).
-SORT_N = 1024
+# before; a tuning knob, the tokens are the same). H100, rows of 151,936 bf16, against 0 (benchmarks/results/
+# h100_2026-11-27e/): top-k 50 + top-p 0.95 1.5-2.1x faster at 1-256 rows (1,292 -> 685 us at 256), top-k 1000 +
+# top-p 0.9 1.4-2.0x; 1024 was as fast at 1-128 rows but 860 us at 256, and half as fast on top-k 1000. Where the kept
+# set is thousands of tokens (flat rows at top-p 0.5, top-k 5000) the sort does not pay and costs 5-10 %; draw-first
+# rows (top-p 0.95) do not search. 2048 makes ptxas spill 24 bytes at 16 warps (128 registers; 1024 does not).
+SORT_N = 2048
 # under the interpreter (CPU tests) a bitonic sort runs in Python: 2,048 keys take seconds, 64 a fraction of one
 INTERPRETED_SORT_N = 64
 _VALUE_SPAN = 1 << 24  # key spans above this (about two binades) take value-spaced candidates
