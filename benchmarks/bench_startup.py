@@ -7,13 +7,12 @@ table gives their median and range). Each measurement runs in its own subprocess
 between them.
 
 Python's own bytecode caches are primed in both (`--bytecode primed`, the default): `pip install` byte-compiles what
-it installs, so a user's first start does not compile torch's sources to bytecode. A host where that was not done (a
-read-only site-packages, `PYTHONDONTWRITEBYTECODE=1`: the device machines of `/work/.library/device` are such hosts)
-otherwise pays it in every process: on an H100 host a warm llama-1b start read 5.7-6.4 s instead of 4.4-4.5 s, the
-difference being the modules Inductor imports while compiling (networkx, jinja2, ...) compiled from source. So the
+it installs, so a user's first start does not compile sources to bytecode, while a host that does not write bytecode
+(a read-only site-packages, `PYTHONDONTWRITEBYTECODE=1`: the device machines of `/work/.library/device` are such
+hosts) compiles every module Inductor imports while compiling (networkx, jinja2, ...) in every process. So the
 children write and read their bytecode under one `PYTHONPYCACHEPREFIX` folder, and a first, unreported child (its own
-empty compile caches) imports everything an engine's start-up imports. `--bytecode as-is` keeps the environment's
-own settings and skips that child.
+empty compile caches) imports everything an engine's start-up imports; a measurement then no longer depends on what
+the host byte-compiled beforehand. `--bytecode as-is` keeps the environment's own settings and skips that child.
 
 What is timed (one figure per phase, seconds): building the `Engine` (memory profiling, pool allocation), then
 `warm_up()` (prefill kernel JIT, Dynamo tracing + Inductor compilation of the decode step when `compile_decode`, CUDA
