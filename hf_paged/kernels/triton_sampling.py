@@ -1,4 +1,4 @@
-"""Sampled (and greedy) next-token picks in Triton: no sort, a few tiled passes over each logits row.
+"""Sampled (and greedy) next-token picks in Triton: no sort of the row, a few tiled passes over each logits row.
 
 One program per row. The decisions are those of :mod:`hf_paged.kernels.reference_sampling` (top-k threshold = the
 largest key whose count of keys ``>=`` it reaches k; top-p threshold = the largest key whose mass ``sum exp(x - m)``
@@ -13,7 +13,11 @@ is unique, so any search that finds it gives the same tokens; this one is built 
 * once the interval ``[lo, hi]`` holds at most ``CAP`` tokens, one pass copies them (value and index, in vocabulary
   order) to a per-row scratch list; the remaining passes read only that list, plus the known count and mass of the
   tokens above ``hi``. When nothing lies above ``hi`` the list holds every token the draw can keep, and the draw
-  reads the list too; otherwise the draw is one more pass over the row.
+  reads the list too; otherwise the draw is one more pass over the row. When every token from the interval's low end
+  up fits the list, the list takes them all, so that a top-k row's top-p phase and its draw read the list;
+* once the list covers the interval and the interval holds at most ``SORT_N`` tokens, their keys are sorted and the
+  threshold read off them (the key of a rank; the key where the running mass reaches the target), instead of the
+  eight or so more candidate passes a bisection takes to pin a key down.
 
 A real model's peaked rows usually end on a list of a few tokens after two row passes; a near-flat row (random
 weights, top-p keeping most of the vocabulary) needs two or three.
@@ -459,8 +463,9 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
     """Token ids ``[R]`` of ``logits [R, V]`` (see the module docstring); ``cap``, ``block``, ``search_block``
     (powers of two), ``num_warps``, ``prefetch``, ``draw_first_rounds`` (0: always search), ``draw_first_min_p`` and
     ``sort_n`` (0, or a power of two >= 16: the most tokens `_select` sorts; 0: the search alone; None: `SORT_N`, or
-    `INTERPRETED_SORT_N` under the interpreter) are tuning knobs that never change a token. ``thresholds`` (``[R]`` int32, for tests): receives each sampled row's top-k / top-p
-    threshold key, as `reference_sampling.kept_threshold` defines it (every row then searches)."""
+    `INTERPRETED_SORT_N` under the interpreter) are tuning knobs that never change a token. ``thresholds`` (``[R]``
+    int32, for tests): receives each sampled row's top-k / top-p threshold key, as `reference_sampling.kept_threshold`
+    defines it (every row then searches)."""
     if sort_n is None:
         sort_n = INTERPRETED_SORT_N if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else SORT_N
     sort_n = int(sort_n)

@@ -32,9 +32,9 @@ torch.cuda.synchronize()
 t2 = time.perf_counter()
 if prof:
     prof.disable()
-from torch._dynamo.utils import compile_times
+from torch._dynamo.utils import compile_times, counters  # noqa: E402
+
 print(compile_times(repr="str", aggregate=True))
-from torch._dynamo.utils import counters
 print({k: dict(v) for k, v in counters.items() if k in ("frames", "stats", "recompiles", "graph_break")})
 print(json.dumps({"preimport_s": t1 - t0, "engine_s": t2 - t1, "phases": dict(engine.warm_up_seconds)}), flush=True)
 if prof:
