@@ -135,7 +135,7 @@ def main() -> None:
 
 
 def measure_mode(model_name: str, mode: str, args, pycache: str | None) -> list[dict]:
-    """The cold and the warm start of one model and mode, in fresh compile caches."""
+    """The cold start and the `--warm-runs` warm starts of one model and mode, in fresh compile caches."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf_paged_startup_") as cache_dir:
         for state in ("cold",) + ("warm",) * args.warm_runs:
