@@ -219,6 +219,35 @@ def _select(list_x, n, m, lo, above_cnt, above_mass, target_count, target_mass, 
 
 
 @triton.jit
+def _sorts(covered, inside, SORT_N: tl.constexpr):
+    """Whether `_search` reads its answer off the sorted list now: the list covers the interval, which holds at most
+    SORT_N tokens. Never with SORT_N = 0 (decided at compile time: the sort is then not compiled at all)."""
+    if SORT_N > 0:
+        return covered & (inside <= SORT_N)
+    else:
+        return False
+
+
+@triton.jit
+def _sort_step(list_x, list_i, m, lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, list_lo, list_hi, list_n, above_cnt,
+               above_mass, target_count, target_mass, use_mass, SEARCH_BLOCK: tl.constexpr, SORT_N: tl.constexpr):
+    """`_search`'s last step when `_sorts`: the list first shrunk in place to the interval when longer than SORT_N
+    (from lo up to list_hi when that fits, else [lo, hi]), then the answer read off its sorted keys (`_select`).
+    Returns the answer's (key, count, mass) and the list's state."""
+    if SORT_N > 0:
+        if list_n > SORT_N:
+            if lo_cnt - above_cnt > SORT_N:
+                list_hi = hi
+                above_cnt = hi_cnt
+                above_mass = hi_mass
+            list_n = _shrink(list_x, list_i, list_n, lo, list_hi, SEARCH_BLOCK)
+            list_lo = lo
+        lo, lo_cnt, lo_mass = _select(list_x, list_n, m, lo, above_cnt, above_mass, target_count, target_mass,
+                                      use_mass, SORT_N)
+    return lo, lo_cnt, lo_mass, list_lo, list_hi, list_n, above_cnt, above_mass
+
+
+@triton.jit
 def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass,
             lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass,
             top_key, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NC: tl.constexpr, CAP: tl.constexpr,
@@ -231,30 +260,17 @@ def _search(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, us
     j = tl.arange(0, NC)
     while lo < hi:
         covered = (has_list != 0) & (lo >= list_lo) & (hi <= list_hi)
-        if SORT_N > 0:  # (a compile-time branch: SORT_N = 0 compiles the search alone)
-            if covered & (lo_cnt - hi_cnt <= SORT_N):
-                if list_n > SORT_N:  # first the list down to the interval (from lo up to list_hi when that fits)
-                    if lo_cnt - above_cnt > SORT_N:
-                        list_hi = hi
-                        above_cnt = hi_cnt
-                        above_mass = hi_mass
-                    list_n = _shrink(list_x, list_i, list_n, lo, list_hi, SEARCH_BLOCK)
-                    list_lo = lo
-                lo, lo_cnt, lo_mass = _select(list_x, list_n, m, lo, above_cnt, above_mass, target_count,
-                                              target_mass, use_mass, SORT_N)
-                hi = lo
-            else:
-                lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = (
-                    _search_pass(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass, lo, hi,
-                                 lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt,
-                                 above_mass, top_key, covered, j, BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH,
-                                 True))
+        if _sorts(covered, lo_cnt - hi_cnt, SORT_N):
+            lo, lo_cnt, lo_mass, list_lo, list_hi, list_n, above_cnt, above_mass = _sort_step(
+                list_x, list_i, m, lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, list_lo, list_hi, list_n, above_cnt,
+                above_mass, target_count, target_mass, use_mass, SEARCH_BLOCK, SORT_N)
+            hi = lo
         else:
             lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass = (
                 _search_pass(base, vocab, inv_t, m, list_x, list_i, target_mass, target_count, use_mass, lo, hi,
                              lo_cnt, lo_mass, hi_cnt, hi_mass, has_list, list_lo, list_hi, list_n, above_cnt,
                              above_mass, top_key, covered, j, BLOCK, SEARCH_BLOCK, NC, CAP, VALUE_SPAN, PREFETCH,
-                             False))
+                             SORT_N > 0))
     return lo, lo_cnt, lo_mass, has_list, list_lo, list_hi, list_n, above_cnt, above_mass
 
 
