@@ -1,6 +1,7 @@
-"""The sampler's sorted selection (`triton_sampling._select`) and its in-place list shrink (`_shrink`), each driven
-alone by a probe kernel (the interpreter on CPU) and checked against a plain count / sum over the same tokens: the
-key of a given rank, the largest key whose mass reaches a target (ties kept together), and the list kept in order."""
+"""The sampler's sorted selection (`triton_sampling._select`), its in-place list shrink (`_shrink`) and the search
+step that joins them (`_sort_step`), each driven alone by a probe kernel (the interpreter on CPU) and checked against
+a plain count / sum over the same tokens: the key of a given rank, the largest key whose mass reaches a target (ties
+kept together), the list kept in order, and the ties at an interval's low end kept through a shrink."""
 
 from __future__ import annotations
 
@@ -93,3 +94,64 @@ def test_shrink_keeps_the_keys_in_range_in_place_in_order(block):
         kept = int(out)
         assert kept == int(sel.sum())
         assert torch.equal(xs.cpu()[:kept], x[sel]) and torch.equal(ids.cpu()[:kept], idx[sel])
+
+
+@triton.jit
+def _sort_step_probe(x_ptr, i_ptr, m, lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, list_lo, list_hi, list_n, above_cnt,
+                     above_mass, target_count, target_mass, use_mass, out_i, out_f, SEARCH_BLOCK: tl.constexpr,
+                     SORT_N: tl.constexpr):
+    key, cnt, mass, list_lo, list_hi, list_n, above_cnt, above_mass = ts._sort_step(
+        x_ptr, i_ptr, m, lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, list_lo, list_hi, list_n, above_cnt, above_mass,
+        target_count, target_mass, use_mass != 0, SEARCH_BLOCK, SORT_N)
+    tl.store(out_i, key)
+    tl.store(out_i + 1, cnt)
+    tl.store(out_i + 2, list_lo)
+    tl.store(out_i + 3, list_hi)
+    tl.store(out_i + 4, list_n)
+    tl.store(out_i + 5, above_cnt)
+    tl.store(out_f, mass)
+    tl.store(out_f + 1, above_mass)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("use_mass", [False, True])
+def test_sort_step_shrinks_a_long_list_to_the_interval_with_the_keys_at_its_low_end(wide, use_mass):
+    """A list longer than SORT_N is shrunk before the sort: from `lo` up to the list's top when those fit SORT_N, else
+    to `[lo, hi]` (the stats above it then those above `hi`). Tokens whose key is `lo` itself (ties at the interval's
+    low end) must stay in the list: when the answer is `lo` they are counted in its stats, and the draw reads them."""
+    sort_n, n = 16, 40
+    x = torch.tensor([3.0, 2.5, 2.5, 2.0, 1.5, 1.5, 1.5, 1.0, 0.5, 0.5] + [0.0] * 4 + [-0.5] * 3 + [-1.0] * 3
+                     + [-2.0 - 0.1 * i for i in range(n - 20)])
+    x = x[torch.randperm(n, generator=torch.Generator().manual_seed(7))]  # the list's order is the row's, not sorted
+    idx = torch.arange(100, 100 + n, dtype=torch.int32)
+    keys = float_key(x)
+    m = float(x.max()) + 0.5
+    e = torch.exp(x - m)
+    above_cnt, above_mass = 3, 0.25  # tokens above the list
+    # the interval: [key(0.0), key(2.5)] (wide: [key(-1.0), key(1.5)], whose lo end holds more than SORT_N tokens)
+    lo_v, hi_v = (-1.0, 1.5) if wide else (0.0, 3.0)
+    lo, hi = int(float_key(torch.tensor(lo_v))), int(float_key(torch.tensor(hi_v)))
+    lo_cnt, lo_mass = _stats_at(keys, e, lo, above_cnt, above_mass)
+    hi_cnt, hi_mass = _stats_at(keys, e, hi + 1, above_cnt, above_mass)
+    assert (lo_cnt - above_cnt > sort_n) == wide and (lo_cnt - hi_cnt <= sort_n)
+    # the targets make `lo` itself the answer: every tie at lo is needed to reach them
+    target_count = 0 if use_mass else lo_cnt
+    next_mass = _stats_at(keys, e, lo + 1, above_cnt, above_mass)[1]
+    target_mass = (next_mass + lo_mass) / 2 if use_mass else 0.0
+    xs, ids = x.clone().to(DEVICE), idx.clone().to(DEVICE)
+    out_i = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    out_f = torch.zeros(2, dtype=torch.float32, device=DEVICE)
+    list_lo, list_hi = int(keys.min()), int(keys.max())
+    _sort_step_probe[(1,)](xs, ids, m, lo, hi, lo_cnt, lo_mass, hi_cnt, hi_mass, list_lo, list_hi, n, above_cnt,
+                           above_mass, target_count, target_mass, int(use_mass), out_i, out_f, SEARCH_BLOCK=8,
+                           SORT_N=sort_n)
+    key, cnt, new_lo, new_hi, new_n, new_above = out_i.cpu().tolist()
+    mass, new_above_mass = out_f.cpu().tolist()
+    assert key == lo and cnt == lo_cnt and mass == pytest.approx(lo_mass, rel=1e-5)
+    want_hi = hi if wide else list_hi
+    want_above = (hi_cnt, hi_mass) if wide else (above_cnt, above_mass)
+    assert (new_lo, new_hi, new_above) == (lo, want_hi, want_above[0])
+    assert new_above_mass == pytest.approx(want_above[1], rel=1e-6)
+    sel = (keys >= lo) & (keys <= want_hi)
+    assert new_n == int(sel.sum())
+    assert torch.equal(xs.cpu()[:new_n], x[sel]) and torch.equal(ids.cpu()[:new_n], idx[sel])
