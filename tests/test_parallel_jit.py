@@ -36,6 +36,37 @@ def test_compile_only_is_never_dry_for_work_on_another_device(monkeypatch):
     assert asked == []
 
 
+def test_the_compiler_key_is_hashed_once_from_when_an_engine_is_built(monkeypatch):
+    """`prefetch_compiler_key` starts hashing Triton's key in a thread where a dry block would run, not for a CPU
+    engine; a second call and the dry block's own start take that same thread while it runs (one hash per process)."""
+    started = []
+    gate = threading.Event()
+
+    class Thread(threading.Thread):
+        def __init__(self, *, target, name, daemon):
+            super().__init__(target=gate.wait, name=name, daemon=daemon)  # "hashing" until the gate opens
+            started.append(self)
+
+    cache_info = type("Info", (), {"currsize": 0})()
+    fake_key = type("Key", (), {"cache_info": lambda self: cache_info, "__call__": lambda self: "key"})()
+    import triton.runtime.cache
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", fake_key)
+    monkeypatch.setattr(parallel_jit.threading, "Thread", Thread)
+    monkeypatch.setattr(parallel_jit, "_KEY_THREAD", [None])
+    monkeypatch.setattr(parallel_jit, "_async_mode_class", lambda: object)
+    parallel_jit.prefetch_compiler_key("cpu")
+    assert started == []
+    parallel_jit.prefetch_compiler_key("cuda")
+    assert len(started) == 1 and started[0].is_alive()
+    parallel_jit.prefetch_compiler_key("cuda")
+    assert parallel_jit._start_key_hash() is started[0] and len(started) == 1
+    gate.set()
+    started[0].join()
+    cache_info.currsize = 1  # hashed: nothing more to start
+    assert parallel_jit._start_key_hash() is None and len(started) == 1
+
+
 def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
     key = torch.randn(tokens, heads, head_dim, device="cuda")
     value = torch.randn_like(key)

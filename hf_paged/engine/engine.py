@@ -20,7 +20,7 @@ import torch
 from ..attention import prepare_model
 from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
-from ..kernels.parallel_jit import compile_only
+from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules, recording
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
@@ -158,6 +158,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self._model_ref = ModelRef(model, weak=weak_model_ref)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        prefetch_compiler_key(self.device)  # Triton's key hashed while the pool is sized, not when warm-up waits for it
         self.dtype = next(model.parameters()).dtype
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(text_config.vocab_size)

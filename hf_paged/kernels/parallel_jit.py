@@ -30,11 +30,12 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["compile_only", "compiling_only"]
+__all__ = ["compile_only", "compiling_only", "prefetch_compiler_key"]
 
 _STATE = threading.local()  # .active: this thread's launches only compile
 _PATCH_LOCK = threading.Lock()
 _PATCHED: list[bool] = [False]
+_KEY_THREAD: list[threading.Thread | None] = [None]  # the process's one hashing of Triton's compiler key, if started
 
 
 def compiling_only() -> bool:
@@ -57,11 +58,16 @@ def _async_mode_class():
 
 
 def _start_key_hash() -> threading.Thread | None:
-    """Start computing Triton's compiler key in a thread, if this process has not yet.
+    """Start computing Triton's compiler key in a thread, if this process has not yet; the thread computing it if one
+    was started already and is still running.
 
     Every compilation and every on-disk cache lookup needs it, and the first one computes it: a SHA-256 of
-    `libtriton.so` (400 MB) and of Triton's sources, 0.4 s that `hashlib` runs without the GIL. Started when a
-    warm-up begins, it overlaps the first forward's lazy initialisations instead of delaying its first kernel."""
+    `libtriton.so` (400 MB) and of Triton's sources, 0.4 s that `hashlib` runs without the GIL. Started when an engine
+    is built (`prefetch_compiler_key`), it overlaps the memory profiling and the pool's allocation instead of
+    delaying the warm-up's first kernel, which waits for it."""
+    running = _KEY_THREAD[0]
+    if running is not None and running.is_alive():
+        return running
     try:
         from triton.runtime.cache import triton_key
     except Exception:
@@ -71,7 +77,19 @@ def _start_key_hash() -> threading.Thread | None:
         return None
     thread = threading.Thread(target=triton_key, name="hf_paged-triton-key", daemon=True)
     thread.start()
+    _KEY_THREAD[0] = thread
     return thread
+
+
+def prefetch_compiler_key(device: torch.device | str) -> None:
+    """Start hashing Triton's compiler key now, in a thread, when `device` is one `compile_only()` compiles for.
+
+    Why: a warm start of a compiled engine found every kernel in the caches, but its first launch still waited 0.41 s
+    for this hash (an H100 host), which `compile_only()` started only when the warm-up began. An engine calls this
+    first thing when it is built; the hash then overlaps its memory profiling and pool allocation (hashing releases
+    the GIL). Nothing happens where no dry block would run (no CUDA, the interpreter, an older Triton)."""
+    if torch.device(device).type == "cuda" and _async_mode_class() is not None:
+        _start_key_hash()
 
 
 def _install_launch_patch() -> None:
