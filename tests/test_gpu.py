@@ -86,43 +86,6 @@ def test_cuda_graph_decode_equals_eager(dtype):
     assert all(r == results[0] for r in results[1:])
 
 
-def test_only_the_first_decode_recording_runs_a_warm_up_forward(monkeypatch):
-    """The first bucket recorded runs its forward outside a graph first; later buckets are recorded straight away. A
-    later bucket whose recording fails (lazy state of its own) is warmed up and recorded again instead of giving the
-    graphs up, and every bucket replays eager's tokens."""
-    model = tiny_model("llama", dtype=torch.float32).cuda()
-    prompts = _prompts(20, seed=2)
-    engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=32, use_cuda_graph=False)
-    want = [o.outputs[0].token_ids for o in engine.generate(prompts, max_new_tokens=24)]
-    engine.close()
-    engine = hf_paged.Engine(model, num_blocks=128, block_size=16, max_num_seqs=32, use_cuda_graph=True,
-                             compile_decode=False)
-    runner = engine.runner
-    outside, failed = [], []
-    run_outside, record = runner._run_outside_graph, runner._record_step
-
-    def counted_outside(batch, stream):
-        outside.append(batch)
-        return run_outside(batch, stream)
-
-    def failing_once(batch, stream):
-        if batch == 8 and not failed:
-            failed.append(batch)
-            return None, None, RuntimeError("lazy state of bucket 8")
-        return record(batch, stream)
-
-    monkeypatch.setattr(runner, "_run_outside_graph", counted_outside)
-    monkeypatch.setattr(runner, "_record_step", failing_once)
-    engine.warm_up()
-    buckets = sorted(runner._bucket_sizes, reverse=True)
-    assert 8 in buckets and outside == [buckets[0], 8]
-    assert runner.capture_retries == 1 and runner.graph_failure is None and runner.decode_mode == "graph"
-    assert all(runner._graphs[b] is not None for b in buckets)
-    got = [o.outputs[0].token_ids for o in engine.generate(prompts, max_new_tokens=24)]
-    assert runner.graph_steps > 0 and got == want
-    engine.close()
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_cuda_graphs_equal_eager_under_pressure_with_forks_and_prefix_hits(mode):
     """The graph path's table store and buffers through preemption (recompute / swap: tables rebuilt or moved),

@@ -42,12 +42,10 @@ class GraphCapture:
     def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads).
 
-        The first recording on the capture stream runs the forward once outside a graph first (Triton compilation,
-        lazy initialisation: cuBLAS's workspace for the stream, the kernels' modules). Later buckets are recorded
-        straight away: they run the same code, and that run was about half of the recordings' time at a warm start
-        (llama-1b's 15 buckets on an H100: 0.48-0.85 s with it, 0.27-0.54 s without). A bucket whose recording fails that way (some lazy state of
-        its own) is run outside a graph and recorded again; only a second failure gives the graphs up.
-        """
+        Every bucket runs its forward once outside the graph first, not only the first one recorded: recorded without
+        it, the buckets after the first replayed about 5 % slower on an H100 (llama-1b compiled: 1,283 against 1,213
+        us at 2 rows, 1,665 against 1,607 at 256, the same in two processes each; `benchmarks/results/h100_2026-11-27f`),
+        for the 0.4 s of a warm start those forwards cost."""
         self._dummy_rows()
         if self.decode_mode != "graph":
             if self.compile_decode:
@@ -55,38 +53,19 @@ class GraphCapture:
                     self._run_model(batch)  # compile now (warm_up), not in a serving step
             return None  # no graph: `_execute_static` runs `_run_model` (no closure over self: no reference cycle)
         stream = self._capture_stream()
-        warmed = self._warm_stream is stream
-        if not warmed:
-            self._run_outside_graph(batch, stream)
-        graph, logits, error = self._record_step(batch, stream)
-        if error is not None and warmed:
-            self.capture_retries += 1
-            self._run_outside_graph(batch, stream)
-            graph, logits, error = self._record_step(batch, stream)
-        if error is not None:  # the forward ran outside a capture: it is not capturable
-            self._give_up_graphs(error)
-            return None
-        self._warm_stream = stream
-        return replayer(graph, logits)
-
-    def _run_outside_graph(self, batch: int, stream: torch.cuda.Stream) -> None:
-        """The decode forward of `batch` rows on the capture stream, not recorded (a recording's warm-up)."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._run_model(batch)
+            self._run_model(batch)  # warm up (Triton compilation, lazy init) outside the graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
-
-    def _record_step(self, batch: int, stream: torch.cuda.Stream):
-        """(graph, its logits, None) for a recording of the decode forward of `batch` rows, or (None, None, the
-        error) when it fails (a failed recording leaves no sticky error: `_give_up_graphs`)."""
         graph = torch.cuda.CUDAGraph()
         try:  # (`torch.cuda.graph` syncs the device and empties the allocator's cache first)
             with recording.RECORDING, torch.cuda.graph(graph, pool=self._graph_pool(), stream=stream,
                                                        capture_error_mode=recording.CAPTURE_ERROR_MODE):
                 logits = self._run_model(batch)
-        except Exception as error:
-            return None, None, error
-        return graph, logits, None
+        except Exception as error:  # the forward ran above, outside a capture: it is not capturable
+            self._give_up_graphs(error)
+            return None
+        return replayer(graph, logits)
 
     def _graph_pool(self):
         """The memory pool every graph of this runner (decode and ragged) is recorded in."""

@@ -180,8 +180,6 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
         self._stream = None  # the stream every recording runs on (`_capture_stream`)
-        self._warm_stream = None  # the stream a decode forward ran on outside a graph (`GraphCapture._capture`)
-        self.capture_retries = 0  # decode recordings that failed without that warm-up and were warmed up and redone
         self.graph_steps = 0
         self.eager_steps = 0  # ragged (prefill-carrying) steps; `compiled_prefill_steps` of them ran compiled layers
         self.compiled_prefill_steps = 0
@@ -394,7 +392,6 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._compiled = None
         self._pool = None
         self._stream = None
-        self._warm_stream = None
 
     def repack(self) -> int:
         """Stack the model's sibling projections again (after `param.data = ...`, `load_state_dict(assign=True)`), so
