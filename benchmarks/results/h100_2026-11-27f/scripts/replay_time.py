@@ -1,7 +1,14 @@
 """Host and GPU time of each decode bucket's graph replay (llama-1b, compiled), and its node count."""
-import sys, time, json
+import json
+import sys
+import time
+
 sys.path.insert(0, "benchmarks")
-import torch, bench_generate, hf_paged
+import bench_generate
+import torch
+
+import hf_paged
+
 model = bench_generate.build_model("llama-1b", "cuda", torch.bfloat16)
 engine = hf_paged.Engine(model, max_num_seqs=256, kv_cache_memory="8GiB", compile_decode=True)
 engine.warm_up()

@@ -1,8 +1,14 @@
 """Dump every GPU kernel (name, start, duration) of a window of steady decode steps, for a per-step listing."""
-import argparse, csv, sys, time
+import argparse
+import csv
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, "benchmarks")
 from bench_generate import build_model, make_workload
+
 import hf_paged
 
 p = argparse.ArgumentParser()

@@ -1,8 +1,15 @@
 """Wall-clock breakdown of an engine's start-up by sampling the main thread's stack every 2 ms (low overhead)."""
-import collections, json, os, sys, threading, time
+import collections
+import json
+import os
+import sys
+import threading
+import time
+
 sys.path.insert(0, "benchmarks")
-import torch
 import bench_generate
+import torch
+
 import hf_paged
 
 MAIN = threading.get_ident()
@@ -27,11 +34,7 @@ def sampler():
         time.sleep(0.002)
 
 def classify(stack):
-    stack = stack[:-1] + [stack[-1]]
-    files = [s[0] for s in stack]
-    names = [s[1] for s in stack]
-    ours = [n for fl, n in stack if "/hf_paged/" in fl]
-    phase = ours[-1] if ours else "other"
+    files = [s[0] for s in stack]  # (ruff: two unused locals removed after the calls ran)
     # the innermost hf_paged function a few levels under warm_up
     chain = [n for fl, n in reversed(stack[:-1]) if "/hf_paged/" in fl]
     top = "/".join(chain[:3])
