@@ -51,7 +51,8 @@ def measure_once(model_name: str, compile_decode: bool, max_num_seqs: int, kv_ca
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine = hf_paged.Engine(model, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+    engine = hf_paged.Engine(model, max_num_seqs=max_num_seqs,
+                             kv_cache_memory=None if kv_cache_memory == "auto" else kv_cache_memory,
                              compile_decode=compile_decode)
     t1 = time.perf_counter()
     engine.warm_up()
@@ -103,7 +104,10 @@ def main() -> None:
     parser.add_argument("--models", default="llama-1b,qwen3-0.6b")
     parser.add_argument("--modes", default="eager,compiled", help="eager and/or compiled (compile_decode=True)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-cache-memory", default="8GiB")
+    parser.add_argument("--kv-cache-memory", default="8GiB",
+                        help="the KV pool's size; 'auto': sized by the engine's memory profiling, as by default in "
+                             "hf_paged (a forward at the full token budget: construction then takes a few tenths of "
+                             "a second, which the hashing of Triton's compiler key overlaps)")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--out", default=None)
     parser.add_argument("--warm-runs", type=int, default=3,
