@@ -39,32 +39,48 @@ def test_compile_only_is_never_dry_for_work_on_another_device(monkeypatch):
 def test_the_compiler_key_is_hashed_once_from_when_an_engine_is_built(monkeypatch):
     """`prefetch_compiler_key` starts hashing Triton's key in a thread where a dry block would run, not for a CPU
     engine; a second call and the dry block's own start take that same thread while it runs (one hash per process)."""
-    started = []
-    gate = threading.Event()
-
-    class Thread(threading.Thread):
-        def __init__(self, *, target, name, daemon):
-            super().__init__(target=gate.wait, name=name, daemon=daemon)  # "hashing" until the gate opens
-            started.append(self)
-
-    cache_info = type("Info", (), {"currsize": 0})()
-    fake_key = type("Key", (), {"cache_info": lambda self: cache_info, "__call__": lambda self: "key"})()
     import triton.runtime.cache
 
-    monkeypatch.setattr(triton.runtime.cache, "triton_key", fake_key)
-    monkeypatch.setattr(parallel_jit.threading, "Thread", Thread)
+    gate = threading.Event()
+
+    class Key:  # Triton's `triton_key` (an lru-cached function): "hashes" until the gate opens
+        calls = 0
+        cached = 0
+
+        def __call__(self):
+            Key.calls += 1
+            gate.wait(30)
+            Key.cached = 1
+            return "key"
+
+        def cache_info(self):
+            return type("Info", (), {"currsize": Key.cached})()
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", Key())
     monkeypatch.setattr(parallel_jit, "_KEY_THREAD", [None])
     monkeypatch.setattr(parallel_jit, "_async_mode_class", lambda: object)
     parallel_jit.prefetch_compiler_key("cpu")
-    assert started == []
+    assert parallel_jit._KEY_THREAD[0] is None
     parallel_jit.prefetch_compiler_key("cuda")
-    assert len(started) == 1 and started[0].is_alive()
+    thread = parallel_jit._KEY_THREAD[0]
+    assert thread is not None and thread.is_alive()
     parallel_jit.prefetch_compiler_key("cuda")
-    assert parallel_jit._start_key_hash() is started[0] and len(started) == 1
+    assert parallel_jit._start_key_hash() is thread and parallel_jit._KEY_THREAD[0] is thread
     gate.set()
-    started[0].join()
-    cache_info.currsize = 1  # hashed: nothing more to start
-    assert parallel_jit._start_key_hash() is None and len(started) == 1
+    thread.join(30)
+    assert Key.calls == 1 and not thread.is_alive()
+    assert parallel_jit._start_key_hash() is None and Key.calls == 1  # hashed: nothing more to start
+
+
+def test_an_engine_starts_the_key_hash_when_it_is_built(monkeypatch):
+    """The engine hands its device to `prefetch_compiler_key` first thing (before its memory profiling)."""
+    from hf_paged.engine import engine as engine_module
+
+    seen = []
+    monkeypatch.setattr(engine_module, "prefetch_compiler_key", seen.append)
+    engine = hf_paged.Engine(tiny_model("llama"), num_blocks=8, block_size=8, max_num_seqs=2)
+    assert seen == [engine.device]
+    engine.close()
 
 
 def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
