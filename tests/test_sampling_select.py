@@ -128,7 +128,7 @@ def test_sort_step_shrinks_a_long_list_to_the_interval_with_the_keys_at_its_low_
     m = float(x.max()) + 0.5
     e = torch.exp(x - m)
     above_cnt, above_mass = 3, 0.25  # tokens above the list
-    # the interval: [key(0.0), key(2.5)] (wide: [key(-1.0), key(1.5)], whose lo end holds more than SORT_N tokens)
+    # the interval: [key(0.0), key(3.0)] (wide: [key(-1.0), key(1.5)]: from -1.0 up, more than SORT_N tokens)
     lo_v, hi_v = (-1.0, 1.5) if wide else (0.0, 3.0)
     lo, hi = int(float_key(torch.tensor(lo_v))), int(float_key(torch.tensor(hi_v)))
     lo_cnt, lo_mass = _stats_at(keys, e, lo, above_cnt, above_mass)
