@@ -83,6 +83,37 @@ def test_an_engine_starts_the_key_hash_when_it_is_built(monkeypatch):
     engine.close()
 
 
+@contextmanager
+def _always(*args, **kwargs):
+    """`compile_only` as it behaves on CUDA: yields True (here nothing of it is real: the work inside is stubbed)."""
+    yield True
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_a_dry_warm_up_imports_the_compiler_before_its_first_launch(monkeypatch, compile_decode):
+    """With `compile_decode`, the dry block imports what compiling the step imports before its first Triton launch
+    (the sampler's), so the imports overlap the compiler key's hash that launch waits for; without, nothing."""
+    import hf_paged.engine.engine as engine_module
+    import hf_paged.runner.warm_up as warm_up_module
+
+    engine = hf_paged.Engine(tiny_model("llama"), num_blocks=8, block_size=8, max_num_seqs=2)
+    runner = engine.runner
+    monkeypatch.setattr(runner, "compile_decode", compile_decode)
+    imported, order = [], []
+    monkeypatch.setattr(warm_up_module.importlib, "import_module", imported.append)
+    monkeypatch.setattr(engine, "_warm_up_sampler", lambda: order.append(("sampler", list(imported))))
+    for name in ("warm_up_prefill", "warm_up_decode_kernels", "warm_up_compiled_prefill", "capture_all",
+                 "warm_up_uploads"):
+        monkeypatch.setattr(runner, name, lambda *args, name=name: order.append((name, list(imported))))
+    monkeypatch.setattr(engine_module, "compile_only", _always)
+    engine.warm_up(freeze_gc=False)
+    wanted = list(warm_up_module.COMPILER_MODULES) if compile_decode else []
+    assert order[0] == ("sampler", wanted)
+    assert ("warm_up_decode_kernels", wanted) in order
+    assert imported == wanted  # once
+    engine.close()
+
+
 def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
     key = torch.randn(tokens, heads, head_dim, device="cuda")
     value = torch.randn_like(key)

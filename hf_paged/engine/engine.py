@@ -299,7 +299,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             # decode step (`compile_decode`); what is left to run then finds them compiled
             with compile_only(device=runner.device) as dry:
                 if dry:
-                    self._warm_up_sampler()  # first: the longest compilation (2-3 s)
+                    runner.import_compiler()  # while Triton's key is hashed, which the first launch below waits for
+                    self._warm_up_sampler()  # first launch: the longest compilation (2-3 s)
                     runner.warm_up_prefill(self.max_num_batched_tokens)
                     runner.warm_up_decode_kernels()
                     runner.warm_up_compiled_prefill()

@@ -7,6 +7,7 @@ run for real and compile one kernel after another.
 
 from __future__ import annotations
 
+import importlib
 from contextlib import nullcontext
 
 import torch
@@ -15,12 +16,32 @@ from .. import kernels
 from ..cache import attention_heads
 from . import recording
 
-__all__ = ["WarmUpForwards"]
+__all__ = ["COMPILER_MODULES", "WarmUpForwards"]
+
+#: what compiling the decode step imports (`torch.compile`'s debug wrappers, Inductor's entry point and what it pulls
+#: in): about 1.3 s of a warm start on an H100 host (`benchmarks/results/h100_2026-11-27f`, call d)
+COMPILER_MODULES = ("torch._dynamo.repro.after_dynamo", "torch._inductor.compile_fx")
 
 
 class WarmUpForwards:
     """Mixed into `ModelRunner` (which provides the cache, the model, the buffers, `_dummy_rows`, `_run_model` and
     `_prefill_layers`)."""
+
+    def import_compiler(self) -> None:
+        """With `compile_decode`: import now the parts of torch that compiling the decode step imports
+        (`COMPILER_MODULES`), which that compilation would import a moment later anyway.
+
+        Why: `Engine.warm_up` calls this first in its dry block, while a thread hashes Triton's compiler key (0.4 s on
+        an H100 host, `kernels.parallel_jit`) that the block's first Triton launch must wait for. Hashing releases the
+        GIL, so the imports run in its shadow instead of after it. A module missing from this torch is skipped: the
+        compilation imports what its version needs."""
+        if not self.compile_decode:
+            return
+        for name in COMPILER_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
 
     def warm_up_prefill(self, max_tokens: int) -> None:
         """Run dummy ragged prefill forwards so the JIT compiles their kernels now, not in a serving step.
