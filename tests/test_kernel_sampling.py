@@ -99,7 +99,7 @@ def test_triton_search_paths_match_reference(t, k, p):
     # min-p on top: the draw among the keys above the list (made while compacting) applies it too
     args[3] = torch.full((rows,), float(torch.log(torch.tensor(0.02))), device=device)
     want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
-    for cap, sort_n in ((4, 0), (32, 16), (512, 128)):
+    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (32, 16), (512, 128)):  # the search alone at every cap, too
         got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
                                             sort_n=sort_n)
         assert torch.equal(got.cpu(), want), ("min-p", cap, sort_n, got, want)

@@ -279,3 +279,51 @@ def test_the_pool_loads_what_it_compiled(monkeypatch):
     assert [k.fails for k in finalized] == [False, True] or [k.fails for k in finalized] == [True, False]
     assert all(k.loaded_by.startswith("pool") for k in kernels_done)
     assert devices == [3, 3]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "yes", "on", "y", "0", "false", "False", "", "off", "2"])
+def test_every_interpreter_check_reads_triton_interpret_as_triton_does(monkeypatch, value):
+    """The backend check, the parallel JIT and the sampler's sort size all follow Triton's own reading of
+    `TRITON_INTERPRET` (they used to parse it three ways: "false" counted as on for two of them, "yes" as off for
+    the third)."""
+    from triton import knobs
+
+    from hf_paged.kernels import interpreter, triton_sampling
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    on = bool(knobs.runtime.interpret)
+    assert on == (value.lower() in ("1", "true", "yes", "on", "y"))
+    assert interpreter.triton_interpreting() is on
+    cpu = torch.zeros(1)
+    if on:
+        kernels._check_triton_device(cpu)
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            kernels._check_triton_device(cpu)
+    assert triton_sampling.INTERPRETED_SORT_N != triton_sampling.SORT_N
+    assert triton_sampling.default_sort_n() == (triton_sampling.INTERPRETED_SORT_N if on else triton_sampling.SORT_N)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # then only the interpreter keeps a block from dry
+    if on:
+        assert parallel_jit._async_mode_class() is None
+    else:
+        monkeypatch.setattr(parallel_jit, "triton_interpreting", lambda: True)
+        assert parallel_jit._async_mode_class() is None  # (the check goes through the shared helper)
+
+
+def test_the_interpreter_check_without_triton_reads_the_variable_by_triton_rule(monkeypatch):
+    """Without an importable `triton.knobs` the helper applies the same rule to the variable itself."""
+    import builtins
+
+    from hf_paged.kernels import interpreter
+
+    real_import = builtins.__import__
+
+    def no_knobs(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "triton" and fromlist and "knobs" in fromlist:
+            raise ImportError("no knobs")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_knobs)
+    for value, on in (("Y", True), ("On", True), ("false", False), ("2", False), ("", False), (" on ", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreter.triton_interpreting() is on, value

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
+from .interpreter import triton_interpreting
 
 __all__ = [
     "write_kv",
@@ -117,7 +118,7 @@ def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = 
 
 
 def _check_triton_device(t: torch.Tensor) -> None:
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+    if not t.is_cuda and not triton_interpreting():
         raise RuntimeError(
             "the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before the first kernel call); "
             "unset HF_PAGED_BACKEND or use HF_PAGED_BACKEND=torch"

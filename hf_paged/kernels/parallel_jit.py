@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .interpreter import triton_interpreting
+
 __all__ = ["compile_only", "compiling_only", "prefetch_compiler_key"]
 
 _STATE = threading.local()  # .active: this thread's launches only compile
@@ -45,7 +47,7 @@ def compiling_only() -> bool:
 
 def _async_mode_class():
     """Triton's `AsyncCompileMode`, or None where it cannot serve (no CUDA, interpreter, older Triton)."""
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not torch.cuda.is_available() or triton_interpreting():
         return None
     try:
         from triton.runtime._async_compile import AsyncCompileMode

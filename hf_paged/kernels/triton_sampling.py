@@ -34,11 +34,11 @@ Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .interpreter import triton_interpreting
 
 BLOCK = 2048  # tile of a row pass (argmax, max/min/Z, compaction, draw)
 # The search pass is compute-bound (NC compares and masked sums per element), so fewer candidates per pass, a wider
@@ -470,6 +470,12 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
         tl.store(out_ptr + row, choice.to(tl.int64))
 
 
+def default_sort_n() -> int:
+    """`sort_n` when not given: `SORT_N`, or `INTERPRETED_SORT_N` under Triton's interpreter (`TRITON_INTERPRET`,
+    read at each call, so that tests may change it between calls)."""
+    return INTERPRETED_SORT_N if triton_interpreting() else SORT_N
+
+
 def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *, cap: int = CAP,
                   block: int = BLOCK, search_block: int = SEARCH_BLOCK, num_warps: int = NUM_WARPS,
@@ -483,7 +489,7 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
     int32, for tests): receives each sampled row's top-k / top-p threshold key, as `reference_sampling.kept_threshold`
     defines it (every row then searches)."""
     if sort_n is None:
-        sort_n = INTERPRETED_SORT_N if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else SORT_N
+        sort_n = default_sort_n()
     sort_n = int(sort_n)
     if sort_n and (sort_n < 16 or sort_n & (sort_n - 1)):
         raise ValueError(f"sort_n must be 0 or a power of two >= 16, got {sort_n}")
