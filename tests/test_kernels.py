@@ -377,6 +377,38 @@ def test_decode_split_output_independent_of_batch_padding_and_width(monkeypatch,
     _assert_close(base, naive, torch.float32, "split")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_block_ids_loaded_ahead_give_the_same_bits(monkeypatch, splits):
+    """Loading each tile's block ids one tile ahead (`PREFETCH_TABLE`) changes no bit of the output: ranges that
+    start and end mid-tile (kv_start), runs of several tiles, tables padded with -1, an empty sequence."""
+    from hf_paged.kernels import triton_decode as td
+
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    lens, kv_lo = [0, 61, 200, 333], [0, 3, 70, 130]
+    kc, vc, bt, sl, ks = make_paged(lens, kv_lo, 2, 64, 16, torch.float32, seed=11)
+    q = torch.randn(4, 4, 64, generator=_gen(7)).to(DEVICE)
+    assert td.prefetches_table(4, 2, 64)
+    outs = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(td, "PREFETCH_TABLE", ahead)
+        outs[ahead] = kernels.paged_decode(q, kc, vc, bt, sl, 0.125, ks, _num_splits=splits)
+    assert torch.equal(outs[True], outs[False])
+    _assert_close(outs[True], reference.naive_paged_decode(q, kc, vc, bt, sl, 0.125, ks), torch.float32, "ahead")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_decode_variant_keys_tell_whether_block_ids_are_loaded_ahead():
+    """The rule (few programs, head dims up to 64) is part of the warm-up's variant key, so a warm-up compiles both
+    kernels where a model's buckets use both."""
+    from hf_paged.kernels import triton_decode as td
+
+    assert td.prefetches_table(64, 8, 64) and td.prefetches_table(33, 8, 64) and not td.prefetches_table(65, 8, 64)
+    assert td.prefetches_table(256, 2, 64) and not td.prefetches_table(1, 8, 128)
+    assert td.launch_variant(64, 32, 8, 64, 64, 8192, "cpu") != td.launch_variant(128, 32, 8, 64, 64, 8192, "cpu")
+    assert td.launch_variant(1, 32, 8, 128, 128, 8192, "cpu") == td.launch_variant(256, 32, 8, 128, 128, 8192, "cpu")
+
+
 # --------------------------------------------------------------------------- #
 # real GPU only
 # --------------------------------------------------------------------------- #

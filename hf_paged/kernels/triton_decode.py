@@ -19,6 +19,8 @@
   through its power-of-two range: a graph step (batch padded to its bucket, tables at full width)
   and an eager step of the same sequences then cut every sequence identically and give
   bitwise-equal outputs.
+* In launches of few programs at head dims up to 64, each tile's block ids are loaded during the tile before
+  (`prefetches_table`), so a tile waits for one load (K) instead of two in a row (its table entries, then K).
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -40,6 +42,14 @@ _LOG2E = 1.4426950408889634
 
 # Module-level overrides (tests / benchmarks). ``None`` means "use the heuristic".
 FORCE_NUM_SPLITS: int | None = None
+#: load each tile's block ids one tile ahead (see `_decode_program`) in launches of few programs with head dims up to
+#: PREFETCH_MAX_DIM: there a tile's wait for its table entries, then for K, is most of a program's time. Graph-timed on
+#: the H100 (benchmarks/results/h100_2026-11-27g, call 4; bitwise-equal outputs): 1-9 % faster at d 64 from 1 to 64
+#: rows of 8 KV heads and at 8-256 rows of 2; 0.4-1.4 % slower at 128-256 rows of 8 KV heads, mixed (-1.2 to +4 %) at
+#: d 128 and -3.5 to +8 % at d 256. False: never (the tile loads its own, as before).
+PREFETCH_TABLE = True
+PREFETCH_MAX_PROGRAMS = 512  # batch (by its power of two) x KV heads
+PREFETCH_MAX_DIM = 64
 
 # Tuning table: head_dim -> (BLOCK_N, num_warps, num_stages). The d=64 / d=128 entries were
 # checked by the H100 sweep in benchmarks/bench_decode_kernel.py (results in
@@ -114,17 +124,25 @@ def _launch_splits(num_splits: int | None, batch: int, num_kv_heads: int, max_co
     return _clamp_splits(num_splits, max_context, block_n)
 
 
+def prefetches_table(batch: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether a launch over `batch` sequences loads block ids one tile ahead (`PREFETCH_TABLE`). The batch counts
+    by its power of two, as for the split count; either way gives the same bits."""
+    return (PREFETCH_TABLE and padded_dim(head_dim) <= PREFETCH_MAX_DIM
+            and triton.next_power_of_2(max(batch, 1)) * num_kv_heads <= PREFETCH_MAX_PROGRAMS)
+
+
 def launch_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
                    max_context: int, device) -> tuple:
-    """A key equal for two default launches that run the same compiled kernels: whether the keys are split, and
-    how Triton specialises the integer arguments that depend on the split count (an int equal to 1 or divisible by 16
+    """A key equal for two default launches that run the same compiled kernels: whether the keys are split, whether
+    block ids are loaded a tile ahead (`prefetches_table`), and how Triton specialises the integer arguments that depend on the split count (an int equal to 1 or divisible by 16
     gets a variant of its own). It mirrors Triton's rule: were the rule to change, a warm-up that ran one batch per
     key would leave a variant to compile at its first launch, which costs time, never a wrong result."""
     splits = default_num_splits(batch, num_kv_heads, head_dim, max_context, device)
+    ahead = prefetches_table(batch, num_kv_heads, head_dim)
     if splits == 1:
-        return (False,)
+        return (False, ahead)
     ints = (num_q_heads * splits * head_dim_v, splits * head_dim_v, num_q_heads * splits, splits)
-    return (True,) + tuple((v == 1, v % 16 == 0) for v in ints)
+    return (True, ahead) + tuple((v == 1, v % 16 == 0) for v in ints)
 
 
 def _clamp_splits(splits: int, max_context: int, block_n: int) -> int:
@@ -195,6 +213,7 @@ def _paged_decode_kernel(
     DOT_F32: tl.constexpr,
     WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
 ):
     sp = tl.program_id(0)
     b = tl.program_id(1)
@@ -233,7 +252,7 @@ def _paged_decode_kernel(
                         stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                         stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
                         G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS,
-                        SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE)
+                        SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE)
 
 
 @triton.jit
@@ -244,7 +263,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
                     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                    DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
+                    DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
+                    PREFETCH_TABLE: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
@@ -283,10 +303,20 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
                      mask=dvm)
         tl.debug_barrier()
     start = (lo // BLOCK_N) * BLOCK_N
+    if PREFETCH_TABLE:
+        tok = start + offs_n
+        blk_next = tl.load(bt_row + tok // BLOCK_SIZE, mask=(tok >= lo) & (tok < hi), other=0)
     for t0 in range(start, hi, BLOCK_N):
         tok = t0 + offs_n
         valid = (tok >= lo) & (tok < hi)
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if PREFETCH_TABLE:
+            # this tile's block ids were loaded during the tile before; the next tile's go out now, so a tile waits
+            # for one load (K) instead of two in a row (its table entries, then K)
+            blk = blk_next.to(tl.int64)
+            tok_next = tok + BLOCK_N  # always past `lo`
+            blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < hi, other=0)
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = tok % BLOCK_SIZE
         # K tile loaded transposed: [D_PAD, BLOCK_N]
         k = tl.load(
@@ -474,6 +504,7 @@ def paged_decode(
         DOT_F32=not query.is_cuda,
         WRITE=new_kv is not None,
         FUSE_REDUCE=fuse_reduce,
+        PREFETCH_TABLE=prefetches_table(B, Hkv, D),
         num_warps=num_warps,
         num_stages=num_stages,
     )
