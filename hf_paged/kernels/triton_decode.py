@@ -44,9 +44,10 @@ _LOG2E = 1.4426950408889634
 FORCE_NUM_SPLITS: int | None = None
 #: load each tile's block ids one tile ahead (see `_decode_program`) in launches of few programs with head dims up to
 #: PREFETCH_MAX_DIM: there a tile's wait for its table entries, then for K, is most of a program's time. Graph-timed on
-#: the H100 (benchmarks/results/h100_2026-11-27g, call 4; bitwise-equal outputs): 1-9 % faster at d 64 from 1 to 64
-#: rows of 8 KV heads and at 8-256 rows of 2; 0.4-1.4 % slower at 128-256 rows of 8 KV heads, mixed (-1.2 to +4 %) at
-#: d 128 and -3.5 to +8 % at d 256. False: never (the tile loads its own, as before).
+#: the H100 (benchmarks/results/h100_2026-11-27g; bitwise-equal outputs), loading ahead always (call 4) was 1-9 % faster
+#: at d 64 with few programs, but 0.4-1.4 % slower at 128-256 rows of 8 KV heads, -1.2 to +4 % at d 128 and -3.5 to
+#: +8 % at d 256; this rule (call 5) gains -1 to +8 % at 1-64 rows of llama-1b's heads, +1 to +10 % at 1-256 rows of
+#: qwen2.5-0.5b's (2 KV heads). False: never (each tile loads its own, as before).
 PREFETCH_TABLE = True
 PREFETCH_MAX_PROGRAMS = 512  # batch (by its power of two) x KV heads
 PREFETCH_MAX_DIM = 64
@@ -134,9 +135,10 @@ def prefetches_table(batch: int, num_kv_heads: int, head_dim: int) -> bool:
 def launch_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
                    max_context: int, device) -> tuple:
     """A key equal for two default launches that run the same compiled kernels: whether the keys are split, whether
-    block ids are loaded a tile ahead (`prefetches_table`), and how Triton specialises the integer arguments that depend on the split count (an int equal to 1 or divisible by 16
-    gets a variant of its own). It mirrors Triton's rule: were the rule to change, a warm-up that ran one batch per
-    key would leave a variant to compile at its first launch, which costs time, never a wrong result."""
+    block ids are loaded a tile ahead (`prefetches_table`), and how Triton specialises the integer arguments that
+    depend on the split count (an int equal to 1 or divisible by 16 gets a variant of its own). It mirrors Triton's
+    rule: were the rule to change, a warm-up that ran one batch per key would leave a variant to compile at its first
+    launch, which costs time, never a wrong result."""
     splits = default_num_splits(batch, num_kv_heads, head_dim, max_context, device)
     ahead = prefetches_table(batch, num_kv_heads, head_dim)
     if splits == 1:
