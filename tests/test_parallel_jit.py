@@ -114,6 +114,25 @@ def test_a_dry_warm_up_imports_the_compiler_before_its_first_launch(monkeypatch,
     engine.close()
 
 
+def test_a_compiler_import_that_fails_is_left_to_the_compilation(monkeypatch):
+    """`import_compiler` never raises: a module missing from this torch, or one whose import fails, is skipped, so an
+    automatic `compile_decode` still reaches the compilation, where a failure falls back to the model's own code."""
+    import hf_paged.runner.warm_up as warm_up_module
+
+    engine = hf_paged.Engine(tiny_model("llama"), num_blocks=8, block_size=8, max_num_seqs=2)
+    monkeypatch.setattr(engine.runner, "compile_decode", True)
+    tried = []
+
+    def failing(name):
+        tried.append(name)
+        raise (ImportError if len(tried) == 1 else RuntimeError)(f"cannot import {name}")
+
+    monkeypatch.setattr(warm_up_module.importlib, "import_module", failing)
+    engine.runner.import_compiler()
+    assert tried == list(warm_up_module.COMPILER_MODULES)
+    engine.close()
+
+
 def _write_kv_inputs(tokens: int = 5, heads: int = 2, head_dim: int = 64, block_size: int = 16):
     key = torch.randn(tokens, heads, head_dim, device="cuda")
     value = torch.randn_like(key)

@@ -33,14 +33,15 @@ class WarmUpForwards:
 
         Why: `Engine.warm_up` calls this first in its dry block, while a thread hashes Triton's compiler key (0.4 s on
         an H100 host, `kernels.parallel_jit`) that the block's first Triton launch must wait for. Hashing releases the
-        GIL, so the imports run in its shadow instead of after it. A module missing from this torch is skipped: the
-        compilation imports what its version needs."""
+        GIL, so the imports run in its shadow instead of after it. A module missing from this torch, or one that fails
+        to import, is skipped: the compilation imports what its version needs, and raises where an automatic
+        `compile_decode` falls back to the model's own code."""
         if not self.compile_decode:
             return
         for name in COMPILER_MODULES:
             try:
                 importlib.import_module(name)
-            except ImportError:
+            except Exception:  # raised again, where it belongs, by the compilation
                 pass
 
     def warm_up_prefill(self, max_tokens: int) -> None:
