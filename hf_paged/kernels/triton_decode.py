@@ -91,6 +91,12 @@ def _device_sms(device: torch.device) -> int:
     return num_sms(idx)
 
 
+def _grid_programs(batch: int, num_kv_heads: int) -> int:
+    """(sequence, KV head) programs per split that the launch rules count: the batch by its power of two, so that a
+    graph step (batch padded to its bucket) and an eager step of the same sequences choose alike."""
+    return triton.next_power_of_2(max(batch, 1)) * num_kv_heads
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
     """Heuristic number of KV splits (the grid's; a sequence uses those its own keys fill), from Python ints only
     (no device sync).
@@ -101,7 +107,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     (no SMs to fill) never splits unless told to.
     """
     device = torch.device(device)
-    programs = triton.next_power_of_2(max(batch, 1)) * num_kv_heads
+    programs = _grid_programs(batch, num_kv_heads)
     sms = _device_sms(device)
     if device.type != "cuda" or programs >= NO_SPLIT_PROGRAMS_PER_SM * sms or max_context <= MIN_TOKENS_PER_SPLIT:
         return 1
@@ -129,7 +135,7 @@ def prefetches_table(batch: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether a launch over `batch` sequences loads block ids one tile ahead (`PREFETCH_TABLE`). The batch counts
     by its power of two, as for the split count; either way gives the same bits."""
     return (PREFETCH_TABLE and padded_dim(head_dim) <= PREFETCH_MAX_DIM
-            and triton.next_power_of_2(max(batch, 1)) * num_kv_heads <= PREFETCH_MAX_PROGRAMS)
+            and _grid_programs(batch, num_kv_heads) <= PREFETCH_MAX_PROGRAMS)
 
 
 def launch_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
