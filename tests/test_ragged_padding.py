@@ -1,6 +1,6 @@
 """Ragged (prefill / mixed) steps run at `padded_tokens` counts on CUDA, so that cuBLAS's per-shape heuristic cache
-hits; the padding rows belong to no sequence. Forced on here on the CPU: tokens, prompt log-probabilities and the
-pool must not notice."""
+hits; the padding rows belong to no sequence; the output projection runs over a decode bucket's row count. Forced on
+here on the CPU: tokens, prompt log-probabilities and the pool must not notice."""
 
 from __future__ import annotations
 
@@ -51,3 +51,24 @@ def test_padded_ragged_steps_keep_tokens_logprobs_and_pool():
         if plain is not None:
             assert [g for _, g in padded] == [g for _, g in plain]
             assert max(abs(a - b) for (a, _), (b, _) in zip(padded, plain)) < 1e-5
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_output_projection_of_a_ragged_step_runs_at_a_decode_bucket(pad):
+    """Three prompts admitted together keep three rows of logits; padded, the output projection runs over four (the
+    bucket above, the last row repeated) and the step hands back three: the same tokens."""
+    model = tiny_model("llama", seed=2)
+    prompts = random_prompts((5, 9, 7), seed=3)
+    refs = [greedy_reference(model, p, 4) for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_seqs=8)
+    engine.runner.pad_ragged = pad
+    assert 3 not in engine.runner._bucket_sizes and 4 in engine.runner._bucket_sizes
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[-2]))
+    try:
+        outs = engine.generate(prompts, max_new_tokens=4)
+    finally:
+        hook.remove()
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert rows[0] == (4 if pad else 3)  # the prefill step of all three
+    engine.close()

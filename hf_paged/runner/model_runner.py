@@ -286,7 +286,15 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         position_ids = int_tensor(positions, torch.long, pin=pin)[None].to(self.device, non_blocking=True)
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
-        keep = torch.tensor(rows if rows else [offset - 1], dtype=torch.long).to(self.device)
+        kept = rows or [offset - 1]
+        if self.pad_ragged and self._bucket_sizes:
+            # the output projection runs over a decode bucket's row count (the last row repeated), shapes the decode
+            # graphs' captures ran: at a row count it had not run, the GEMM call held the host until the GPU drained
+            # (first use of a cuBLAS kernel; H100, llama-1b: 38 ms of host time in a 61 ms prefill step), and the
+            # step's host work after the forward no longer overlapped the GPU (benchmarks/results/h100_2026-11-27h)
+            bucket = next((b for b in self._bucket_sizes if b >= len(kept)), len(kept))
+            kept = kept + [kept[-1]] * (bucket - len(kept))
+        keep = torch.tensor(kept, dtype=torch.long).to(self.device)
         with self._prefill_layers(tokens):
             output = self.model(
                 input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
@@ -294,7 +302,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             )
         self.eager_steps += 1
         logits = output.logits[0]
-        return (logits if rows else logits[:0]), samplers
+        return logits[: len(rows)], samplers
 
     def _prefill_layers(self, tokens: int):
         """Where this ragged step's decoder layers run: the decode step's compiled layers when they exist, else the
