@@ -1,7 +1,6 @@
 """Where a prefill step's host time goes: 256 ShareGPT prompts into a warmed-up compiled llama-1b engine; the
 prefill steps timed (host wall of execute, GPU time between events), then the same again under cProfile."""
 import cProfile
-import pstats
 import sys
 import time
 
@@ -45,7 +44,7 @@ runner.execute = execute
 
 def run(profile: bool, seed: int):
     # fresh prompts each round (prefix caching would serve repeats)
-    for prompt, n in make_workload("sharegpt", 256, seed):
+    for prompt, _n in make_workload("sharegpt", 256, seed):
         engine.add_request(prompt, max_new_tokens=2, ignore_eos=True)
     log.clear()
     prof = cProfile.Profile() if profile else None
