@@ -8,8 +8,10 @@ in bf16 (or a local checkpoint). Prints a markdown table, writes a JSON file and
 hf_paged is reported twice: `output_tok_s` counts its start-up (KV pool, memory profiling, CUDA-graph capture) in
 the wall time, `steady_tok_s` does not (an engine is built once and serves for its lifetime, as vLLM's throughput
 benchmark times it). transformers' `generate_batch` warms up (captures its graphs) inside its own timed run.
-`--dynamic-max-batches N` times DynamicCache on its first N batches only (its full run is minutes) and reports its
-rate on that subset. Every system runs under `--system-timeout` seconds; the JSON is rewritten after each one.
+On CUDA each paged run also reports how long the GPU was busy with steps and idle between them (`gpu_timeline.py`),
+which tells a run bound by its kernels from one bound by the host. `--dynamic-max-batches N` times DynamicCache on
+its first N batches only (its full run is minutes) and reports its rate on that subset. Every system runs under
+`--system-timeout` seconds; the JSON is rewritten after each one.
 
     python benchmarks/bench_generate.py --model llama-1b --workload sharegpt --num-requests 256 --out results/
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_timeline import GpuTimeline, describe_gpu
 from roofline import (
     copy_bandwidth,
     decode_bound_s,
@@ -351,6 +354,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
     timer = StepTimer(engine)
+    timeline = GpuTimeline(engine)  # on CUDA: the GPU's busy and idle time between the steps
     params = [hf_paged.SamplingParams(max_new_tokens=o, ignore_eos=True, **sampling_kwargs(args)) for _, o in workload]
     waste = []
     run_start = time.perf_counter()
@@ -405,6 +409,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
         "table_rows_uploaded": engine.runner.table_rows_uploaded,
         "pipelined_steps": engine.pipelined_steps,
         "timing": {**timer.summary(), "outside_steps_s": run_s - timer.step_wall_s},
+        "gpu": timeline.summary(),
     }
     engine.close()
     return result
@@ -587,6 +592,8 @@ def main() -> None:
                 if t.get("prefill_steps"):
                     print(f"{r['system']}: {t['prefill_steps']} prefill steps of {t['prefill_step_ms']:.1f} ms, "
                           f"{t['prefill_schedule_ms']:.2f} ms of each planning it (the GPU idle)")
+            if r["system"].startswith("paged") and r.get("gpu"):
+                print(describe_gpu(r["system"], r["gpu"]))
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
         import matplotlib

@@ -54,6 +54,75 @@ def test_generate_harness_measures_the_pipelined_path(static_engines):
     assert 0 <= timing["in_step_other_s"] and 0 <= timing["outside_steps_s"] < result["run_s"]
     parts = timing["decode_total_s"] + timing["prefill_total_s"]
     assert parts + timing["in_step_other_s"] + timing["outside_steps_s"] == pytest.approx(result["run_s"], rel=1e-6)
+    assert result["gpu"] is None  # CUDA events only on CUDA
+
+
+class _Clock:
+    now = 0.0
+
+
+class _FakeEvent:
+    """A CUDA event's timing interface on a settable clock (ms)."""
+
+    def record(self):
+        self.at = _Clock.now
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_gpu_timeline_brackets_every_step_of_an_engine(static_engines):
+    """The timeline's hooks are where the engine's steps go: every step (chunked prefills, whose rows do not all
+    sample, mixed and pipelined decode steps) records a start and an end."""
+    from gpu_timeline import GpuTimeline
+
+    import hf_paged
+
+    model = bench_generate.build_model("tiny", "cpu", torch.float32)
+    engine = hf_paged.Engine(model, num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=64)
+    timeline = GpuTimeline(engine, event=_FakeEvent, enabled=True)
+    for prompt, n in bench_generate.make_workload("alpaca", 12, 0):
+        engine.add_request(prompt, max_new_tokens=min(n, 6), ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step(finished_only=True)
+    engine.close()
+    assert len(timeline.marks) == engine.stats["steps"] and timeline.marks
+    assert all(end is not None for _, end, _, _ in timeline.marks)
+    assert any(not decode for *_, decode in timeline.marks) and any(decode for *_, decode in timeline.marks)
+
+
+def test_gpu_timeline_splits_busy_and_idle_between_steps():
+    """Each step's events bracket its GPU work (execute entered .. tokens picked); the gap from one step's end to the
+    next one's start is idle time, counted before prefill steps apart, and decode steps average by running rows."""
+    import types
+
+    from gpu_timeline import GpuTimeline, describe_gpu
+
+    def item(n):
+        return types.SimpleNamespace(num_tokens=n)
+
+    runner = types.SimpleNamespace(execute=lambda sched: "logits", device=types.SimpleNamespace(type="cuda"))
+    engine = types.SimpleNamespace(runner=runner, picker=types.SimpleNamespace(pick=lambda *a: "tokens"))
+    timeline = GpuTimeline(engine, event=_FakeEvent)
+    # (clock at launch, clock at pick, items): a prefill step, two pipelined decode steps of 20 rows, one of 40
+    steps = [(0.0, 50.0, [item(100), item(30)]), (52.0, 53.5, [item(1)] * 20), (53.5, 55.0, [item(1)] * 20),
+             (56.0, 58.0, [item(1)] * 40)]
+    for launch, picked, items in steps:
+        _Clock.now = launch
+        assert engine.runner.execute(types.SimpleNamespace(scheduled=items)) == "logits"
+        _Clock.now = picked
+        assert engine.picker.pick() == "tokens"
+    summary = timeline.summary()
+    assert summary["gpu_busy_s"] == pytest.approx((50 + 1.5 + 1.5 + 2) / 1000)
+    assert summary["gpu_idle_s"] == pytest.approx((2 + 0 + 1) / 1000)
+    assert summary["gpu_idle_before_prefill_s"] == 0
+    assert summary["decode_gpu_ms"] == pytest.approx(5 / 3)
+    assert summary["decode_gpu_ms_by_rows"] == {"9-32": {"steps": 2, "gpu_ms": pytest.approx(1.5)},
+                                                "33-96": {"steps": 1, "gpu_ms": pytest.approx(2.0)}}
+    off = GpuTimeline(types.SimpleNamespace(runner=types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))))
+    assert off.summary() is None
+    line = describe_gpu("paged", summary)
+    assert "GPU busy 0.06 s, idle 0.003 s" in line and "9-32 rows 1.50, 33-96 rows 2.00" in line
 
 
 def test_generate_harness_refuses_a_run_with_failed_requests(static_engines, monkeypatch):
