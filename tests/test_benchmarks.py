@@ -104,25 +104,26 @@ def test_gpu_timeline_splits_busy_and_idle_between_steps():
     runner = types.SimpleNamespace(execute=lambda sched: "logits", device=types.SimpleNamespace(type="cuda"))
     engine = types.SimpleNamespace(runner=runner, picker=types.SimpleNamespace(pick=lambda *a: "tokens"))
     timeline = GpuTimeline(engine, event=_FakeEvent)
-    # (clock at launch, clock at pick, items): a prefill step, two pipelined decode steps of 20 rows, one of 40
+    # (clock at launch, clock at pick, items): a prefill step, two pipelined decode steps of 20 rows, a mixed step
+    # (an admission beside the decodes), a decode step of 40 rows
     steps = [(0.0, 50.0, [item(100), item(30)]), (52.0, 53.5, [item(1)] * 20), (53.5, 55.0, [item(1)] * 20),
-             (56.0, 58.0, [item(1)] * 40)]
+             (57.0, 60.0, [item(1)] * 20 + [item(8)]), (61.0, 63.0, [item(1)] * 40)]
     for launch, picked, items in steps:
         _Clock.now = launch
         assert engine.runner.execute(types.SimpleNamespace(scheduled=items)) == "logits"
         _Clock.now = picked
         assert engine.picker.pick() == "tokens"
     summary = timeline.summary()
-    assert summary["gpu_busy_s"] == pytest.approx((50 + 1.5 + 1.5 + 2) / 1000)
-    assert summary["gpu_idle_s"] == pytest.approx((2 + 0 + 1) / 1000)
-    assert summary["gpu_idle_before_prefill_s"] == 0
+    assert summary["gpu_busy_s"] == pytest.approx((50 + 1.5 + 1.5 + 3 + 2) / 1000)
+    assert summary["gpu_idle_s"] == pytest.approx((2 + 0 + 2 + 1) / 1000)
+    assert summary["gpu_idle_before_prefill_s"] == pytest.approx(2 / 1000)  # the mixed step's
     assert summary["decode_gpu_ms"] == pytest.approx(5 / 3)
     assert summary["decode_gpu_ms_by_rows"] == {"9-32": {"steps": 2, "gpu_ms": pytest.approx(1.5)},
                                                 "33-96": {"steps": 1, "gpu_ms": pytest.approx(2.0)}}
     off = GpuTimeline(types.SimpleNamespace(runner=types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))))
     assert off.summary() is None
     line = describe_gpu("paged", summary)
-    assert "GPU busy 0.06 s, idle 0.003 s" in line and "9-32 rows 1.50, 33-96 rows 2.00" in line
+    assert "GPU busy 0.06 s, idle 0.005 s" in line and "9-32 rows 1.50, 33-96 rows 2.00" in line
 
 
 def test_generate_harness_refuses_a_run_with_failed_requests(static_engines, monkeypatch):
