@@ -336,11 +336,11 @@ def test_split_count_same_for_a_batch_and_its_graph_bucket(monkeypatch):
     """A graph step runs the batch padded to its bucket: the split count (hence every sequence's cut, hence its
     output bits) must not change with that padding, nor with the table width, or graph and eager steps differ."""
     from hf_paged.kernels import triton_decode as td
-    from hf_paged.runner.model_runner import _buckets
+    from hf_paged.runner.shapes import decode_buckets
 
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     for max_seqs in (256, 200, 48):
-        buckets = _buckets(max_seqs)
+        buckets = decode_buckets(max_seqs)
         for batch in range(1, max_seqs + 1):
             bucket = next(s for s in buckets if s >= batch)
             for hkv in (1, 2, 8):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import hf_paged
-from hf_paged.runner.model_runner import padded_tokens
+from hf_paged.runner import shapes
+from hf_paged.runner.shapes import padded_tokens
 from hf_paged.testing import tiny_model
 
 try:
@@ -51,6 +52,13 @@ def test_padded_ragged_steps_keep_tokens_logprobs_and_pool():
         if plain is not None:
             assert [g for _, g in padded] == [g for _, g in plain]
             assert max(abs(a - b) for (a, _), (b, _) in zip(padded, plain)) < 1e-5
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([7], [7]), ([3, 9, 20], [3, 9, 20, 20]), ([1, 2, 3, 4], [1, 2, 3, 4]), ([5] * 9, [5] * 16),
+    (list(range(300)), list(range(300)))])  # past the largest bucket: as they are
+def test_padded_rows_repeat_the_last_row_up_to_a_bucket(rows, expected):
+    assert shapes.padded_rows(rows, shapes.decode_buckets(256)) == expected
 
 
 @pytest.mark.parametrize("pad", [False, True])

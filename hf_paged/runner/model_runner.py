@@ -37,6 +37,7 @@ from .graphs import GraphCapture
 from .model_ref import ModelRef
 from .ragged_graphs import RaggedGraphs
 from .regional import CompiledLayers
+from .shapes import decode_buckets, padded_rows, padded_tokens
 from .sibling_linears import fusing_backend, pack_siblings
 from .table_store import TableStore
 from .warm_up import WarmUpForwards
@@ -78,31 +79,6 @@ def _kept_rows(batch, number: int, last: tuple) -> np.ndarray | None:
     if before is None or step is None or last[1] is not before.seq_ids:
         return None
     return last[2][step.source]
-
-
-def padded_tokens(tokens: int, limit: int | None = None) -> int:
-    """The token count a ragged (prefill or mixed) step runs at: `tokens` rounded up to a multiple of 16 up to 256,
-    of 64 above, never past `limit` (the step's token budget) unless `tokens` already is.
-
-    Why: cuBLAS picks a GEMM's kernel by a heuristic query that it caches per shape. At a token count it has not
-    seen, a launch costs 200-300 us of host time against ~16 us (H100, `benchmarks/results/h100_2026-11-26i/`,
-    call k), and a ragged step's count is new almost every time. On the grid the counts repeat: lone llama-1b
-    prompts of lengths not seen before prefilled in 21.8 against 25.5 ms (call l). The padding rows belong to no
-    sequence: their K/V are not written (slot -1), their attention output is zero and no logits are kept for them.
-    """
-    grain = 16 if tokens <= 256 else 64
-    padded = -(-tokens // grain) * grain
-    return max(tokens, min(padded, limit)) if limit is not None else padded
-
-
-def _buckets(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8]
-    size = 16
-    while size < max_batch:
-        sizes.append(size)
-        size += 16 if size < 128 else 32
-    sizes.append(max_batch)
-    return sorted(set(s for s in sizes if s <= max_batch))
 
 
 def _decode_forward(model_ref: ModelRef, cache):
@@ -172,7 +148,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         _RUNNERS.add(self)
         # batch sizes a decode step is padded to; a compiled step is traced with a symbolic batch size, and a batch
         # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
-        self._bucket_sizes = [s for s in _buckets(max_num_seqs) if not compile_decode or s >= 2 or max_num_seqs == 1]
+        self._bucket_sizes = [s for s in decode_buckets(max_num_seqs)
+                              if not compile_decode or s >= 2 or max_num_seqs == 1]
         max_len = max_model_len or 8192
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         # bucket -> callable running the decode forward, returning its logits; ("ragged", tokens) -> a ragged step's
@@ -287,13 +264,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         rows = sample_index + [firsts[k] + at for k, first, count in extra_rows or () for at in
                                range(first, first + count)]
         kept = rows or [offset - 1]
-        if self.pad_ragged and self._bucket_sizes:
-            # the output projection runs over a decode bucket's row count (the last row repeated), shapes the decode
-            # graphs' captures ran: at a row count it had not run, the GEMM call held the host until the GPU drained
-            # (first use of a cuBLAS kernel; H100, llama-1b: 38 ms of host time in a 61 ms prefill step), and the
-            # step's host work after the forward no longer overlapped the GPU (benchmarks/results/h100_2026-11-27h)
-            bucket = next((b for b in self._bucket_sizes if b >= len(kept)), len(kept))
-            kept = kept + [kept[-1]] * (bucket - len(kept))
+        if self.pad_ragged:  # the output projection at a decode bucket's row count (`shapes.padded_rows`)
+            kept = padded_rows(kept, self._bucket_sizes)
         keep = torch.tensor(kept, dtype=torch.long).to(self.device)
         with self._prefill_layers(tokens):
             output = self.model(
