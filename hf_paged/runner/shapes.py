@@ -3,8 +3,9 @@ projection's row count.
 
 Why a grid of shapes: cuBLAS pays for a GEMM shape the first time it meets it. Its kernel choice is a heuristic query
 cached per shape (200-300 us of host time at a new shape against ~16 us, H100, `benchmarks/results/h100_2026-11-26i/`,
-call k), and the first call of a kernel the process had not run held the host until the GPU drained (38 ms of a 61 ms
-llama-1b prefill step, `benchmarks/results/h100_2026-11-27h/`, call 7). Steps padded to a grid meet few shapes.
+call k), and an output projection at a row count the process had not run held the host until the GPU drained (38 ms
+of a 61 ms llama-1b prefill step, `benchmarks/results/h100_2026-11-27h/`, call 7). Steps padded to a grid meet few
+shapes.
 """
 
 from __future__ import annotations
