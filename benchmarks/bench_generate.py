@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gpu_timeline import GpuTimeline, describe_gpu
+from gpu_timeline import BATCH_RANGES, GpuTimeline, describe_gpu
 from roofline import (
     copy_bandwidth,
     decode_bound_s,
@@ -315,7 +315,7 @@ class StepTimer:
             return 1000 * float(np.mean([r[i] for r in rows])) if rows else float("nan")
 
         bins = {}
-        for lo, hi in ((1, 8), (9, 32), (33, 96), (97, 192), (193, 100000)):
+        for lo, hi in BATCH_RANGES:
             sel = [r for r in decode if lo <= r[0] <= hi]
             if sel:
                 bins[f"{lo}-{hi}"] = {"steps": len(sel), "schedule_ms": mean_ms(sel, 2), "execute_ms": mean_ms(sel, 3),

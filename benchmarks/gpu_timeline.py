@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["BATCH_RANGES", "GpuTimeline", "describe_gpu"]
 
-#: running-row ranges a decode step's GPU time is averaged over
+#: running-row ranges a decode step's GPU time (and `bench_generate.StepTimer`'s host time) is averaged over
 BATCH_RANGES = ((1, 8), (9, 32), (33, 96), (97, 192), (193, 100000))
 
 
