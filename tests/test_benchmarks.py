@@ -110,7 +110,7 @@ def test_gpu_timeline_splits_busy_and_idle_between_steps():
              (57.0, 60.0, [item(1)] * 20 + [item(8)]), (61.0, 63.0, [item(1)] * 40)]
     for launch, picked, items in steps:
         _Clock.now = launch
-        assert engine.runner.execute(types.SimpleNamespace(scheduled=items)) == "logits"
+        assert engine.runner.execute(types.SimpleNamespace(scheduled=items, decode_step=False)) == "logits"
         _Clock.now = picked
         assert engine.picker.pick() == "tokens"
     summary = timeline.summary()
