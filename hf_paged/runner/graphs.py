@@ -80,9 +80,11 @@ class GraphCapture:
         the stream that allocated it, so recordings on streams of their own could not reuse each other's memory in
         the shared pool. Recorded that way (each prefill bucket on a stream of its own), a llama-1b server's pool
         grew by 3.8-4.0 GiB on an H100 as its buckets were recorded, against 0.3 GiB on one stream
-        (`hf_paged.runner.ragged_graphs`)."""
+        (`hf_paged.runner.ragged_graphs`). The stream is lent by `recording.lend_stream` and given back by
+        `release` (or when the runner is dropped), so the next runner records on it: cuBLAS's workspace for it
+        (33 MiB) is not left behind by every engine."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream, self._give_back_stream = recording.lend_stream(self, self.device)
         return self._stream
 
     def _give_up_graphs(self, error: Exception) -> None:

@@ -157,6 +157,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._buffers: dict[str, torch.Tensor] | None = None
         self._pool = None
         self._stream = None  # the stream every recording runs on (`_capture_stream`)
+        self._give_back_stream = None  # gives `_stream` back to `recording.lend_stream`
         self.graph_steps = 0
         self.eager_steps = 0  # ragged (prefill-carrying) steps; `compiled_prefill_steps` of them ran compiled layers
         self.compiled_prefill_steps = 0
@@ -372,6 +373,9 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self._compiled = None
         self._pool = None
         self._stream = None
+        if self._give_back_stream is not None:
+            self._give_back_stream()  # the next runner records on it (`recording.lend_stream`)
+            self._give_back_stream = None
 
     def repack(self) -> int:
         """Stack the model's sibling projections again (after `param.data = ...`, `load_state_dict(assign=True)`), so
