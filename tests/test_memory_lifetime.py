@@ -197,24 +197,34 @@ def test_recording_streams_are_lent_to_one_live_runner_at_a_time(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(recording, "_FREE_STREAMS", {})
+    lent = []  # every finalizer, detached at the end: none may give a fake stream to the real free list later
+
+    def lend(owner, device):
+        stream, give_back = recording.lend_stream(owner, device)
+        lent.append(give_back)
+        return stream, give_back
 
     class Owner:
         pass
 
-    device = torch.device("cuda", 3)
-    first, second = Owner(), Owner()
-    s1, give_back1 = recording.lend_stream(first, device)
-    s2, _ = recording.lend_stream(second, device)
-    assert s1 is not s2 and s1.index == 3  # both live: two streams
-    del first  # dropped without closing: its finalizer gives the stream back
-    third = Owner()
-    s3, give_back3 = recording.lend_stream(third, device)
-    assert s3 is s1 and not give_back1.alive
-    give_back3()  # a closing runner gives it back while still referenced
-    s4, _ = recording.lend_stream(Owner(), device)
-    assert s4 is s1
-    other, _ = recording.lend_stream(third, torch.device("cuda", 1))
-    assert other.index == 1 and other is not s1  # streams stay on their device
+    try:
+        device = torch.device("cuda", 3)
+        first, second = Owner(), Owner()
+        s1, give_back1 = lend(first, device)
+        s2, _ = lend(second, device)
+        assert s1 is not s2 and s1.index == 3  # both live: two streams
+        del first  # dropped without closing: its finalizer gives the stream back
+        third = Owner()
+        s3, give_back3 = lend(third, device)
+        assert s3 is s1 and not give_back1.alive
+        give_back3()  # a closing runner gives it back while still referenced
+        s4, _ = lend(Owner(), device)
+        assert s4 is s1
+        other, _ = lend(third, torch.device("cuda", 1))
+        assert other.index == 1 and other is not s1  # streams stay on their device
+    finally:
+        for give_back in lent:
+            give_back.detach()
 
 
 EXIT_SCRIPT = """
