@@ -142,6 +142,20 @@ def _compiled_engine_matching_transformers(model) -> hf_paged.Engine:
     return engine
 
 
+def test_each_engine_compiles_into_a_dynamo_cache_of_its_own():
+    """Dynamo keeps a compiled function's cache, and its recompile limit, on the code object: every engine compiled
+    transformers' layer code, so from the ninth model shape in a process (the limit's 8) an engine's layers ran
+    eagerly. Each engine now compiles a copy (`regional.own_code`): with the limit at one entry, a second model
+    shape still compiles its layers, and a model whose whole forward is compiled does too."""
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for model in (tiny_model("llama", seed=1), tiny_model("llama", seed=2, hidden_size=48),
+                      tiny_model("gpt2", seed=1, n_layer=3), tiny_model("gpt2", seed=2, n_layer=3, n_embd=48)):
+            before = counters["stats"]["unique_graphs"]
+            engine = _compiled_engine_matching_transformers(model)
+            assert counters["stats"]["unique_graphs"] > before  # it compiled (past the limit: no new graph)
+            engine.close()
+
+
 def test_layers_that_differ_per_layer_compile_the_whole_forward():
     """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
     would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""

@@ -36,7 +36,7 @@ from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
 from .ragged_graphs import RaggedGraphs
-from .regional import CompiledLayers
+from .regional import CompiledLayers, own_code
 from .shapes import decode_buckets, padded_rows, padded_tokens
 from .sibling_linears import fusing_backend, pack_siblings
 from .table_store import TableStore
@@ -415,7 +415,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             return self._forward(ids, pos)
         if self._compiled is None:
             # regional (each decoder layer's code compiled once for all layers), else the whole forward
-            self._compiled = CompiledLayers.of(self.model) or torch.compile(self._forward, backend=fusing_backend)
+            self._compiled = (CompiledLayers.of(self.model)
+                              or torch.compile(own_code(self._forward), backend=fusing_backend))
             self._compiled_kinds = set()
         regional = isinstance(self._compiled, CompiledLayers)
         # whether this call may compile: once per kind of call (one row / a symbolic batch)
@@ -441,7 +442,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
                             and counters["stats"]["unique_graphs"] - graphs > self._compiled.max_graphs:
                         # the layers kept recompiling (constants that differ per layer): compile the whole forward
                         # instead, now (this call is never inside a graph capture: `_capture` warms up first)
-                        self._compiled = torch.compile(self._forward, backend=fusing_backend)
+                        self._compiled = torch.compile(own_code(self._forward), backend=fusing_backend)
                         logits = self._call_compiled(ids, pos)
                 self._compiled_kinds.add(kind)
                 return logits

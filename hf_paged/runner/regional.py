@@ -2,12 +2,14 @@
 
 `compile_decode` used to hand the whole decode forward to `torch.compile`. Dynamo then traces transformers' code for
 every layer (16 to 80 copies of the same code) and Inductor lowers every copy: on an H100 that was 46 s of a cold
-start and, since Dynamo's tracing is redone in every process, 8 s of a warm one for a 16-layer model. The layers of a
-decoder are instances of one class running one `forward`: compiled once, the code serves them all (Dynamo keys its
+start and, since Dynamo's tracing is redone in every process, 8 s of a warm one for a 16-layer model. The layers of
+a decoder are instances of one class running one `forward`: compiled once, the code serves them all (Dynamo keys its
 cache on the code object, and the weights are inputs of the graph, not constants), as PyTorch's "regional
-compilation" recipe does. The final norm and the rotary table are compiled alone (`top_level_modules`); what is left
-(embedding, `lm_head`) runs eagerly, recorded on the GPU in the same CUDA graph, so it costs no host time at replay.
-On the H100 the llama-1b start-up went from 56 s to 21 s cold and from 14 s to 7.5 s warm, at the same decode speed.
+compilation" recipe does. Each engine compiles a copy of the entry code (`own_code`), so engines do not share one
+cache and its recompile limit. The final norm and the rotary table are compiled alone (`top_level_modules`); what is
+left (embedding, `lm_head`) runs eagerly, recorded on the GPU in the same CUDA graph, so it costs no host time at
+replay. On the H100 the llama-1b start-up went from 56 s to 21 s cold and from 14 s to 7.5 s warm, at the same
+decode speed.
 
 `CompiledLayers.active()` routes a layer's calls to the compiled form for the duration of one forward (a decode
 step, or a ragged prefill step once the decode step compiled them: `ModelRunner._prefill_layers`), on the calling
@@ -26,14 +28,15 @@ before the first call. The final norm and rotary table are compiled once each.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from .sibling_linears import fusing_backend
 
-__all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "regional_layers", "repeated_layers",
+__all__ = ["CompiledLayers", "MAX_LAYER_KINDS", "layer_kind", "own_code", "regional_layers", "repeated_layers",
            "top_level_modules"]
 
 
@@ -150,13 +153,41 @@ class _RouteState:
         self.saved: list = [None] * size  # what each module ran before `active()` (another thread keeps it)
 
 
+def own_code(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` made again around a copy of its code object.
+
+    Why: Dynamo keeps a compiled function's cache on its code object, and its recompile limits with it (8 entries of
+    one code object, 256 in all). Every engine compiled the same code (a decoder layer class's `forward`, the decode
+    forward below), so the engines of one process shared one cache: from the ninth model shape on (a notebook or an
+    evaluation that goes through models), Dynamo stopped compiling and the new engine's decode step ran the model's
+    own code, as with `compile_decode=False`, with no error. A copy per compiled function gives each its own cache,
+    dropped with it. (torch does the same for `debug_force_nested_calls`.)"""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def _forward_entry() -> Callable:
+    """A function of its own code (`own_code`) that runs a module's `forward`: what `CompiledLayers` compiles, one per
+    module class (the layers share one), instead of the module's `forward` itself. Compiling the
+    bound `forward` would key the cache on transformers' code, shared by every engine; and a `forward` in a file
+    Dynamo does not trace from (a `torch.no_grad()`-decorated rotary embedding's) is compiled through torch's one
+    shared wrapper code for the whole process."""
+
+    def run_forward(module, *args, **kwargs):
+        return module.forward(*args, **kwargs)
+
+    return own_code(run_forward)
+
+
 def _route(module: torch.nn.Module, compiled, state: _RouteState, i: int):
     def call(*args, **kwargs):
         if threading.get_ident() != state.owner or _has_hooks(module):
             return (state.saved[i] or module._call_impl)(*args, **kwargs)
         _mark_batch(args, state.batch)
         _mark_batch(kwargs.values(), state.batch)
-        return compiled(*args, **kwargs)
+        return compiled(module, *args, **kwargs)
 
     return call
 
@@ -176,8 +207,12 @@ class CompiledLayers:
         # layers. More means the layers differ in ways `layer_kind` did not see.
         self.max_graphs = 2 * len({layer_kind(layer) for layer in layers}) + len(self.extras)
         self._state = _RouteState(len(self.modules))
-        self._routes = [_route(module, torch.compile(module.forward, backend=fusing_backend), self._state, i)
-                        for i, module in enumerate(self.modules)]
+        entries: dict[type, Callable] = {}  # module class -> its compiled entry (one Dynamo cache each)
+        self._routes = []
+        for i, module in enumerate(self.modules):
+            if type(module) not in entries:
+                entries[type(module)] = torch.compile(_forward_entry(), backend=fusing_backend)
+            self._routes.append(_route(module, entries[type(module)], self._state, i))
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> CompiledLayers | None:
