@@ -148,11 +148,13 @@ def test_each_engine_compiles_into_a_dynamo_cache_of_its_own():
     eagerly. Each engine now compiles a copy (`regional.own_code`): with the limit at one entry, a second model
     shape still compiles its layers, and a model whose whole forward is compiled does too."""
     with torch._dynamo.config.patch(recompile_limit=1):
-        for model in (tiny_model("llama", seed=1), tiny_model("llama", seed=2, hidden_size=48),
-                      tiny_model("gpt2", seed=1, n_layer=3), tiny_model("gpt2", seed=2, n_layer=3, n_embd=48)):
+        for regional, model in ((True, tiny_model("llama", seed=1)), (True, tiny_model("llama", seed=2, hidden_size=48)),
+                                (False, tiny_model("gpt2", seed=1, n_layer=3)),
+                                (False, tiny_model("gpt2", seed=2, n_layer=3, n_embd=48))):
             before = counters["stats"]["unique_graphs"]
             engine = _compiled_engine_matching_transformers(model)
             assert counters["stats"]["unique_graphs"] > before  # it compiled (past the limit: no new graph)
+            assert isinstance(engine.runner._compiled, CompiledLayers) == regional
             engine.close()
 
 
