@@ -158,6 +158,23 @@ def test_each_engine_compiles_into_a_dynamo_cache_of_its_own():
             engine.close()
 
 
+def test_compiled_entries_are_copies_named_per_module_class():
+    """Each entry `CompiledLayers` compiles is a code object of its own (its own Dynamo cache), named after its module
+    class: Dynamo's automatic-dynamic size record is kept per (file, line, name), so entries of two classes under one
+    name would make each other's sizes symbolic, and one class's entries in two engines share it as before."""
+    from torch._dynamo.pgo import CodeId
+
+    from hf_paged.runner.regional import _forward_entry
+
+    model = tiny_model("llama", seed=1)
+    layer, norm = type(model.model.layers[0]), type(model.model.norm)
+    first, second, other = _forward_entry(layer), _forward_entry(layer), _forward_entry(norm)
+    assert first.__code__ is not second.__code__
+    assert CodeId.make(first.__code__) == CodeId.make(second.__code__) != CodeId.make(other.__code__)
+    hidden = torch.randn(1, 2, model.config.hidden_size)
+    assert torch.equal(other(model.model.norm, hidden), model.model.norm(hidden))
+
+
 def test_layers_that_differ_per_layer_compile_the_whole_forward():
     """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
     would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""

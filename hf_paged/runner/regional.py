@@ -153,32 +153,38 @@ class _RouteState:
         self.saved: list = [None] * size  # what each module ran before `active()` (another thread keeps it)
 
 
-def own_code(fn: types.FunctionType) -> types.FunctionType:
-    """`fn` made again around a copy of its code object.
+def own_code(fn: types.FunctionType, name: str | None = None) -> types.FunctionType:
+    """`fn` made again around a copy of its code object (named `name` when given).
 
     Why: Dynamo keeps a compiled function's cache on its code object, and its recompile limits with it (8 entries of
     one code object, 256 in all). Every engine compiled the same code (a decoder layer class's `forward`, the decode
     forward below), so the engines of one process shared one cache: from the ninth model shape on (a notebook or an
     evaluation that goes through models), Dynamo stopped compiling and the new engine's decode step ran the model's
     own code, as with `compile_decode=False`, with no error. A copy per compiled function gives each its own cache,
-    dropped with it. (torch does the same for `debug_force_nested_calls`.)"""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    dropped with it. (torch does the same for `debug_force_nested_calls`.)
+
+    The name matters too: Dynamo's automatic-dynamic record of the sizes a frame has seen is kept per (file, line,
+    name), not per code object, and a size that differs from the record compiles symbolic. Copies of one function
+    under one name would pool the sizes of every module they serve."""
+    code = fn.__code__.replace(co_name=name) if name else fn.__code__.replace()
+    copy = types.FunctionType(code, fn.__globals__, name or fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
+    copy.__qualname__ = name or fn.__qualname__
     return copy
 
 
-def _forward_entry() -> Callable:
+def _forward_entry(cls: type) -> Callable:
     """A function of its own code (`own_code`) that runs a module's `forward`: what `CompiledLayers` compiles, one per
-    module class (the layers share one), instead of the module's `forward` itself. Compiling the
-    bound `forward` would key the cache on transformers' code, shared by every engine; and a `forward` in a file
-    Dynamo does not trace from (a `torch.no_grad()`-decorated rotary embedding's) is compiled through torch's one
-    shared wrapper code for the whole process."""
+    module class (the layers share one), instead of the module's `forward` itself. Compiling the bound `forward` would
+    key the cache on transformers' code, shared by every engine; and a `forward` in a file Dynamo does not trace from
+    (a `torch.no_grad()`-decorated rotary embedding's) is compiled through torch's one shared wrapper code for the
+    whole process. Named after `cls` (`forward_of_LlamaDecoderLayer`), so that automatic dynamic shapes keep one
+    record per class, as they did with the class's own `forward`, not one for every module class of the process."""
 
     def run_forward(module, *args, **kwargs):
         return module.forward(*args, **kwargs)
 
-    return own_code(run_forward)
+    return own_code(run_forward, f"forward_of_{cls.__name__}")
 
 
 def _route(module: torch.nn.Module, compiled, state: _RouteState, i: int):
@@ -211,7 +217,7 @@ class CompiledLayers:
         self._routes = []
         for i, module in enumerate(self.modules):
             if type(module) not in entries:
-                entries[type(module)] = torch.compile(_forward_entry(), backend=fusing_backend)
+                entries[type(module)] = torch.compile(_forward_entry(type(module)), backend=fusing_backend)
             self._routes.append(_route(module, entries[type(module)], self._state, i))
 
     @classmethod
