@@ -277,7 +277,7 @@ class StepTimer:
             if kwargs.get("input_tokens") is not None:
                 self._parts[0] = 0.0  # scheduled by the pipeline's fast path, inside the previous step
             self._batch = len(sched.scheduled)
-            self._decode = sched.decode_step or all(item.num_tokens == 1 for item in sched.scheduled)
+            self._decode = sched.one_token_each
             t = time.perf_counter()
             out = exec_fn(sched, *args, **kwargs)
             self._parts[1] = time.perf_counter() - t

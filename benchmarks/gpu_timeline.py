@@ -45,9 +45,7 @@ class GpuTimeline:
         def timed_execute(sched, *args, **kwargs):
             start = event()
             start.record()
-            # a batched decode step (`decode_step`) is one token per item: no pass over its items on the host path
-            decode = sched.decode_step or all(item.num_tokens == 1 for item in sched.scheduled)
-            self.marks.append([start, None, len(sched.scheduled), decode])
+            self.marks.append([start, None, len(sched.scheduled), sched.one_token_each])
             return execute(sched, *args, **kwargs)
 
         def timed_pick(*args, **kwargs):

@@ -98,6 +98,8 @@ def test_gpu_timeline_splits_busy_and_idle_between_steps():
 
     from gpu_timeline import GpuTimeline, describe_gpu
 
+    from hf_paged.core import SchedulerOutput
+
     def item(n):
         return types.SimpleNamespace(num_tokens=n)
 
@@ -110,7 +112,7 @@ def test_gpu_timeline_splits_busy_and_idle_between_steps():
              (57.0, 60.0, [item(1)] * 20 + [item(8)]), (61.0, 63.0, [item(1)] * 40)]
     for launch, picked, items in steps:
         _Clock.now = launch
-        assert engine.runner.execute(types.SimpleNamespace(scheduled=items, decode_step=False)) == "logits"
+        assert engine.runner.execute(SchedulerOutput(scheduled=items)) == "logits"
         _Clock.now = picked
         assert engine.picker.pick() == "tokens"
     summary = timeline.summary()

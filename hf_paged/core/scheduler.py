@@ -88,6 +88,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def one_token_each(self) -> bool:
+        """Every item runs one token (a decode-only step): known without a pass over the items for a batched
+        decode step (`decode_step`)."""
+        return self.decode_step or all(item.num_tokens == 1 for item in self.scheduled)
+
 
 class Scheduler(AdmissionPolicy):
     """FCFS iteration-level scheduler over sequence groups: admission, decode reservation, preemption.
