@@ -415,8 +415,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             return self._forward(ids, pos)
         if self._compiled is None:
             # regional (each decoder layer's code compiled once for all layers), else the whole forward
-            self._compiled = (CompiledLayers.of(self.model)
-                              or torch.compile(own_code(self._forward), backend=fusing_backend))
+            self._compiled = CompiledLayers.of(self.model) or self._compile_whole_forward()
             self._compiled_kinds = set()
         regional = isinstance(self._compiled, CompiledLayers)
         # whether this call may compile: once per kind of call (one row / a symbolic batch)
@@ -442,12 +441,17 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
                             and counters["stats"]["unique_graphs"] - graphs > self._compiled.max_graphs:
                         # the layers kept recompiling (constants that differ per layer): compile the whole forward
                         # instead, now (this call is never inside a graph capture: `_capture` warms up first)
-                        self._compiled = torch.compile(own_code(self._forward), backend=fusing_backend)
+                        self._compiled = self._compile_whole_forward()
                         logits = self._call_compiled(ids, pos)
                 self._compiled_kinds.add(kind)
                 return logits
         finally:
             self.cache._engine_step_pending = False
+
+    def _compile_whole_forward(self):
+        """The whole decode forward compiled as one graph: a copy of its code (`regional.own_code`), so this engine's
+        Dynamo cache and recompile limit are its own."""
+        return torch.compile(own_code(self._forward), backend=fusing_backend)
 
     def _give_up_compiling(self, error: Exception) -> None:
         """An automatic `compile_decode` (`Engine(compile_decode=None)` on CUDA) that failed to compile: run the
