@@ -21,7 +21,7 @@ from ..attention import prepare_model
 from ..cache import PagedCache, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
-from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules, recording
+from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
@@ -30,6 +30,7 @@ from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
+from .pool_sizing import profile_pool_blocks
 from .prompt_logprobs import PromptLogprobs
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
@@ -59,7 +60,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         tokenizer: optional; needed for string prompts and `stop_strings`.
         block_size, num_blocks, kv_cache_memory, gpu_memory_utilization: KV pool (see `PagedCache`). On CUDA, when
             neither `num_blocks` nor `kv_cache_memory` is given, a forward at the full token budget is profiled first
-            and `gpu_memory_utilization` of the GPU minus weights and activations goes to the pool.
+            and `gpu_memory_utilization` of the GPU minus weights and activations goes to the pool; a `ValueError`
+            if less than that is free (another process on the GPU, say; `hf_paged.engine.pool_sizing`).
         max_num_seqs, max_num_batched_tokens: per-step limits; longer prompts are prefilled in chunks. The token
             budget defaults to `default_max_num_batched_tokens(device)` (16,384 on an H100-class GPU, 8,192 on other
             GPUs, 2,048 on the CPU); `hf-paged serve` uses 8,192.
@@ -184,7 +186,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
         kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
         if num_blocks is None and kv_bytes is None and self.device.type == "cuda":
-            num_blocks = self._profile_num_blocks(per_block, gpu_memory_utilization)
+            num_blocks = profile_pool_blocks(model, self.device, max_num_batched_tokens, per_block,
+                                             gpu_memory_utilization)
         if self.tp is not None:  # one block table for all ranks: every rank's pool gets the smallest block count
             if num_blocks is None:
                 num_blocks = probe._auto_num_blocks(self.device, self.dtype) if kv_bytes is None else max(
@@ -245,26 +248,6 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     def model(self):
         """The model served (raises `hf_paged.runner.ModelFreedError` if it was freed while weakly held)."""
         return self._model_ref()
-
-    # ------------------------------------------------------------------ memory
-    def _profile_num_blocks(self, per_block: int, utilization: float) -> int:
-        """vLLM-style sizing: peak memory of a forward at the full token budget, then the rest to the KV pool."""
-        recording.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = torch.zeros((1, self.max_num_batched_tokens), dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            self.model(input_ids=tokens, use_cache=False, logits_to_keep=min(256, self.max_num_batched_tokens))
-        recording.device_synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * utilization) - peak
-        recording.empty_cache()
-        if budget < per_block:
-            raise ValueError(
-                f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
-                f"(weights + activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
-            )
-        return budget // per_block
 
     def warm_up(self, freeze_gc: bool = True, prefill_graphs: bool = False) -> None:
         """Compile the kernels and capture the decode graphs now (seconds), instead of in the first serving steps.

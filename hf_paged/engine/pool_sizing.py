@@ -1,0 +1,71 @@
+"""The size of an engine's KV pool on CUDA when neither `num_blocks` nor `kv_cache_memory` is given.
+
+vLLM's semantics: `gpu_memory_utilization` is the fraction of the *whole device* this engine may use, for the weights,
+the activations of the largest step and the KV pool together; the pool gets what the other two leave. The fraction
+says nothing of what is free, though: another process on the device (a second server, a training job, a notebook) or
+memory this process holds outside torch's allocator can leave less free than the fraction promises. Sized on the
+fraction alone, the pool was then allocated (or not: a bare CUDA out-of-memory error while building the engine), and
+the first full-budget prefill ran out of memory in the middle of serving. So the pool's size is checked against the
+memory free after profiling, and a shortfall is a `ValueError` at construction that names the argument to change, as
+vLLM does at start-up.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..runner import recording
+
+_GIB = 2**30
+
+
+def profile_pool_blocks(model, device: torch.device, max_num_batched_tokens: int, per_block: int,
+                        utilization: float) -> int:
+    """Run one forward at the full token budget, measure its peak, and size the pool (`pool_blocks`)."""
+    recording.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    tokens = torch.zeros((1, max_num_batched_tokens), dtype=torch.long, device=device)
+    with torch.inference_mode():
+        model(input_ids=tokens, use_cache=False, logits_to_keep=min(256, max_num_batched_tokens))
+    recording.device_synchronize(device)
+    del tokens
+    peak = torch.cuda.max_memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    recording.empty_cache()
+    allocated = torch.cuda.memory_allocated(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    return pool_blocks(per_block, utilization, total=total, peak=peak, allocated=allocated, free=free)
+
+
+def pool_blocks(per_block: int, utilization: float, *, total: int, peak: int, allocated: int, free: int) -> int:
+    """Blocks of `per_block` bytes in `total * utilization - peak`, checked against the memory `free` now.
+
+    `peak`: torch's peak allocation during the profiling forward (weights, anything else this process holds in torch,
+    and the activations). `allocated`: what torch holds once that forward is done; `peak - allocated` are the
+    activations, which the first full-budget step allocates again. The pool and those activations must both fit in
+    `free`: else the engine could not serve the steps it was sized for.
+    """
+    if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real):
+        raise TypeError(f"gpu_memory_utilization must be a number, got {type(utilization).__name__}")
+    utilization = float(utilization)
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(total * utilization) - peak
+    if budget < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
+            f"(weights + activations peak at {peak / _GIB:.1f} GiB of {total / _GIB:.1f} GiB)"
+        )
+    activations = max(peak - allocated, 0)
+    if budget + activations > free:
+        others = max(total - free - allocated, 0)
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} gives the KV cache {budget / _GIB:.2f} GiB of the device's "
+            f"{total / _GIB:.1f} GiB, but only {free / _GIB:.2f} GiB are free for it and the "
+            f"{activations / _GIB:.2f} GiB of activations of a full step: other processes, or memory held outside "
+            f"torch, take {others / _GIB:.2f} GiB. Lower gpu_memory_utilization, or give the cache's size with "
+            "kv_cache_memory (bytes, or a string such as '8GiB')"
+        )
+    return budget // per_block
