@@ -125,3 +125,67 @@ def test_another_process_on_the_gpu_is_seen_on_cuda():
     finally:
         holder.kill()
         holder.wait()
+
+
+class _Probe:
+    """`PagedCache`'s two sizing methods, as `engine_pool_blocks` uses them."""
+
+    def bytes_per_block(self, dtype):
+        return 1 << 20
+
+    def _auto_num_blocks(self, device, dtype):
+        return 700
+
+
+class _Ranks:
+    """A tensor-parallel group of this rank and one other, whose count (0: its sizing failed) is `other`."""
+
+    def __init__(self, other):
+        self.other, self.offered = other, []
+
+    def agree_min(self, value, device):
+        self.offered.append(value)
+        return min(value, self.other)
+
+
+def _size(tp, device="cuda", num_blocks=None, kv_bytes=None):
+    return pool_sizing.engine_pool_blocks(None, _Probe(), tp, torch.device(device), torch.float16, num_blocks,
+                                          kv_bytes, 256, 0.9)
+
+
+def test_an_engine_on_cuda_profiles_its_pool(monkeypatch):
+    monkeypatch.setattr(pool_sizing, "profile_pool_blocks", lambda *args: 123)
+    assert _size(None) == 123
+    assert _size(None, num_blocks=50) == 50  # given: no profiling
+    assert _size(None, kv_bytes=GIB) is None  # PagedCache sizes it from the bytes
+    assert _size(None, device="cpu") is None  # PagedCache's CPU default
+
+
+def test_ranks_agree_on_the_smallest_pool(monkeypatch):
+    monkeypatch.setattr(pool_sizing, "profile_pool_blocks", lambda *args: 123)
+    ranks = _Ranks(other=100)
+    assert _size(ranks) == 100 and ranks.offered == [123]
+    ranks = _Ranks(other=1000)
+    assert _size(ranks, device="cpu") == 700 and ranks.offered == [700]  # PagedCache's own sizing, agreed
+    ranks = _Ranks(other=1000)
+    assert _size(ranks, device="cpu", kv_bytes=8 << 20) == 8 and ranks.offered == [8]
+
+
+def test_a_rank_that_cannot_fit_its_pool_still_meets_the_others(monkeypatch):
+    """A rank whose sizing fails offers zero blocks to the agreement before it raises (the others are not left waiting
+    in the collective), and a rank whose own sizing worked raises too when another's did not."""
+    def refuse(*args):
+        raise ValueError("gpu_memory_utilization=0.9 gives the KV cache 66.00 GiB ...")
+
+    monkeypatch.setattr(pool_sizing, "profile_pool_blocks", refuse)
+    ranks = _Ranks(other=100)
+    with pytest.raises(ValueError, match="gives the KV cache"):
+        _size(ranks)
+    assert ranks.offered == [0]
+    with pytest.raises(ValueError, match="gives the KV cache"):
+        _size(None)  # no ranks: raised at once
+    monkeypatch.setattr(pool_sizing, "profile_pool_blocks", lambda *args: 123)
+    ranks = _Ranks(other=0)
+    with pytest.raises(ValueError, match="another tensor-parallel rank cannot fit its KV pool"):
+        _size(ranks)
+    assert ranks.offered == [123]

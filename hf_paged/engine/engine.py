@@ -30,7 +30,7 @@ from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
-from .pool_sizing import profile_pool_blocks
+from .pool_sizing import engine_pool_blocks
 from .prompt_logprobs import PromptLogprobs
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
@@ -185,14 +185,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
         kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
-        if num_blocks is None and kv_bytes is None and self.device.type == "cuda":
-            num_blocks = profile_pool_blocks(model, self.device, max_num_batched_tokens, per_block,
-                                             gpu_memory_utilization)
-        if self.tp is not None:  # one block table for all ranks: every rank's pool gets the smallest block count
-            if num_blocks is None:
-                num_blocks = probe._auto_num_blocks(self.device, self.dtype) if kv_bytes is None else max(
-                    1, kv_bytes // per_block)
-            num_blocks = self.tp.agree_min(num_blocks, self.device)
+        num_blocks = engine_pool_blocks(model, probe, self.tp, self.device, self.dtype, num_blocks, kv_bytes,
+                                        max_num_batched_tokens, gpu_memory_utilization)
         self.cache = PagedCache(
             config=model.config,
             num_kv_heads=kv_heads,

@@ -21,6 +21,38 @@ from ..runner import recording
 _GIB = 2**30
 
 
+def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtype, num_blocks: int | None,
+                       kv_bytes: int | None, max_num_batched_tokens: int, utilization: float) -> int | None:
+    """The block count an engine builds its pool with; `None` leaves it to `PagedCache` (CPU, or `kv_cache_memory`).
+
+    On CUDA with neither `num_blocks` nor `kv_bytes`: `profile_pool_blocks`. Under tensor parallelism every rank sizes
+    its own pool and they agree on the smallest count (one block table serves all ranks). A rank whose sizing fails
+    still takes part in that agreement, with zero blocks, before it raises: the other ranks then raise too, instead of
+    waiting in the collective for a rank that has given up.
+    """
+    failure = None
+    try:
+        if num_blocks is None and kv_bytes is None and device.type == "cuda":
+            num_blocks = profile_pool_blocks(model, device, max_num_batched_tokens, probe.bytes_per_block(dtype),
+                                             utilization)
+        if tp is not None and num_blocks is None:
+            per_block = probe.bytes_per_block(dtype)
+            num_blocks = probe._auto_num_blocks(device, dtype) if kv_bytes is None else max(1, kv_bytes // per_block)
+    except ValueError as error:
+        if tp is None:
+            raise
+        failure, num_blocks = error, 0
+    if tp is None:
+        return num_blocks
+    agreed = tp.agree_min(num_blocks, device)
+    if failure is not None:
+        raise failure
+    if agreed < 1 and num_blocks >= 1:  # (a count below one that every rank was given is PagedCache's to refuse)
+        raise ValueError("another tensor-parallel rank cannot fit its KV pool (that rank's error says why); every rank "
+                         "stops")
+    return agreed
+
+
 def profile_pool_blocks(model, device: torch.device, max_num_batched_tokens: int, per_block: int,
                         utilization: float) -> int:
     """Run one forward at the full token budget, measure its peak, and size the pool (`pool_blocks`)."""
