@@ -1,4 +1,5 @@
-"""The size of an engine's KV pool on CUDA when neither `num_blocks` nor `kv_cache_memory` is given.
+"""How many KV blocks an engine's pool gets: profiled on CUDA when neither `num_blocks` nor `kv_cache_memory` is given,
+and, under tensor parallelism, the count every rank agrees on.
 
 vLLM's semantics: `gpu_memory_utilization` is the fraction of the *whole device* this engine may use, for the weights,
 the activations of the largest step and the KV pool together; the pool gets what the other two leave. The fraction
