@@ -128,10 +128,7 @@ def test_another_process_on_the_gpu_is_seen_on_cuda():
 
 
 class _Probe:
-    """`PagedCache`'s two sizing methods, as `engine_pool_blocks` uses them."""
-
-    def bytes_per_block(self, dtype):
-        return 1 << 20
+    """`PagedCache`'s own sizing, as `engine_pool_blocks` uses it."""
 
     def _auto_num_blocks(self, device, dtype):
         return 700
@@ -149,8 +146,8 @@ class _Ranks:
 
 
 def _size(tp, device="cuda", num_blocks=None, kv_bytes=None):
-    return pool_sizing.engine_pool_blocks(None, _Probe(), tp, torch.device(device), torch.float16, num_blocks,
-                                          kv_bytes, 256, 0.9)
+    return pool_sizing.engine_pool_blocks(None, _Probe(), tp, torch.device(device), torch.float16, 1 << 20,
+                                          num_blocks, kv_bytes, 256, 0.9)
 
 
 def test_an_engine_on_cuda_profiles_its_pool(monkeypatch):

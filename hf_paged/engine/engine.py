@@ -185,7 +185,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
         kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
-        num_blocks = engine_pool_blocks(model, probe, self.tp, self.device, self.dtype, num_blocks, kv_bytes,
+        num_blocks = engine_pool_blocks(model, probe, self.tp, self.device, self.dtype, per_block, num_blocks, kv_bytes,
                                         max_num_batched_tokens, gpu_memory_utilization)
         self.cache = PagedCache(
             config=model.config,

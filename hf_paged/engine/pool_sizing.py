@@ -22,22 +22,22 @@ from ..runner import recording
 _GIB = 2**30
 
 
-def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtype, num_blocks: int | None,
-                       kv_bytes: int | None, max_num_batched_tokens: int, utilization: float) -> int | None:
+def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtype, per_block: int,
+                       num_blocks: int | None, kv_bytes: int | None, max_num_batched_tokens: int,
+                       utilization: float) -> int | None:
     """The block count an engine builds its pool with; `None` leaves it to `PagedCache` (CPU, or `kv_cache_memory`).
 
-    On CUDA with neither `num_blocks` nor `kv_bytes`: `profile_pool_blocks`. Under tensor parallelism every rank sizes
-    its own pool and they agree on the smallest count (one block table serves all ranks). A rank whose sizing fails
-    still takes part in that agreement, with zero blocks, before it raises: the other ranks then raise too, instead of
-    waiting in the collective for a rank that has given up.
+    `per_block`: the bytes of one block (`probe.bytes_per_block(dtype)`). On CUDA with neither `num_blocks` nor
+    `kv_bytes`: `profile_pool_blocks`. Under tensor parallelism every rank sizes its own pool and they agree on the
+    smallest count (one block table serves all ranks). A rank whose sizing fails still takes part in that agreement,
+    with zero blocks, before it raises: the other ranks then raise too, instead of waiting in the collective for a rank
+    that has given up.
     """
     failure = None
     try:
         if num_blocks is None and kv_bytes is None and device.type == "cuda":
-            num_blocks = profile_pool_blocks(model, device, max_num_batched_tokens, probe.bytes_per_block(dtype),
-                                             utilization)
+            num_blocks = profile_pool_blocks(model, device, max_num_batched_tokens, per_block, utilization)
         if tp is not None and num_blocks is None:
-            per_block = probe.bytes_per_block(dtype)
             num_blocks = probe._auto_num_blocks(device, dtype) if kv_bytes is None else max(1, kv_bytes // per_block)
     except ValueError as error:
         if tp is None:
