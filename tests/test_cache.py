@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -487,6 +488,22 @@ def test_non_positive_num_blocks_raises(num_blocks):
     model = model_for("llama")
     with pytest.raises(ValueError, match="num_blocks"):
         hf_paged.PagedCache(config=model.config, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (1.2, ValueError), ("0.9", TypeError), (None, TypeError),
+                                       (True, TypeError)])
+def test_bad_memory_fraction_is_refused_as_the_engine_refuses_it(bad, error):
+    """`PagedCache` and the engine's pool sizing share one rule: a real number in (0, 1]; "0.9" is a TypeError in both
+    (float() alone used to accept it here)."""
+    from hf_paged.engine.pool_sizing import pool_blocks
+
+    model = model_for("llama")
+    with pytest.raises(error, match="gpu_memory_utilization"):
+        hf_paged.PagedCache(config=model.config, num_blocks=8, gpu_memory_utilization=bad)
+    with pytest.raises(error, match="gpu_memory_utilization"):
+        pool_blocks(4096, bad, total=1 << 30, peak=0, allocated=0, free=1 << 30)
+    assert hf_paged.PagedCache(config=model.config, num_blocks=8, gpu_memory_utilization=np.float32(0.5)
+                               ).gpu_memory_utilization == 0.5
 
 
 def test_cache_without_config_raises():

@@ -5,11 +5,12 @@ Used by `PagedCache` to size its pool and by the engine and benchmarks; no state
 
 from __future__ import annotations
 
+import numbers
 import re
 
 import torch
 
-__all__ = ["parse_memory", "kv_bytes_per_token", "attention_heads", "attention_shape"]
+__all__ = ["parse_memory", "memory_fraction", "kv_bytes_per_token", "attention_heads", "attention_shape"]
 
 
 def parse_memory(value: int | float | str | None, name: str) -> int | None:
@@ -34,6 +35,17 @@ def parse_memory(value: int | float | str | None, name: str) -> int | None:
     if size <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return size
+
+
+def memory_fraction(value, name: str = "gpu_memory_utilization") -> float:
+    """`value` as a fraction in (0, 1]: a real number (a numpy scalar too), never a bool or a string, so that "0.9"
+    is refused at the argument rather than accepted by one entry point and refused by another."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    fraction = float(value)
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {fraction}")
+    return fraction
 
 
 def _text(config):

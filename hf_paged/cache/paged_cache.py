@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import kernels
 from ..core import NULL_BLOCK, BlockManager
 from .host_ints import int_table, int_tensor
-from .memory import attention_shape, parse_memory
+from .memory import attention_shape, memory_fraction, parse_memory
 from .step import StepMetadata
 
 __all__ = ["PagedCache", "CacheFullError"]
@@ -137,8 +137,7 @@ class PagedCache(Cache):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks is not None and num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        gpu_memory_utilization = memory_fraction(gpu_memory_utilization)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.config = config

@@ -13,10 +13,9 @@ vLLM does at start-up.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ..cache import memory_fraction
 from ..runner import recording
 
 _GIB = 2**30
@@ -80,11 +79,7 @@ def pool_blocks(per_block: int, utilization: float, *, total: int, peak: int, al
     activations, which the first full-budget step allocates again. The pool and those activations must both fit in
     `free`: else the engine could not serve the steps it was sized for.
     """
-    if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real):
-        raise TypeError(f"gpu_memory_utilization must be a number, got {type(utilization).__name__}")
-    utilization = float(utilization)
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    utilization = memory_fraction(utilization)
     budget = int(total * utilization) - peak
     if budget < per_block:
         raise ValueError(
