@@ -34,6 +34,7 @@ from gpu_timeline import BATCH_RANGES, GpuTimeline, describe_gpu
 from roofline import (
     copy_bandwidth,
     decode_bound_s,
+    decode_roofline_s,
     expert_weights,
     kv_read_groups,
     latency_stats,
@@ -491,6 +492,10 @@ def main() -> None:
                                                 meta["copy_tb_s"] * 1e12, experts=expert_weights(model))
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
         token_params, prompt_params = prefill_params(model)
+        # the bound with each step also at least its matrix FLOPs' time (every decode row runs the output projection)
+        meta["decode_roofline_s"] = decode_roofline_s(
+            workload, model_bytes(model), kv_read_groups(model.config, kv_token), meta["copy_tb_s"] * 1e12,
+            token_params + prompt_params, meta["matmul_tflop_s"] * 1e12, experts=expert_weights(model))
         meta["prefill_tflop"] = prefill_flops(workload, model.config, token_params * world, prompt_params * world) \
             / 1e12 / world
     for system in args.systems.split(","):
@@ -569,18 +574,21 @@ def main() -> None:
             print(f"| {r['system']} | failed: {r['error']} |")
     if "decode_bound_s" in meta:
         print(f"\nbound: decode {meta['decode_bound_s']:.2f} s at {meta['copy_tb_s']:.2f} TB/s (the weights a step reads "
-              f"+ every running sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s")
-        print("| system | run s (steady) | bound / run | decode step ms (host ms) | steps | prefill s | prefill MFU | "
-              "TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              f"+ every running sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s; "
+              f"roofline {meta['decode_roofline_s']:.2f} s (each step also at least its matrix FLOPs' time)")
+        print("| system | run s (steady) | bound / run | roofline / run | decode step ms (host ms) | steps | prefill s | "
+              "prefill MFU | TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows_ok:
             if not r["system"].startswith("paged"):
                 continue
             t = r["timing"]
             mfu = meta["prefill_tflop"] / max(t["prefill_total_s"], 1e-9) / meta["matmul_tflop_s"]
             r["bound_fraction"], r["prefill_mfu"] = meta["decode_bound_s"] / r["run_s"], mfu
+            r["roofline_fraction"] = meta["decode_roofline_s"] / r["run_s"]
             ttft, tpot = r["ttft"], r["tpot"]
-            print(f"| {r['system']} | {r['run_s']:.2f} | {r['bound_fraction']:.0%} | {t['decode_step_ms']:.2f} "
+            print(f"| {r['system']} | {r['run_s']:.2f} | {r['bound_fraction']:.0%} | {r['roofline_fraction']:.0%} | "
+                  f"{t['decode_step_ms']:.2f} "
                   f"({t['decode_host_ms']:.2f}) | {r['steps']} | {t['prefill_total_s']:.2f} | {mfu:.0%} | "
                   f"{ttft['mean_ms']:.0f} / {ttft['p50_ms']:.0f} / {ttft['p99_ms']:.0f} | "
                   f"{tpot['mean_ms']:.1f} / {tpot['p50_ms']:.1f} / {tpot['p99_ms']:.1f} |")

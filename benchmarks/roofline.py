@@ -9,6 +9,8 @@ could take and the fraction of it reached.
   (weight bytes + KV bytes of those contexts) / copy bandwidth. Prefill is left out, so the bound only gets lower.
   A sliding-window layer reads at most its window of the context; a mixture of experts reads the experts its B
   tokens are routed to (their expected number under uniform routing), not all of them.
+* Decode roofline (`decode_roofline_s`): the same steps, each at least as long as its matrix FLOPs take at the
+  measured matmul rate. Reported beside the bound, which stays the issue's yardstick.
 * Prefill FLOPs: 2 x parameters per token for the matrices (not the embedding tables: the input one is gathered and
   the output projection runs on each prompt's last token only; a mixture of experts' routed experts at the share a
   token uses), plus the attention's `QK^T` and `PV` products over the causal context (2 x 2 x heads x head_dim per
@@ -133,10 +135,11 @@ def expert_weights(model) -> tuple[int, int, int]:
     return total, int(num), int(top)
 
 
-def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
-                   kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
-                   experts: tuple[int, int, int] = (0, 1, 1)) -> float:
-    """Least time to decode `workload` [(prompt ids, output length)] at `bandwidth` bytes/s (see the docstring).
+def decode_step_bytes(workload: list[tuple[list[int], int]], weight_bytes: int,
+                      kv_bytes_per_token: int | list[tuple[int, int | None]],
+                      experts: tuple[int, int, int] = (0, 1, 1)) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes each decode step must read, rows it runs) of `workload` [(prompt ids, output length)], every request
+    running from the start (see the module docstring).
 
     `kv_bytes_per_token` is one all-layer figure or `kv_read_groups`' [(bytes per token, window)]. `experts` is
     `expert_weights`' (bytes, experts, experts per token): a step of B tokens reads, with tokens routed uniformly
@@ -145,15 +148,41 @@ def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
     expert_bytes, num_experts, top = experts
     prompts = np.array([len(p) for p, _ in workload], dtype=np.float64)
     outs = np.array([o for _, o in workload], dtype=np.int64)
-    total = 0.0
-    for s in range(1, int(outs.max()) + 1):
+    steps = int(outs.max()) if len(outs) else 0
+    step_bytes, rows = np.zeros(steps), np.zeros(steps)
+    for s in range(1, steps + 1):
         alive = outs >= s
         context = prompts[alive] + s - 1
-        touched = 1.0 - (1.0 - top / num_experts) ** int(alive.sum())
-        total += weight_bytes - expert_bytes * (1.0 - touched)
+        rows[s - 1] = int(alive.sum())
+        touched = 1.0 - (1.0 - top / num_experts) ** rows[s - 1]
+        total = weight_bytes - expert_bytes * (1.0 - touched)
         for per_token, window in groups:
             total += per_token * float((np.minimum(context, window) if window else context).sum())
-    return total / bandwidth
+        step_bytes[s - 1] = total
+    return step_bytes, rows
+
+
+def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
+                   kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
+                   experts: tuple[int, int, int] = (0, 1, 1)) -> float:
+    """Least time to read what `workload`'s decode steps must read, at `bandwidth` bytes/s: the issue's bound
+    (`decode_step_bytes`)."""
+    return float(decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts)[0].sum()) / bandwidth
+
+
+def decode_roofline_s(workload: list[tuple[list[int], int]], weight_bytes: int,
+                      kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
+                      params_per_token: int, matmul_rate: float, experts: tuple[int, int, int] = (0, 1, 1)) -> float:
+    """Least decode time when a step also cannot beat the matrix units: the sum over steps of the larger of its bytes
+    over `bandwidth` and its `2 x params_per_token x rows` matrix FLOPs over `matmul_rate` (FLOP/s).
+
+    Why beside `decode_bound_s`: at a few hundred rows a step's GEMMs are near the GPU's ridge point (an H100 at about
+    295 FLOP per byte of bf16 weights, an H200 at about 206 as its bandwidth is higher), so the bytes alone understate
+    what the steps with the most rows must take. Attention's own FLOPs are left out, so this is still a lower bound.
+    `params_per_token`: the parameters a decode token multiplies (`prefill_params`' two figures added: in decode every
+    row runs the output projection)."""
+    step_bytes, rows = decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts)
+    return float(np.maximum(step_bytes / bandwidth, 2.0 * params_per_token * rows / matmul_rate).sum())
 
 
 def prefill_params(model) -> tuple[int, int]:

@@ -186,6 +186,26 @@ def test_bound_counts_the_bytes_a_decode_step_reads():
         full - 3 * embed.numel() * embed.element_size())
 
 
+def test_roofline_takes_each_step_at_the_larger_of_its_bytes_and_its_flops():
+    """A step is bound by its bytes at few rows and by its matrix FLOPs at many: the roofline is the sum over steps
+    of the larger, so it is never below the bytes-only bound and equals it when the matrix units are never the
+    limit."""
+    roofline = pytest.importorskip("roofline")
+    # 3 requests: steps 1-2 run 3 rows, step 3 runs 1; contexts 4,4,4 then 5,5,5 then 6
+    workload = [([1] * 4, 3), ([1] * 4, 2), ([1] * 4, 2)]
+    step_bytes, rows = roofline.decode_step_bytes(workload, 100, 10)
+    assert rows.tolist() == [3, 3, 1]
+    assert step_bytes.tolist() == [100 + 10 * 12, 100 + 10 * 15, 100 + 10 * 6]
+    bound = roofline.decode_bound_s(workload, 100, 10, 2.0)
+    assert bound == pytest.approx(sum(step_bytes) / 2.0)
+    # 50 params a token at 1 FLOP/s per 2 bytes/s: 3-row steps take 300 s of FLOPs (> 110 / 125 s of bytes), the
+    # 1-row step 100 s (> 80 s of bytes)
+    assert roofline.decode_roofline_s(workload, 100, 10, 2.0, 50, 1.0) == pytest.approx(300 + 300 + 100)
+    # with fast matrix units every step is bytes-bound: the roofline is the bound
+    assert roofline.decode_roofline_s(workload, 100, 10, 2.0, 50, 1e9) == pytest.approx(bound)
+    assert roofline.decode_roofline_s(workload, 100, 10, 2.0, 10, 1.0) >= bound
+
+
 def _tiny_mixtral():
     """A one-layer mixture of experts on the meta device: 8 experts of 3 x 16 x 32 weights, 2 per token, vocab 64."""
     from transformers import AutoConfig, AutoModelForCausalLM
