@@ -177,7 +177,7 @@ def decode_roofline_s(workload: list[tuple[list[int], int]], weight_bytes: int,
     over `bandwidth` and its `2 x params_per_token x rows` matrix FLOPs over `matmul_rate` (FLOP/s).
 
     Why beside `decode_bound_s`: at a few hundred rows a step's GEMMs are near the GPU's ridge point (an H100 at about
-    295 FLOP per byte of bf16 weights, an H200 at about 206 as its bandwidth is higher), so the bytes alone understate
+    295 FLOP per byte of bf16 weights, an H200 at about 206 as its bandwidth is higher), so the bytes alone can understate
     what the steps with the most rows must take. Attention's own FLOPs are left out, so this is still a lower bound.
     `params_per_token`: the parameters a decode token multiplies (`prefill_params`' two figures added: in decode every
     row runs the output projection)."""
