@@ -488,14 +488,14 @@ def main() -> None:
         meta["copy_tb_s"] = copy_bandwidth(args.device) / 1e12
         meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
         kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
-        meta["decode_bound_s"] = decode_bound_s(workload, model_bytes(model), kv_read_groups(model.config, kv_token),
-                                                meta["copy_tb_s"] * 1e12, experts=expert_weights(model))
+        weights, groups, experts = model_bytes(model), kv_read_groups(model.config, kv_token), expert_weights(model)
+        meta["decode_bound_s"] = decode_bound_s(workload, weights, groups, meta["copy_tb_s"] * 1e12, experts=experts)
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
         token_params, prompt_params = prefill_params(model)
         # the bound with each step also at least its matrix FLOPs' time (every decode row runs the output projection)
-        meta["decode_roofline_s"] = decode_roofline_s(
-            workload, model_bytes(model), kv_read_groups(model.config, kv_token), meta["copy_tb_s"] * 1e12,
-            token_params + prompt_params, meta["matmul_tflop_s"] * 1e12, experts=expert_weights(model))
+        meta["decode_roofline_s"] = decode_roofline_s(workload, weights, groups, meta["copy_tb_s"] * 1e12,
+                                                      token_params + prompt_params, meta["matmul_tflop_s"] * 1e12,
+                                                      experts=experts)
         meta["prefill_tflop"] = prefill_flops(workload, model.config, token_params * world, prompt_params * world) \
             / 1e12 / world
     for system in args.systems.split(","):

@@ -143,7 +143,7 @@ class PagedCache(Cache):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
         self.block_size = block_size
-        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.gpu_memory_utilization = gpu_memory_utilization  # memory_fraction's float, checked above
         self.kv_cache_memory = parse_memory(kv_cache_memory, "kv_cache_memory")
         self.num_cpu_blocks = int(num_cpu_blocks)
         self._requested_blocks = num_blocks
