@@ -23,16 +23,13 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention.support import HANDLED_FEATURES, model_features, refusal
+from .attention.support import HANDLED_FEATURES, KNOWN_ATTENTION_KWARGS, model_features, refusal
 
 __all__ = ["Capabilities", "AttentionCall", "inspect_model", "check_supported", "PROBE_NAME"]
 
 PROBE_NAME = "hf_paged_probe"
 # kwargs every interface-routed family may pass and that carry no attention semantics of their own
-_BENIGN_KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings",
-                  "is_causal", "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type",
-                  "return_dict", "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k",
-                  "max_length_q", "max_length_k", "output_router_logits", "logits_to_keep"}
+_BENIGN_KWARGS = KNOWN_ATTENTION_KWARGS - {"sliding_window", "softcap", "s_aux"}
 
 
 @dataclass

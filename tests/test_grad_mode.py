@@ -1,6 +1,6 @@
 """The drop-in `PagedCache` in grad mode (issue 13, item 3): same logits as `DynamicCache`; gradients stop at the cache.
 
-The decision (documented in `hf_paged.cache.paged_cache._cut_gradients` and the README): K/V stored in the pool and
+The decision (documented in `hf_paged.cache.gradients.cut_gradients` and the README): K/V stored in the pool and
 the paged attention's output are constants for autograd, so backward runs through everything else, and no gradient
 reaches the query/key/value projections through attention.
 """
@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.cache import paged_cache
+from hf_paged.cache import gradients
 from hf_paged.testing import FAMILIES, tiny_model
 
 _QKV = ("q_proj", "k_proj", "v_proj", "c_attn", "qkv_proj", "query_key_value")
@@ -48,7 +48,7 @@ def test_gradients_stop_at_the_paged_cache():
     model = tiny_model("llama")
     hf_paged.enable(model)
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
-    paged_cache._GRAD_WARNED[0] = False
+    gradients.GRAD_WARNED[0] = False
     with pytest.warns(UserWarning, match="gradients do not flow"):
         logits = _loop(model, hf_paged.PagedCache(config=model.config), ids)
     sum(x.float().sum() for x in logits).backward()

@@ -7,6 +7,7 @@ the engine and the integrations.
 
 from .compiled_op import active_cache, fused_decode_attention, write_and_decode
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
+from .recurrent import profile_state_specs
 from .setup import on_prepare, prepare_model
 from .support import HANDLED_FEATURES, SUPPORTED_MODEL_TYPES, check_supported, describe_support, model_features
 
@@ -23,6 +24,7 @@ __all__ = [
     "paged_attention_forward",
     "paged_mask",
     "prepare_model",
+    "profile_state_specs",
     "register",
     "write_and_decode",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from . import recurrent
 from .functions import ATTENTION_NAME, register
 from .support import check_supported
 
@@ -38,6 +39,7 @@ def prepare_model(model):
         raise ValueError(
             f"{type(model).__name__}: switching the attention implementation to {ATTENTION_NAME!r} did not reach its "
             f"text model (it runs {text_config._attn_implementation!r}); hf-paged cannot route its attention")
+    recurrent.install(model)  # hybrid models: each recurrent mixer's state in a slot of the paged cache
     for hook in _HOOKS:
         hook(model)
     return model

@@ -20,6 +20,7 @@ import inspect
 import textwrap
 
 from ..cache import attention_shape
+from .recurrent import is_mixer_class
 
 __all__ = [
     "FEATURES",
@@ -47,7 +48,9 @@ FEATURES: dict[str, str] = {
     "value_head_dim": "K and V of different head sizes (multi-head latent attention)",
     "per_layer_head_dim": "head sizes that differ between layers (one KV pool holds one head size)",
     "mask_only_window": "a sliding window applied only through the model's mask, not passed to the attention function",
-    "recurrent_state": "Mamba / linear-attention / convolution layers whose recurrent state is not paged",
+    "recurrent_state": "Mamba / linear-attention / convolution layers: each sequence's recurrent state in a slot",
+    "unslotted_state": ("a recurrent state kept outside transformers' cache API (the model's own cache object or "
+                        "module buffers), which hf-paged cannot give each sequence a slot of"),
     "sparse_attention": "learned sparse attention (an indexer picks the keys each query reads)",
     "latent_kv": "multi-head latent attention that caches a compressed latent and expands K/V after the cache",
     "kv_after_update": "K/V changed between Cache.update() and the attention function (the paged pool cannot be read)",
@@ -71,6 +74,7 @@ FEATURES: dict[str, str] = {
 HANDLED_FEATURES: frozenset[str] = frozenset({
     "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
     "sliding_window", "softcap", "sinks", "chunked_attention",  # hf_paged.kernels: per-call options
+    "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
 })
 
 # Attention features the kernels can be taught (issue 15): the report estimates what would pass with them handled.
@@ -81,6 +85,15 @@ KERNEL_FEATURES: frozenset[str] = frozenset({
 # The families tested in depth by hf_paged.testing (kept for code written against 0.1; no longer a gate).
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite"})
+
+# keyword arguments of an attention call that change nothing the kernels compute, or that they take per call
+KNOWN_ATTENTION_KWARGS = frozenset({
+    "position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings", "is_causal",
+    "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type", "return_dict",
+    "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "output_router_logits", "logits_to_keep", "dropout", "scaling", "attention_mask", "sliding_window", "softcap",
+    "s_aux",
+})
 
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")
 _RECURRENT_CLASS_WORDS = ("Mamba", "Rwkv", "LinearAttention", "ShortConv", "GatedDeltaNet", "Recurrent", "LSTM",
@@ -153,7 +166,7 @@ def _config_features(config) -> dict[str, str]:
         found["final_logit_softcapping"] = f"final_logit_softcapping={config.final_logit_softcapping}"
     recurrent = sorted({t for t in layer_types if any(w in t for w in _RECURRENT_LAYER_WORDS)})
     if recurrent:
-        found["recurrent_state"] = f"layer types {recurrent} (recurrent state is not paged)"
+        found["recurrent_state"] = f"layer types {recurrent}"
     sparse = sorted({t for t in layer_types if "sparse" in t or "compressed" in t})
     if sparse or _attr(config, "index_topk") is not None or _attr(config, "indexer_n_heads") is not None:
         found["sparse_attention"] = f"layer types {sparse}" if sparse else "an indexer picks the keys"
@@ -246,19 +259,25 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
         mask_name = ast.unparse(mask) if mask is not None else None
         if mask_name not in (None, "None", "attention_mask"):
             found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
+        extra = sorted(kw.arg for kw in call.keywords if kw.arg is not None and kw.arg not in KNOWN_ATTENTION_KWARGS
+                       and not (isinstance(kw.value, ast.Constant) and kw.value.value is None))
+        if extra:
+            found["unknown_attention_kwargs"] = f"{cls.__name__} passes {extra} to the attention function"
     return tuple(found.items())
 
 
 def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
-    attention_classes, recurrent_classes, not_routed = set(), set(), set()
+    attention_classes, recurrent_classes, not_routed, unslotted = set(), set(), set(), set()
     attention_types: set[type] = set()
     try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
         decoder = model
     decoder = decoder if hasattr(decoder, "named_modules") else model
+    holds_mixer = {id(m) for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)
+                   and is_mixer_class(type(m))}
     for name, module in decoder.named_modules():
         cls = type(module)
         cls_name = cls.__name__
@@ -266,6 +285,12 @@ def _model_features(model) -> dict[str, str]:
             continue  # cross-attention runs only with encoder states, which hf-paged does not take
         if any(word in cls_name for word in _RECURRENT_CLASS_WORDS) and "Cache" not in cls_name:
             recurrent_classes.add(cls_name)
+            # a mixer of transformers' cache API gets its state slotted (`recurrent.install`); a module that keeps
+            # state another way and sits at a layer (its own cache, buffers) cannot be
+            if (not is_mixer_class(cls) and (hasattr(module, "layer_idx") or hasattr(module, "layer_id"))
+                    and _routes_through_interface(cls) is not True  # (softmax attention named "...Linear...")
+                    and not any(id(sub) in holds_mixer for sub in module.modules())):
+                unslotted.add(cls_name)
         if hasattr(module, "sinks") and "sinks" in dict(module.named_parameters(recurse=False)):
             found["sinks"] = f"{cls_name}.sinks (attention sink logits, passed as s_aux)"
         if "Attention" in cls_name and getattr(module, "is_causal", True) is False:
@@ -283,7 +308,9 @@ def _model_features(model) -> dict[str, str]:
             found["mask_only_window"] = (f"{sorted(attention_classes)} never pass `sliding_window` to the attention "
                                          "function: the window lives in the model's mask only")
     if recurrent_classes:
-        found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)} (recurrent state is not paged)")
+        found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)}")
+    if unslotted:
+        found["unslotted_state"] = f"modules {sorted(unslotted)} keep their state outside the cache API"
     if not_routed:
         found["not_interface_routed"] = f"{sorted(not_routed)} compute attention themselves"
     elif not attention_classes:

@@ -5,9 +5,18 @@ Layer 3 of hf_paged (docs/architecture.md): imports `hf_paged.core` and `hf_page
 attention functions, the runner, the engine and the integrations.
 """
 
-from .memory import attention_heads, attention_shape, kv_bytes_per_token, memory_fraction, parse_memory
+from .memory import (
+    attention_heads,
+    attention_shape,
+    kv_bytes_per_token,
+    kv_layer_indices,
+    memory_fraction,
+    parse_memory,
+)
 from .paged_cache import CacheFullError, PagedCache, device_table
+from .state_pool import StateKey, StatePool, StateSpec
 from .step import StepMetadata
 
-__all__ = ["CacheFullError", "PagedCache", "StepMetadata", "attention_heads", "attention_shape", "device_table",
-           "kv_bytes_per_token", "memory_fraction", "parse_memory"]
+__all__ = ["CacheFullError", "PagedCache", "StateKey", "StatePool", "StateSpec", "StepMetadata", "attention_heads",
+           "attention_shape", "device_table", "kv_bytes_per_token", "kv_layer_indices", "memory_fraction",
+           "parse_memory"]

@@ -10,7 +10,12 @@ import re
 
 import torch
 
-__all__ = ["parse_memory", "memory_fraction", "kv_bytes_per_token", "attention_heads", "attention_shape"]
+__all__ = ["parse_memory", "memory_fraction", "kv_bytes_per_token", "attention_heads", "attention_shape",
+           "kv_layer_indices"]
+
+# layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
+# lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
+_NO_KV_LAYER_TYPES = frozenset({"linear_attention", "conv", "moe", "mlp", "mamba", "recurrent"})
 
 
 def parse_memory(value: int | float | str | None, name: str) -> int | None:
@@ -80,7 +85,18 @@ def attention_shape(config) -> tuple[int, int, int]:
     return int(num_layers), num_kv_heads, int(head_dim)
 
 
+def kv_layer_indices(config) -> list[int]:
+    """The indices of the layers that keep K/V (every layer but the recurrent and MLP-only layers of a hybrid model's
+    `layer_types`; all of them for a model without layer types)."""
+    text = _text(config)
+    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    layer_types = getattr(text, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)) or num_layers is None or len(layer_types) != num_layers:
+        return list(range(int(num_layers or 0)))
+    return [i for i, kind in enumerate(layer_types) if str(kind) not in _NO_KV_LAYER_TYPES]
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over all layers."""
-    num_layers, num_kv_heads, head_dim = attention_shape(config)
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of K and V for one token over all layers that keep K/V."""
+    _, num_kv_heads, head_dim = attention_shape(config)
+    return 2 * len(kv_layer_indices(config)) * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

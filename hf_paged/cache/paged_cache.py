@@ -19,64 +19,29 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .. import kernels
-from ..core import NULL_BLOCK, BlockManager
-from .host_ints import int_table, int_tensor
-from .memory import attention_shape, memory_fraction, parse_memory
-from .step import StepMetadata
+from ..core import BlockManager
+from .gradients import cut_gradients
+from .layers import PagedLayer
+from .memory import attention_shape, kv_layer_indices, memory_fraction, parse_memory
+from .state_pool import StateKey, StateSpec
+from .states import RecurrentStates
+from .step import StepMetadata, device_table, make_step
 
-__all__ = ["PagedCache", "CacheFullError"]
+__all__ = ["PagedCache", "CacheFullError", "device_table"]
 
 _DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
 _CUDA_ACTIVATION_RESERVE = 1024**3
 _GROW_MIN_BLOCKS = 16  # first size of a pool that grows on demand (then doubled as needed)
-_GRAD_WARNED = [False]
 
 
 class CacheFullError(RuntimeError):
     """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
-
-
-class _PagedLayer(CacheLayerMixin):
-    """Per-layer facade so `Cache`'s generic properties (is_sliding, is_compileable, ...) answer correctly."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-    supports_early_init = False
-
-    def __init__(self, cache: PagedCache, layer_idx: int):
-        super().__init__()
-        self._cache = weakref.proxy(cache)  # no cache <-> layer cycle: dropping the cache frees the pool at once
-        self._layer_idx = layer_idx
-
-    def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
-        self._cache._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self._cache.update(key_states, value_states, self._layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        pass
-
-    @property
-    def batch_size(self) -> int:
-        return len(self._cache._rows)
 
 
 class PagedCache(Cache):
@@ -99,6 +64,14 @@ class PagedCache(Cache):
         num_layers, num_kv_heads, head_dim: override what `config` says (e.g. the KV heads of one tensor-parallel
             rank). Without an override, a pool allocated on first use takes its KV head count from the key states
             it is given, so the drop-in cache follows a model sharded by transformers' tensor parallelism.
+        num_state_slots, num_state_checkpoints, state_specs: hybrid models' recurrent states
+            (`hf_paged.cache.state_pool`): slots for sequences, slots for prefix-cache checkpoints, and the states'
+            shapes, all known up front (the engine's). Default: the drop-in cache learns the states from the first
+            forward and keeps one slot per batch row.
+
+    Hybrid models: only the layers that keep K/V (`kv_layer_indices`: not the recurrent ones) have blocks in the
+    pool; each sequence also holds a state slot (`StateSlots`, through the block manager), which the recurrent
+    mixers read and write through `hf_paged.attention.recurrent`.
 
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
     reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`) and the memory
@@ -120,10 +93,17 @@ class PagedCache(Cache):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         grow: bool | None = None,
+        num_state_slots: int | None = None,
+        num_state_checkpoints: int = 0,
+        state_specs: dict[StateKey, StateSpec] | None = None,
+        num_cpu_state_slots: int = 0,
     ):
         self._fixed_kv_heads = num_kv_heads is not None
+        kv_layers = None
         if config is not None:
             config_layers, config_kv_heads, config_head_dim = attention_shape(config)
+            if num_layers is None:
+                kv_layers = kv_layer_indices(config)
             num_layers = config_layers if num_layers is None else num_layers
             num_kv_heads = config_kv_heads if num_kv_heads is None else num_kv_heads
             head_dim = config_head_dim if head_dim is None else head_dim
@@ -142,6 +122,13 @@ class PagedCache(Cache):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        # the layers that keep K/V, and each one's index in the pool (hybrid models: not the recurrent layers)
+        self.kv_layers: list[int] = kv_layers if kv_layers is not None else list(range(self.num_layers))
+        self._kv_index = {layer: i for i, layer in enumerate(self.kv_layers)}
+        self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
+        if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
+            raise ValueError(f"num_state_slots must be a positive int, got {num_state_slots!r}")
+        self.states: RecurrentStates | None = None
         self.block_size = block_size
         self.gpu_memory_utilization = gpu_memory_utilization  # memory_fraction's float, checked above
         self.kv_cache_memory = parse_memory(kv_cache_memory, "kv_cache_memory")
@@ -156,14 +143,14 @@ class PagedCache(Cache):
         self.cpu_pool: torch.Tensor | None = None
         self.block_manager: BlockManager | None = None
         self._layer_views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
         # drop-in state
         self._rows: list[int] = []
         self._next_seq_id = 0
         self._seen_tokens = 0
         self._step: StepMetadata | None = None
         self._engine_step_pending = False
-        self._last_layer = -1
+        self._entered: set[tuple[int, int]] = set()  # (layer, 0 attention / 1 recurrent) entered in this forward
         self._defer_write = False  # set by an engine with compile_decode (see `update`)
         self._released = False
         # layer index -> the sliding window its attention calls pass (None: full attention), recorded by the
@@ -187,7 +174,12 @@ class PagedCache(Cache):
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    @property
+    def has_states(self) -> bool:
+        """Whether sequences hold recurrent-state slots (a hybrid model's cache, once its states are known)."""
+        return self.states is not None
 
     def _auto_num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
         per_block = self.bytes_per_block(dtype)
@@ -237,22 +229,33 @@ class PagedCache(Cache):
             num_blocks = max(_GROW_MIN_BLOCKS, min_blocks)
         else:
             num_blocks = self._auto_num_blocks(device, dtype)
-        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (len(self.kv_layers), 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)
         if self.num_cpu_blocks > 0:
-            cpu_shape = (self.num_layers, 2, self.num_cpu_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+            cpu_shape = (len(self.kv_layers), 2, self.num_cpu_blocks, self.num_kv_heads, self.block_size,
+                         self.head_dim)
             self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
         self._tag_layers()
+        if self._state_config[0] is not None:  # the engine's: every state known, slots sized up front
+            self._ensure_states(device)
+
+    def _ensure_states(self, device: torch.device) -> None:
+        """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in batch row
+        (existing rows get theirs, zeros, now)."""
+        if self.states is None:
+            slots, checkpoints, specs, cpu_slots = self._state_config
+            self.states = RecurrentStates(self.block_manager, device, num_slots=slots, num_checkpoints=checkpoints,
+                                          specs=specs, num_cpu_slots=cpu_slots)
 
     def _tag_layers(self) -> None:
-        self._layer_views = []
-        for layer in range(self.num_layers):
-            key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
+        self._layer_views = [None] * self.num_layers
+        for index, layer in enumerate(self.kv_layers):
+            key_cache, value_cache = self.pool[index, 0], self.pool[index, 1]
             # the attention function finds the step metadata through this tag; a weak reference, so dropping the
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
-            self._layer_views.append((key_cache, value_cache))
+            self._layer_views[layer] = (key_cache, value_cache)
 
     def _grow_pool(self, required: int) -> None:
         """A growing pool takes at least `required` blocks in all (twice its size if that is more), within its cap;
@@ -280,6 +283,8 @@ class PagedCache(Cache):
         self.pool = None
         self.cpu_pool = None
         self._layer_views = []
+        if self.states is not None:
+            self.states.release()
         self._step = None
         self._released = True
 
@@ -287,7 +292,16 @@ class PagedCache(Cache):
         """(key_cache, value_cache) of one layer, each `[num_blocks, kv_heads, block_size, head_dim]`."""
         if self.pool is None:
             raise RuntimeError("the pool is not allocated yet")
-        return self._layer_views[layer_idx]
+        views = self._layer_views[layer_idx]
+        if views is None:
+            raise ValueError(f"layer {layer_idx} keeps no K/V in this PagedCache (its config's layer type is "
+                             f"{self._layer_type(layer_idx)!r}); K/V layers: {self.kv_layers}")
+        return views
+
+    def _layer_type(self, layer_idx: int):
+        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        types = getattr(text, "layer_types", None) or ()
+        return types[layer_idx] if layer_idx < len(types) else None
 
     # ------------------------------------------------------------------ Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -302,18 +316,16 @@ class PagedCache(Cache):
                 f"PagedCache: K and V head dims differ ({key_states.shape[-1]} vs {value_states.shape[-1]}, "
                 "e.g. DeepSeek V2/V3 multi-head latent attention); the paged KV pool does not support this yet"
             )
+        if key_states.dim() != 4:
+            raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
         batch, _, q_len, _ = key_states.shape
         self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1],
                           min_blocks=batch * (-(-q_len // self.block_size) + 1))
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
-            key_states, value_states = _cut_gradients(key_states, value_states)
-        if self._engine_step_pending:
-            self._engine_step_pending = False  # the engine prepared this forward's step
-        elif self._step is None or layer_idx <= self._last_layer:
-            self._begin_forward(key_states)
-        self._last_layer = layer_idx
+            key_states, value_states = cut_gradients(key_states, value_states)
+        key_cache, value_cache = self.layer_caches(layer_idx)
+        self._enter(layer_idx, 0, batch, q_len, key_states.device)
         step = self._step
-        key_cache, value_cache = self._layer_views[layer_idx]
         # [B, H, q, D] -> [B*q, H, D] in row-major token order, matching slot_mapping
         keys = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         values = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
@@ -322,10 +334,31 @@ class PagedCache(Cache):
         kernels.write_kv(keys, values, key_cache, value_cache, step.slot_mapping)
         return key_cache, value_cache
 
-    def _begin_forward(self, key_states: torch.Tensor) -> None:
-        """A new forward starts (first attention layer): prepare this step's metadata once for all layers."""
-        if key_states.dim() != 4:
-            raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
+    def _enter(self, layer_idx: int, kind: int, batch: int, q_len: int, device: torch.device) -> None:
+        """A layer (`kind` 0: attention, 1: recurrent mixer) starts its part of a forward: the first one of a forward
+        prepares the step (the drop-in cache), or takes the one the engine prepared."""
+        if self._engine_step_pending:
+            self._engine_step_pending = False  # the engine prepared this forward's step
+            self._entered = set()
+        elif self._step is None or (layer_idx, kind) in self._entered:
+            self._begin_forward(batch, q_len, device)
+            self._entered = set()
+        self._entered.add((layer_idx, kind))
+
+    def enter_recurrent_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> StepMetadata:
+        """Called by a recurrent mixer (`hf_paged.attention.recurrent`) before it runs: the pools exist, the states
+        are slotted, and the step (this forward's) is returned."""
+        if hidden_states.dim() != 3:
+            raise ValueError(f"expected hidden states [batch, tokens, hidden], got {tuple(hidden_states.shape)}")
+        batch, q_len = hidden_states.shape[:2]
+        device = hidden_states.device
+        self._ensure_pool(device, hidden_states.dtype, None, min_blocks=batch * (-(-q_len // self.block_size) + 1))
+        self._ensure_states(device)
+        self._enter(layer_idx, 1, batch, q_len, device)
+        return self._step
+
+    def _begin_forward(self, batch: int, q_len: int, device: torch.device) -> None:
+        """A new forward starts (first layer): prepare this step's metadata once for all layers."""
         # composite models: the decoder's text config is the one that runs (a vision tower may stay on eager)
         text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
         attn = getattr(text, "_attn_implementation", None) if text is not None else None
@@ -334,9 +367,10 @@ class PagedCache(Cache):
                 f"this model runs attention_implementation={attn!r}, which cannot read a PagedCache: call "
                 "hf_paged.enable(model) first"
             )
-        batch, _, q_len, _ = key_states.shape
         bm = self.block_manager
         if not self._rows:
+            if self.states is not None:
+                self.states.make_room(batch)
             self._rows = [self._new_seq(0) for _ in range(batch)]
         elif batch != len(self._rows):
             raise ValueError(
@@ -359,30 +393,24 @@ class PagedCache(Cache):
             slots.extend(result.slots)
             copies.extend(result.copies)
         self._copy_blocks(copies)
+        continues = self._seen_tokens > 0
         self._seen_tokens += q_len
         tables = [bm.block_table(seq) for seq in self._rows]
         lens = [bm.num_tokens(seq) for seq in self._rows]
-        self._step = self._make_step("padded", slots, tables, lens, [q_len] * batch, key_states.device)
+        self._step = self._make_step("padded", slots, tables, lens, [q_len] * batch, device)
+        if self.states is not None:
+            self.states.apply_ops()
+            self._step.state_slots = self.states.slot_tensor(self._rows, device)
+            self._step.state_prev = continues
+
+    def apply_state_ops(self) -> None:
+        """Apply the recurrent-state slot operations decided since the last forward (forks, fresh slots, swaps,
+        checkpoints): before this forward reads any state."""
+        if self.states is not None:
+            self.states.apply_ops()
 
     def _make_step(self, layout, slots, tables, lens, q_lens, device) -> StepMetadata:
-        width = max(1, max((len(t) for t in tables), default=1))
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
-        pin = device.type == "cuda"
-
-        def to_dev(data):
-            return int_tensor(data, pin=pin).to(device, non_blocking=True)
-
-        return StepMetadata(
-            layout=layout,
-            slot_mapping=to_dev(slots),
-            block_tables=int_table([device_table(t) for t in tables], width, pin=pin).to(device, non_blocking=True),
-            seq_lens=to_dev(lens),
-            cu_seqlens_q=to_dev(cu),
-            max_seqlen_q=max(q_lens, default=0),
-            decode_only=all(n == 1 for n in q_lens),
-        )
+        return make_step(layout, slots, tables, lens, q_lens, device)
 
     def sliding_window_bound(self) -> tuple[bool, int | None]:
         """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
@@ -393,7 +421,7 @@ class PagedCache(Cache):
         Qwen2's ``layer_types``); keys older than the largest of them are read by no layer.
         """
         windows = self.layer_windows
-        if len(windows) < self.num_layers:
+        if len(windows) < len(self.kv_layers):
             return False, None
         if any(w is None for w in windows.values()):
             return True, None
@@ -448,7 +476,7 @@ class PagedCache(Cache):
         self._seen_tokens = 0
         self._step = None
         self._engine_step_pending = False
-        self._last_layer = -1
+        self._entered = set()
 
     def _replace_rows(self, sources: list[int]) -> None:
         """New rows = forks of the given old rows (by index); old rows are released. No tensor is copied."""
@@ -458,6 +486,8 @@ class PagedCache(Cache):
         for index in sources:
             if not 0 <= index < len(self._rows):
                 raise ValueError(f"batch index {index} out of range for a cache of {len(self._rows)} sequences")
+        if self.states is not None:
+            self.states.make_room(len(sources))  # (every fork takes a slot before the old rows give theirs back)
         new_rows = []
         for index in sources:
             seq = self._next_seq_id
@@ -491,6 +521,9 @@ class PagedCache(Cache):
             keep = max(0, self._seen_tokens + tokens_to_remove)
         if keep == self._seen_tokens:
             return
+        if self.block_manager is not None and self.block_manager.state is not None:
+            raise ValueError("PagedCache.crop: a hybrid model's recurrent states cannot be rolled back (they keep no "
+                             "per-token history), so this cache cannot be cropped (assisted decoding is not available)")
         removed = self._seen_tokens - keep
         for seq in self._rows:
             self.block_manager.truncate(seq, self.block_manager.num_tokens(seq) - removed)
@@ -514,34 +547,3 @@ class PagedCache(Cache):
     @staticmethod
     def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
         return math.ceil(num_tokens / block_size)
-
-
-def device_table(table: list[int]) -> list[int]:
-    """A block table as the kernels get it: released entries (:data:`NULL_BLOCK`, a prefix) read as block 0.
-
-    The kernels never read a block wholly before a query's window, but they index the table with it: any valid block
-    id will do, and block 0 always exists.
-    """
-    if table and table[0] == NULL_BLOCK:
-        return [0 if block == NULL_BLOCK else block for block in table]
-    return table
-
-
-def _cut_gradients(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients stop at the paged cache: the K/V it stores are constants for autograd.
-
-    Why: the pool is one persistent tensor written in place by every forward, and the paged attention kernels (Triton)
-    have no backward; letting autograd record the writes would keep every step's graph alive through the pool and
-    could not differentiate the reads anyway. The attention function treats its output as a constant too (see
-    `hf_paged.attention.functions`), so a forward in grad mode gives the same logits as `DynamicCache` and backward
-    runs, but no gradient reaches the query/key/value projections through attention. Train with `DynamicCache` (or
-    `use_cache=False`) when those gradients are needed; the paged cache is for generation.
-    """
-    if not _GRAD_WARNED[0]:
-        _GRAD_WARNED[0] = True
-        warnings.warn(
-            "hf_paged.PagedCache in grad mode: gradients do not flow through the attention over the paged cache "
-            "(its K/V and attention output are constants for autograd); use DynamicCache or use_cache=False to "
-            "train through attention", stacklevel=3,
-        )
-    return key_states.detach(), value_states.detach()

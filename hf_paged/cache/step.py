@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepMetadata"]
+from ..core import NULL_BLOCK
+from .host_ints import int_table, int_tensor
+
+__all__ = ["StepMetadata", "device_table", "make_step"]
 
 
 @dataclass
@@ -33,4 +36,47 @@ class StepMetadata:
     # decode kernel combine its KV splits itself (`kernels.write_and_paged_decode`, `kernels.paged_decode`). None:
     # a second kernel combines them
     split_counters: torch.Tensor | None = None
+    # hybrid models (`hf_paged.attention.recurrent`): the recurrent-state slot of each sequence ([S] int64; a CUDA
+    # graph's padding rows point at the scratch slot), and for an eager ragged step each sequence's
+    # (first row, tokens, whether it continues a state) on the host; None for a decode-only step, whose rows all
+    # decode from their slot's state (a fresh slot holds zeros). `state_prev`: the padded layout's rows continue
+    # their states (the drop-in cache after its first forward)
+    state_slots: torch.Tensor | None = None
+    state_rows: list[tuple[int, int, bool]] | None = None
+    state_prev: bool = False
     extra: dict = field(default_factory=dict)
+
+
+def make_step(layout: str, slots: list[int], tables: list[list[int]], lens: list[int], q_lens: list[int],
+              device: torch.device) -> StepMetadata:
+    """The metadata of one forward from its host lists (slots of the new tokens, each sequence's table, length after
+    the step and new tokens), uploaded without blocking the host."""
+    width = max(1, max((len(t) for t in tables), default=1))
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    pin = device.type == "cuda"
+
+    def to_dev(data):
+        return int_tensor(data, pin=pin).to(device, non_blocking=True)
+
+    return StepMetadata(
+        layout=layout,
+        slot_mapping=to_dev(slots),
+        block_tables=int_table([device_table(t) for t in tables], width, pin=pin).to(device, non_blocking=True),
+        seq_lens=to_dev(lens),
+        cu_seqlens_q=to_dev(cu),
+        max_seqlen_q=max(q_lens, default=0),
+        decode_only=all(n == 1 for n in q_lens),
+    )
+
+
+def device_table(table: list[int]) -> list[int]:
+    """A block table as the kernels get it: released entries (:data:`NULL_BLOCK`, a prefix) read as block 0.
+
+    The kernels never read a block wholly before a query's window, but they index the table with it: any valid block
+    id will do, and block 0 always exists.
+    """
+    if table and table[0] == NULL_BLOCK:
+        return [0 if block == NULL_BLOCK else block for block in table]
+    return table

@@ -10,8 +10,10 @@ package; it imports nothing of hf_paged.
 from .block_manager import NULL_BLOCK, BlockManager
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, hash_block
 from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .schedule import ScheduledSeq, SchedulerOutput
+from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .state_slots import NoFreeSlotsError, SlotOps, StateSlots
 
 __all__ = [
     "AppendResult",
@@ -21,6 +23,7 @@ __all__ = [
     "CachingBlockAllocator",
     "NULL_BLOCK",
     "NoFreeBlocksError",
+    "NoFreeSlotsError",
     "PrefixCacheStats",
     "PrefixMatch",
     "ScheduledSeq",
@@ -29,5 +32,7 @@ __all__ = [
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",
+    "SlotOps",
+    "StateSlots",
     "hash_block",
 ]

@@ -53,13 +53,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, _as_int
-from .block_stats import AppendResult, BlockStats
+from .block_stats import AppendResult, BlockStats, pool_stats
 from .prefix_caching import PrefixCaching
 from .seq_blocks import NULL_BLOCK, _Seq
+from .state_slots import NoFreeSlotsError, StateSlots
 from .swapping import Swapping
 from .window import SlidingWindow
 
-__all__ = ["BlockManager", "NULL_BLOCK"]
+__all__ = ["BlockManager", "NULL_BLOCK", "NoFreeSlotsError", "StateSlots"]
 
 
 class BlockManager(PrefixCaching, Swapping, SlidingWindow):
@@ -81,7 +82,8 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, *, enable_prefix_caching: bool = False
+        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, *, enable_prefix_caching: bool = False,
+        state: StateSlots | None = None,
     ) -> None:
         try:
             size = _as_int("block_size", block_size, 1)
@@ -105,6 +107,9 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # recurrent state slots (hybrid models): every sequence with a table also holds a slot, which follows it
+        # through allocate, fork, free and swaps; prefix hits are cut to a block whose state was checkpointed
+        self.state: StateSlots | None = state
         self.set_prefix_caching(enable_prefix_caching)
 
     def __repr__(self) -> str:
@@ -207,6 +212,8 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         need = self.blocks_for(n)
         if need > self.gpu.num_free:
             raise NoFreeBlocksError(f"allocating {n} tokens needs {need} blocks, only {self.gpu.num_free} are free")
+        if self.state is not None:
+            self.state.allocate(seq_id)  # (raises NoFreeSlotsError before anything changed)
         table = self.gpu.allocate_many(need)
         self._seqs[seq_id] = _Seq(table, n)
         self._num_logical += need
@@ -220,6 +227,8 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         parent = self._get_resident(parent_id, "forking it", "parent_id")
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} already exists")
+        if self.state is not None:
+            self.state.fork(parent_id, child_id)  # a copy of the parent's state (raises NoFreeSlotsError first)
         self.gpu.incref_many(parent.held())
         child = self._seqs[child_id] = _Seq(list(parent.table), parent.num_tokens)
         child.released = parent.released
@@ -430,9 +439,13 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         if not seq.swapped:
             self._num_logical -= seq.num_held
         del self._seqs[seq_id]
+        if self.state is not None:
+            self.state.free(seq_id)
 
     def reset(self) -> None:
         """Drop every table; every block of both pools becomes free (allocator objects are kept)."""
+        if self.state is not None:
+            self.state.reset()
         self._seqs.clear()
         self.gpu._reset()
         self.cpu._reset()
@@ -497,48 +510,5 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         return self._slots(seq.table, s, e)
 
     def stats(self) -> BlockStats:
-        """Usage of the GPU pool, O(live tables).
-
-        ``used_slots`` counts each physical block once, as full unless every table holding it sees it as its partial
-        last block, in which case it holds as many tokens as the longest of those views. (After a truncate into a
-        shared block, holders can disagree on how much of it is filled; the tokens of the longest view are live.)
-        """
-        gpu, mask, bs = self.gpu, self._mask, self.block_size
-        logical = released = 0
-        partial: dict[int, list[int]] = {}  # last block -> [tables seeing it partial, longest partial view]
-        for seq in self._seqs.values():
-            if seq.swapped:
-                continue
-            logical += seq.num_held
-            released += seq.released
-            filled = seq.num_tokens & mask
-            if filled:
-                entry = partial.get(seq.table[-1])
-                if entry is None:
-                    partial[seq.table[-1]] = [1, filled]
-                else:
-                    entry[0] += 1
-                    entry[1] = max(entry[1], filled)
-        used_blocks = gpu.num_used
-        allocated = used_blocks * bs
-        empty = sum(bs - longest for block, (holders, longest) in partial.items() if holders == gpu.ref_count(block))
-        used_slots = allocated - empty
-        return BlockStats(
-            num_blocks=self.num_blocks,
-            used_blocks=used_blocks,
-            free_blocks=gpu.num_free,
-            shared_blocks=gpu.num_shared,
-            logical_blocks=logical,
-            allocated_slots=allocated,
-            used_slots=used_slots,
-            waste_slots=allocated - used_slots,
-            cpu_blocks=self.num_cpu_blocks,
-            cpu_used_blocks=self.cpu.num_used,
-            cpu_free_blocks=self.cpu.num_free,
-            cached_blocks=getattr(gpu, "num_evictable", 0),
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            released_blocks=released,
-            window_released=self.window_released,
-        )
-
+        """Usage of the GPU pool, O(live tables) (`block_stats.pool_stats`)."""
+        return pool_stats(self)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AppendResult", "BlockStats", "PrefixCacheStats", "PrefixMatch"]
+__all__ = ["AppendResult", "BlockStats", "PrefixCacheStats", "PrefixMatch", "pool_stats"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class PrefixMatch:
     keys: tuple[int, ...] = ()  # chain keys of every full block of the tokens
     num_hit_blocks: int = 0  # verified cached blocks, before keeping the last token uncached
     pending: bool = False
+    # recurrent state (hybrid models): the checkpoint restored with the mapped blocks (the entry id of the last one),
+    # None when nothing is mapped; the match is cut to the last block whose state was checkpointed
+    state_key: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,11 @@ class BlockStats:
     prefix_hit_tokens: int = 0  # prefix cache: tokens served from the cache (prefill tokens saved)
     released_blocks: int = 0  # sliding window: table entries of resident sequences released now (hold no block)
     window_released: int = 0  # sliding window: table entries released so far (BlockManager.release_before)
+    state_slots: int = 0  # hybrid models: recurrent-state slots for sequences (0: the model keeps no such state)
+    state_slots_used: int = 0  # held by resident sequences now
+    state_cpu_slots_used: int = 0  # held by swapped-out sequences
+    state_checkpoints: int = 0  # checkpoint slots (prefix caching of recurrent states)
+    state_checkpoints_used: int = 0
 
     @property
     def waste_fraction(self) -> float:
@@ -100,3 +108,59 @@ class AppendResult:
     # `append_decode_slots`: positions (in its `seq_ids`) of the tables that changed, by a new block or a copy-on-write
     changed: list[int] | None = None
 
+
+def pool_stats(manager) -> BlockStats:
+    """`BlockManager.stats()`: usage of `manager`'s GPU pool, O(live tables).
+
+    ``used_slots`` counts each physical block once, as full unless every table holding it sees it as its partial
+    last block, in which case it holds as many tokens as the longest of those views. (After a truncate into a
+    shared block, holders can disagree on how much of it is filled; the tokens of the longest view are live.)
+    """
+    gpu, mask, bs = manager.gpu, manager._mask, manager.block_size
+    logical = released = 0
+    partial: dict[int, list[int]] = {}  # last block -> [tables seeing it partial, longest partial view]
+    for seq in manager._seqs.values():
+        if seq.swapped:
+            continue
+        logical += seq.num_held
+        released += seq.released
+        filled = seq.num_tokens & mask
+        if filled:
+            entry = partial.get(seq.table[-1])
+            if entry is None:
+                partial[seq.table[-1]] = [1, filled]
+            else:
+                entry[0] += 1
+                entry[1] = max(entry[1], filled)
+    used_blocks = gpu.num_used
+    allocated = used_blocks * bs
+    empty = sum(bs - longest for block, (holders, longest) in partial.items() if holders == gpu.ref_count(block))
+    used_slots = allocated - empty
+    return BlockStats(
+        num_blocks=manager.num_blocks,
+        used_blocks=used_blocks,
+        free_blocks=gpu.num_free,
+        shared_blocks=gpu.num_shared,
+        logical_blocks=logical,
+        allocated_slots=allocated,
+        used_slots=used_slots,
+        waste_slots=allocated - used_slots,
+        cpu_blocks=manager.num_cpu_blocks,
+        cpu_used_blocks=manager.cpu.num_used,
+        cpu_free_blocks=manager.cpu.num_free,
+        cached_blocks=getattr(gpu, "num_evictable", 0),
+        prefix_query_tokens=manager.prefix_query_tokens,
+        prefix_hit_tokens=manager.prefix_hit_tokens,
+        released_blocks=released,
+        window_released=manager.window_released,
+        **_state_stats(manager.state),
+    )
+
+
+def _state_stats(state) -> dict:
+    """The recurrent-state fields of `BlockStats` (a hybrid model's slots; none otherwise)."""
+    if state is None:
+        return {}
+    return dict(state_slots=state.num_slots, state_slots_used=state.num_used,
+                state_cpu_slots_used=state.num_cpu_slots - state.num_cpu_free,
+                state_checkpoints=state.num_checkpoints, state_checkpoints_used=state.num_checkpoints_used)

@@ -93,6 +93,14 @@ class PrefixCaching:
         hits = len(blocks)
         mapped = min(hits, usable)
         pending = hits < usable and keys[hits] in self._pending
+        state_key = None
+        if self.state is not None:
+            # a hybrid model resumes its recurrent layers from a state checkpoint: only a prefix ending at a
+            # checkpointed block can be skipped (the blocks after it are computed again, their K/V rewritten)
+            while mapped and not self.state.has_checkpoint(entries[mapped - 1]):
+                mapped -= 1
+            state_key = entries[mapped - 1] if mapped else None
+            pending = False  # the block being computed would bring no checkpoint with it
         return PrefixMatch(
             num_tokens=n,
             num_cached_tokens=mapped << self._shift,
@@ -101,6 +109,7 @@ class PrefixCaching:
             keys=tuple(keys),
             num_hit_blocks=hits,
             pending=pending,
+            state_key=state_key,
         )
 
     def blocks_needed_to_admit(self, requests: Iterable[tuple[PrefixMatch, int]]) -> int:
@@ -130,6 +139,8 @@ class PrefixCaching:
         if self.has_seq(seq_id):
             raise ValueError(f"seq_id {seq_id!r} already exists")
         if not self.enable_prefix_caching:
+            if self.state is not None:
+                self.state.allocate(seq_id)
             self._seqs[seq_id] = _Seq([], 0)
             return 0
         if match is None:
@@ -140,6 +151,9 @@ class PrefixCaching:
         for block, entry_id in zip(match.blocks, match.entries):
             if gpu.entry_id(block) != entry_id:
                 raise ValueError("stale match: a matched block was evicted since match_prefix; match again")
+        if self.state is not None:
+            # zeros, or the checkpoint at the mapped prefix's end (raises NoFreeSlotsError before anything changed)
+            self.state.allocate(seq_id, match.state_key)
         for block in match.blocks:
             gpu.acquire(block)
         seq = self._seqs[seq_id] = _Seq(list(match.blocks), match.num_cached_tokens)
@@ -186,6 +200,24 @@ class PrefixCaching:
         seq.committed = full
         return full - start
 
+    def save_state_checkpoint(self, seq_id: Hashable, token_ids: Sequence[int], position: int) -> bool:
+        """Checkpoint a hybrid model's recurrent state of `seq_id` at `position` (a block boundary the last forward
+        ended at), keyed by the cache entry of the block ending there, so that a later prompt with the same prefix
+        resumes from it (:meth:`match_prefix`). Commits the blocks up to `position` first. Returns whether a
+        checkpoint was taken (not without prefix caching or state slots, for a stale sequence, or when every
+        checkpoint slot is pinned)."""
+        if self.state is None or not self.enable_prefix_caching:
+            return False
+        p = _as_int("position", position, 1)
+        if p & ((1 << self._shift) - 1):
+            raise ValueError(f"position must be a multiple of the block size ({1 << self._shift}), got {p}")
+        seq = self._get_resident(seq_id, "checkpointing its state")
+        self._commit_record(seq, token_ids, p)
+        index = (p >> self._shift) - 1
+        if index >= len(seq.entries) or seq.entries[index] is None:
+            return False
+        return self.state.save_checkpoint(seq_id, seq.entries[index])
+
     def commit_rows(self, records: list, token_lists: list, ends: list[int]) -> None:
         """`commit` for rows of a decode batch (`DecodeBatch.advance`), by their records: each `ends[k]` is a
         multiple of the block size, the end of the block that row k just filled, the only one it has not keyed.
@@ -214,6 +246,8 @@ class PrefixCaching:
             seq.stale = True
             del seq.keys[seq.committed:]
         self._pending.clear()
+        if self.state is not None:
+            self.state.drop_checkpoints()
         return self.gpu.forget_all()
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -33,66 +33,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from .admission import AdmissionPolicy
 from .block_manager import BlockManager
 from .decode_batch import DecodeBatch
+from .schedule import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
+__all__ = ["Scheduler"]
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """`num_tokens` tokens of `seq` starting at `start` are computed this step; `sample` when it reaches the end."""
-
-    seq: Sequence
-    group: SequenceGroup
-    start: int
-    num_tokens: int
-    slots: list[int]
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), GPU -> GPU
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    # every item is one sampled token of a running sequence (`Scheduler.schedule_decode_step`): lets the runner skip
-    # its per-item check of the static decode path
-    decode_step: bool = False
-    # its items' groups are distinct (a decode step where no group gave two rows: no parallel samples running)
-    distinct_groups: bool = False
-    # a decode step's items whose block table changed in its reservation (new block, copy-on-write), by index; None:
-    # unknown (the runner then compares every table with the one it uploaded)
-    table_changes: list[int] | None = None
-    # a pipelined decode step of the scheduler's `DecodeBatch`: its rows' positions and slots are in the batch's arrays
-    batch: DecodeBatch | None = None
-    # and which of the batch's steps it is (`DecodeBatch.rows_of`)
-    batch_step: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def one_token_each(self) -> bool:
-        """Every item runs one token (a decode-only step): known without a pass over the items for a batched
-        decode step (`decode_step`)."""
-        return self.decode_step or all(item.num_tokens == 1 for item in self.scheduled)
 
 
 class Scheduler(AdmissionPolicy):
@@ -195,6 +145,9 @@ class Scheduler(AdmissionPolicy):
         bm = self.block_manager
         if not bm.enable_prefix_caching or out.decode_step:
             return
+        for seq, position in out.state_saves:  # hybrid models: the state at a chunk's end, kept for later prompts
+            if not seq.status.is_finished and bm.has_seq(seq.seq_id) and not bm.is_swapped(seq.seq_id):
+                bm.save_state_checkpoint(seq.seq_id, seq.token_ids, position)
         commit = bm.commit
         for item in out.scheduled:
             seq = item.seq
@@ -312,6 +265,8 @@ class Scheduler(AdmissionPolicy):
                 needed = bm.blocks_needed_to_swap_in_and_append((s.seq_id, n) for s, n in plan)
                 if needed + (self.watermark_blocks if self.running else 0) > bm.gpu.num_free:
                     break
+                if bm.state is not None and group.max_running_seqs() > self._free_state_slots():
+                    break
                 out.swap_in.extend(bm.swap_in([s.seq_id for s in seqs]))
                 self.swapped.pop(0)
                 for seq in seqs:
@@ -320,8 +275,13 @@ class Scheduler(AdmissionPolicy):
                 self._reserve(group, plan, out, budget)
 
         if not out.preempted and not self.swapped and admit:
+            free_slots = self._free_state_slots() if bm.state is not None else None
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
+                if free_slots is not None:  # hybrid models: a state slot for every sequence it will run
+                    if group.max_running_seqs() > free_slots:
+                        break
+                    free_slots -= group.max_running_seqs()
                 if caching:
                     plan, matches = self._plan_admission(group, budget)
                     if plan is None:
@@ -345,6 +305,9 @@ class Scheduler(AdmissionPolicy):
                     else:
                         bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
+                if caching and bm.state is not None:
+                    self._plan_state_saves(plan, matches)
+                    plan = self._plan(group, budget)  # chunks now end at the checkpoints
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
         return out
@@ -496,7 +459,11 @@ class Scheduler(AdmissionPolicy):
         return None, None
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> list[tuple[Sequence, int]] | None:
-        """Tokens per live sequence this step (gang: all sequences of the group or none)."""
+        """Tokens per live sequence this step (gang: all sequences of the group or none).
+
+        Hybrid models: a chunk ends at the sequence's next state checkpoint (`Sequence.state_saves`), and the
+        sequences of a group finish their prompts in the same step (a recurrent state cannot give a token back, as
+        beam search's wait for the slowest beam would need: `BeamSearch._defer`)."""
         seqs = [s for s in group.live_seqs() if s.num_uncomputed > 0]
         if not seqs or group.max_running_seqs() > budget[1]:  # a group about to fork needs its width
             return None
@@ -507,8 +474,14 @@ class Scheduler(AdmissionPolicy):
         for index, seq in enumerate(seqs):
             # share the budget so every sequence of the group gets at least one token (gang scheduling)
             n = min(seq.num_uncomputed, tokens_left - (len(seqs) - index - 1))
+            if seq.state_saves:
+                n = min(n, seq.state_saves[0] - seq.num_computed)
             plan.append((seq, n))
             tokens_left -= n
+        if len(plan) > 1 and self.block_manager.state is not None:
+            ends = [n == seq.num_uncomputed for seq, n in plan]
+            if any(ends) and not all(ends):  # hold the finishers' last token back until every sequence is there
+                plan = [(seq, n - end) for (seq, n), end in zip(plan, ends) if n - end > 0]
         return plan
 
     def _reserve(self, group, plan, out: SchedulerOutput, budget: list[int]) -> None:
@@ -518,7 +491,29 @@ class Scheduler(AdmissionPolicy):
             out.copies.extend(result.copies)
             out.scheduled.append(ScheduledSeq(seq, group, start, n, result.slots))
             budget[0] -= n
+            saves = seq.state_saves
+            if saves and saves[0] == start + n:  # the chunk ends at a checkpoint: kept once the forward is launched
+                out.state_saves.append((seq, saves.pop(0)))
         budget[1] -= max(len(plan), group.max_running_seqs())
+
+    def _free_state_slots(self) -> int:
+        """Free state slots left for admissions: those the running groups about to fork will take are not."""
+        forks = sum(group.width - 1 for group in self.running if len(group.seqs) == 1 and group.width > 1)
+        return self.block_manager.state.num_free - forks
+
+    def _plan_state_saves(self, plan, matches) -> None:
+        """Where an admitted sequence of a hybrid model checkpoints its recurrent state (prefix caching on).
+
+        A prefix-cache hit needs the state at the hit's end as well as the K/V blocks before it. Two block-aligned
+        positions are kept: where the cached K/V of an earlier prompt ends beyond the checkpoint found (that prefix
+        is known to be shared, e.g. a system prompt: the next prompt that shares it resumes from here), and the last
+        full block of the prompt (a conversation's next turn starts with this prompt)."""
+        shift = self.block_manager.block_size.bit_length() - 1
+        for seq, _ in plan:
+            match = matches[seq.seq_id]
+            start = seq.num_computed
+            points = {match.num_hit_blocks << shift, (seq.prompt_len >> shift) << shift}
+            seq.state_saves = sorted(p for p in points if start < p <= seq.num_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager

@@ -47,6 +47,9 @@ class Sequence:
     sample_index: int = 0  # which sample of a parallel-sampling request (0 for the first / only one)
     # prefix-cache keys of the prompt's full blocks, hashed ahead of admission (`Scheduler.prepare_admissions`)
     prompt_keys: list[int] | None = field(default=None, repr=False)
+    # hybrid models with prefix caching: block-aligned positions, ascending, after which the recurrent state is
+    # checkpointed; a prefill chunk ends at each (`Scheduler._plan`), set at admission (`state_save_points`)
+    state_saves: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:

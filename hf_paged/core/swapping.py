@@ -16,11 +16,15 @@ __all__ = ["Swapping"]
 class Swapping:
     """Swap-out / swap-in of whole sequence groups; mixed into `BlockManager` (uses its `_seqs`, `gpu`, `cpu`)."""
 
-    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, action: str) -> list[_Seq]:
-        """Validate a sequence group for a swap: known, distinct, all on the expected device."""
+    @staticmethod
+    def _ids(seq_ids: Iterable[Hashable]) -> list:
         if isinstance(seq_ids, (str, bytes)):
             raise TypeError(f"seq_ids must be a collection of sequence ids, got the single string {seq_ids!r}")
-        ids = list(seq_ids)
+        return list(seq_ids)
+
+    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, action: str) -> list[_Seq]:
+        """Validate a sequence group for a swap: known, distinct, all on the expected device."""
+        ids = self._ids(seq_ids)
         seqs = []
         seen = set()
         for seq_id in ids:
@@ -80,8 +84,11 @@ class Swapping:
         return len(self._distinct_blocks(self._group(seq_ids, swapped=True, action="swap in")))
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the CPU pool can take the whole group now."""
-        return self.blocks_needed_to_swap_out(seq_ids) <= self.cpu.num_free
+        """Whether the CPU pool can take the whole group now (and the CPU state slots its recurrent states)."""
+        ids = self._ids(seq_ids)
+        if self.state is not None and not self.state.can_swap_out(ids):
+            return False
+        return self.blocks_needed_to_swap_out(ids) <= self.cpu.num_free
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a resident sequence group to the CPU pool, all or nothing.
@@ -90,8 +97,15 @@ class Swapping:
         are written again (i.e. before the next step's writes). Blocks shared inside the group move once and stay
         shared on the CPU.
         """
-        seqs = self._group(seq_ids, swapped=False, action="swap out")
-        return self._move(seqs, self.gpu, self.cpu, to_cpu=True)
+        ids = self._ids(seq_ids)
+        seqs = self._group(ids, swapped=False, action="swap out")
+        if self.state is not None and not self.state.can_swap_out(ids):
+            raise NoFreeBlocksError(f"swap-out of {len(ids)} recurrent states needs as many free CPU state slots, "
+                                    f"{self.state.num_cpu_free} are free")
+        pairs = self._move(seqs, self.gpu, self.cpu, to_cpu=True)
+        if self.state is not None:
+            self.state.swap_out(ids)
+        return pairs
 
     def blocks_needed_to_swap_in_and_append(self, requests: Iterable[tuple[Hashable, int]]) -> int:
         """Exact GPU blocks that :meth:`swap_in` of a swapped group and then :meth:`append_slots` of each
@@ -106,13 +120,24 @@ class Swapping:
         return len(self._distinct_blocks(seqs)) + appends
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the GPU pool can take the whole group back now (exact block count, no headroom)."""
-        return self.blocks_needed_to_swap_in(seq_ids) <= self.gpu.num_free
+        """Whether the GPU pool can take the whole group back now (exact block count, no headroom; and a free
+        state slot for each recurrent state)."""
+        ids = self._ids(seq_ids)
+        if self.state is not None and len(ids) > self.state.num_free:
+            return False
+        return self.blocks_needed_to_swap_in(ids) <= self.gpu.num_free
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a swapped sequence group back to the GPU pool, all or nothing; returns ``(cpu_block, gpu_block)``.
 
         Swap a group back with the same grouping it was swapped out with: sharing is only preserved inside a group.
         """
-        seqs = self._group(seq_ids, swapped=True, action="swap in")
-        return self._move(seqs, self.cpu, self.gpu, to_cpu=False)
+        ids = self._ids(seq_ids)
+        seqs = self._group(ids, swapped=True, action="swap in")
+        if self.state is not None and len(ids) > self.state.num_free:
+            raise NoFreeBlocksError(f"swap-in of {len(ids)} recurrent states needs as many free state slots, "
+                                    f"{self.state.num_free} are free")
+        pairs = self._move(seqs, self.cpu, self.gpu, to_cpu=False)
+        if self.state is not None:
+            self.state.swap_in(ids)
+        return pairs

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..attention import prepare_model
-from ..cache import PagedCache, parse_memory
+from ..attention import prepare_model, profile_state_specs
+from ..cache import PagedCache, StatePool, parse_memory
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
@@ -30,7 +30,7 @@ from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
-from .pool_sizing import engine_pool_blocks
+from .pool_sizing import engine_pool_blocks, state_memory
 from .prompt_logprobs import PromptLogprobs
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
@@ -95,6 +95,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             those the layers pass to the attention function, learnt on the first forward. Mixed stacks (Gemma 2/3's
             local and global layers) keep every block: their global layers read them; their local layers only skip
             reading the blocks before their window. Default on; `kv_stats()` counts the released entries.
+        state_checkpoints: hybrid models (recurrent layers beside attention: Qwen3.5, Granite 4, Falcon-H1, LFM2,
+            Jamba, ...) keep each running sequence's recurrent state in a slot of their own (`max_num_seqs` slots,
+            counted in the KV memory budget, so admission never runs more sequences than there are slots). With
+            prefix caching, a prefix hit also needs the state at the prefix's end: this many slots keep such states
+            (at the last full block of prompts, and where a prompt's cached K/V of an earlier prompt ends: a shared
+            system prompt), least recently used evicted first. Default `max(8, max_num_seqs // 8)`; 0 turns
+            prefix hits off for hybrid models.
         weak_model_ref: hold the model by weak reference (what `generate(cache_implementation="paged")` and
             `hf_paged.pipeline` use, where the model owns its engine: no model <-> engine cycle, so dropping the model
             frees both and the KV pool by reference counting). Default False: the engine keeps its model alive.
@@ -138,6 +145,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         compile_decode: bool | None = None,
         weak_model_ref: bool = False,
         release_window_blocks: bool = True,
+        state_checkpoints: int | None = None,
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -153,6 +161,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         if compile_decode is not None and not isinstance(compile_decode, bool):
             raise TypeError(f"compile_decode must be a bool or None (automatic), got {compile_decode!r}")
+        if state_checkpoints is not None and (not isinstance(state_checkpoints, int)
+                                              or isinstance(state_checkpoints, bool) or state_checkpoints < 0):
+            raise ValueError(f"state_checkpoints must be a non-negative int, got {state_checkpoints!r}")
         self.tp = TensorParallel.of(model)
         prepare_model(model)
         if compile_modules:
@@ -181,12 +192,25 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             compile_decode = default_compile_decode(self.device, use_cuda_graph, compile_modules)
         probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
         per_block = probe.bytes_per_block(self.dtype)
-        num_cpu_blocks = int(swap_space * 1024**3) // per_block
-        if preemption_mode == "swap" and num_cpu_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
+        # hybrid models: every recurrent state (shape, dtype), learnt from one call of each mixer; {} otherwise
+        self.state_specs = profile_state_specs(model)
+        per_slot = StatePool.spec_bytes(self.state_specs)
+        num_checkpoints = 0
+        if self.state_specs and enable_prefix_caching:
+            num_checkpoints = max(8, max_num_seqs // 8) if state_checkpoints is None else state_checkpoints
+        reserved = state_memory(per_slot, max_num_seqs, num_checkpoints) if self.state_specs else 0
+        swap_bytes = int(swap_space * 1024**3)
+        num_cpu_state_slots = max_num_seqs if self.state_specs and swap_bytes else 0
+        num_cpu_blocks = (swap_bytes - num_cpu_state_slots * per_slot) // per_block
+        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks"
+                             + (f"; the recurrent states of max_num_seqs sequences take "
+                                f"{num_cpu_state_slots * per_slot / 2**30:.2f} GiB of it" if num_cpu_state_slots else "")
+                             + ")")
+        num_cpu_blocks = max(num_cpu_blocks, 0)
         kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
         num_blocks = engine_pool_blocks(model, probe, self.tp, self.device, self.dtype, per_block, num_blocks, kv_bytes,
-                                        max_num_batched_tokens, gpu_memory_utilization)
+                                        max_num_batched_tokens, gpu_memory_utilization, reserved)
         self.cache = PagedCache(
             config=model.config,
             num_kv_heads=kv_heads,
@@ -198,6 +222,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             gpu_memory_utilization=gpu_memory_utilization,
             num_cpu_blocks=num_cpu_blocks,
             grow=False,  # the engine sizes its pool up front (vLLM-style) and preempts when it is full
+            num_state_slots=max_num_seqs if self.state_specs else None,
+            num_state_checkpoints=num_checkpoints,
+            state_specs=self.state_specs,
+            num_cpu_state_slots=num_cpu_state_slots,
         )
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)

@@ -13,6 +13,8 @@ vLLM does at start-up.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cache import memory_fraction
@@ -23,11 +25,13 @@ _GIB = 2**30
 
 def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtype, per_block: int,
                        num_blocks: int | None, kv_bytes: int | None, max_num_batched_tokens: int,
-                       utilization: float) -> int | None:
+                       utilization: float, reserved: int = 0) -> int | None:
     """The block count an engine builds its pool with; `None` leaves it to `PagedCache` (CPU, or `kv_cache_memory`).
 
-    `per_block`: the bytes of one block (`probe.bytes_per_block(dtype)`). On CUDA with neither `num_blocks` nor
-    `kv_bytes`: `profile_pool_blocks`. Under tensor parallelism every rank sizes its own pool and they agree on the
+    `per_block`: the bytes of one block (`probe.bytes_per_block(dtype)`). `reserved`: bytes of the same budget that
+    the pool must leave to the recurrent-state slots of a hybrid model (`state_memory`); with it, the CPU and
+    `kv_cache_memory` cases are sized here too. On CUDA with neither `num_blocks` nor `kv_bytes`:
+    `profile_pool_blocks`. Under tensor parallelism every rank sizes its own pool and they agree on the
     smallest count (one block table serves all ranks). A rank whose sizing fails still takes part in that agreement,
     with zero blocks, before it raises: the other ranks then raise too, instead of waiting in the collective for a rank
     that has given up.
@@ -35,7 +39,9 @@ def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtyp
     failure = None
     try:
         if num_blocks is None and kv_bytes is None and device.type == "cuda":
-            num_blocks = profile_pool_blocks(model, device, max_num_batched_tokens, per_block, utilization)
+            num_blocks = profile_pool_blocks(model, device, max_num_batched_tokens, per_block, utilization, reserved)
+        elif num_blocks is None and reserved:
+            num_blocks = reserved_pool_blocks(per_block, reserved, kv_bytes)
         if tp is not None and num_blocks is None:
             num_blocks = probe._auto_num_blocks(device, dtype) if kv_bytes is None else max(1, kv_bytes // per_block)
     except ValueError as error:
@@ -53,8 +59,26 @@ def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtyp
     return agreed
 
 
+def state_memory(per_slot: int, num_slots: int, num_checkpoints: int) -> int:
+    """Bytes of a hybrid model's recurrent-state slots: one per sequence, the checkpoints, and the scratch slot."""
+    return per_slot * (num_slots + num_checkpoints + 1)
+
+
+def reserved_pool_blocks(per_block: int, reserved: int, kv_bytes: int | None) -> int:
+    """Blocks of a pool that shares `kv_bytes` (default: $HF_PAGED_CPU_KV_MEMORY, the CPU pool's) with `reserved`
+    bytes of recurrent states; a ValueError naming the arguments when nothing is left for blocks."""
+    budget = kv_bytes if kv_bytes is not None else int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", 512 * 1024**2))
+    blocks = (budget - reserved) // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"the recurrent-state slots take {reserved / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB of "
+            "kv_cache_memory, which leaves no room for a KV block: give a larger kv_cache_memory, or a smaller "
+            "max_num_seqs (one slot a sequence) or state_checkpoints")
+    return blocks
+
+
 def profile_pool_blocks(model, device: torch.device, max_num_batched_tokens: int, per_block: int,
-                        utilization: float) -> int:
+                        utilization: float, reserved: int = 0) -> int:
     """Run one forward at the full token budget, measure its peak, and size the pool (`pool_blocks`)."""
     recording.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -68,10 +92,12 @@ def profile_pool_blocks(model, device: torch.device, max_num_batched_tokens: int
     recording.empty_cache()
     allocated = torch.cuda.memory_allocated(device)
     free = torch.cuda.mem_get_info(device)[0]
-    return pool_blocks(per_block, utilization, total=total, peak=peak, allocated=allocated, free=free)
+    return pool_blocks(per_block, utilization, total=total, peak=peak, allocated=allocated, free=free,
+                       reserved=reserved)
 
 
-def pool_blocks(per_block: int, utilization: float, *, total: int, peak: int, allocated: int, free: int) -> int:
+def pool_blocks(per_block: int, utilization: float, *, total: int, peak: int, allocated: int, free: int,
+                reserved: int = 0) -> int:
     """Blocks of `per_block` bytes in `total * utilization - peak`, checked against the memory `free` now.
 
     `peak`: torch's peak allocation during the profiling forward (weights, anything else this process holds in torch,
@@ -80,14 +106,16 @@ def pool_blocks(per_block: int, utilization: float, *, total: int, peak: int, al
     `free`: else the engine could not serve the steps it was sized for.
     """
     utilization = memory_fraction(utilization)
-    budget = int(total * utilization) - peak
+    budget = int(total * utilization) - peak - reserved  # `reserved`: a hybrid model's recurrent-state slots
     if budget < per_block:
         raise ValueError(
             f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
-            f"(weights + activations peak at {peak / _GIB:.1f} GiB of {total / _GIB:.1f} GiB)"
+            f"(weights + activations peak at {peak / _GIB:.1f} GiB of {total / _GIB:.1f} GiB"
+            + (f", recurrent-state slots take {reserved / _GIB:.2f} GiB: lower max_num_seqs or state_checkpoints"
+               if reserved else "") + ")"
         )
     activations = max(peak - allocated, 0)
-    if budget + activations > free:
+    if budget + reserved + activations > free:
         others = max(total - free - allocated, 0)
         raise ValueError(
             f"gpu_memory_utilization={utilization} gives the KV cache {budget / _GIB:.2f} GiB of the device's "

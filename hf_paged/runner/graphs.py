@@ -38,6 +38,8 @@ class GraphCapture:
         b["slots"].fill_(-1)
         b["lens"].zero_()
         b["rows"].zero_()
+        if self.hybrid:  # recurrent states: every row reads and writes the scratch slot, never a sequence's
+            b["state"].fill_(self.cache.block_manager.state.scratch)
 
     def _capture(self, batch: int):
         """Record one decode forward of `batch` rows (dummy rows: slot -1, length 0: no writes, no reads).

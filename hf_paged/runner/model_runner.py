@@ -39,7 +39,7 @@ from .ragged_graphs import RaggedGraphs
 from .regional import CompiledLayers, own_code
 from .shapes import decode_buckets, padded_rows, padded_tokens
 from .sibling_linears import fusing_backend, pack_siblings
-from .table_store import TableStore
+from .table_store import TableStore, kept_rows
 from .warm_up import WarmUpForwards
 
 # Dynamo is not thread-safe while it compiles: two engines in two threads compiling their decode step at once can
@@ -51,6 +51,7 @@ _COMPILE_LOCK = threading.Lock()
 # memory is freed in stream order, after any replay already launched) and record them again at their next step
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _MISSING = object()
+_META_ROWS = 7  # rows of the static step's `meta` buffer (`_ensure_buffers`)
 
 
 def _drop_graphs_at_exit() -> None:
@@ -69,16 +70,6 @@ def _drop_graphs_at_exit() -> None:
 atexit.register(_drop_graphs_at_exit)
 
 __all__ = ["ModelRunner"]
-
-
-def _kept_rows(batch, number: int, last: tuple) -> np.ndarray | None:
-    """The store rows of step `number` of `batch`, taken from those of the step before it when that was the last
-    static step (`last`: its sequence ids, by identity, and rows): each row of the step is the row `source` names in
-    the step before, from which rows only left (`DecodeBatch.remove`). None when that does not hold."""
-    before, step = batch.rows_of(number - 1), batch.rows_of(number)
-    if before is None or step is None or last[1] is not before.seq_ids:
-        return None
-    return last[2][step.source]
 
 
 def _decode_forward(model_ref: ModelRef, cache):
@@ -131,9 +122,13 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
         self.compile_auto = compile_auto  # compile_decode was chosen, not asked for: a failed compile falls back
+        # hybrid models: a ragged step runs each recurrent layer once per prefill chunk (`attention.recurrent`), a
+        # structure that changes every step, so such steps run eagerly on the model's code (no ragged graphs, no
+        # compiled prefill); decode steps (one batched call per layer) are compiled and recorded as usual
+        self.hybrid = cache.has_states
         # ragged (prefill-carrying) steps run through the decode step's compiled layers once they exist (see
         # `_prefill_layers`); set False to keep them on the model's own code
-        self.compile_prefill = compile_decode
+        self.compile_prefill = compile_decode and not self.hybrid
         self._prefill_checked = False
         self._forward = _decode_forward(model_ref, cache)
         self._compiled = None
@@ -185,6 +180,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             gpu = torch.tensor([g for _, g in sched.swap_in], device=self.device)
             cache.pool[:, :, gpu] = cache.cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
         cache._copy_blocks(sched.copies)
+        cache.apply_state_ops()  # recurrent-state slots: forks, fresh zeros, swaps, checkpoints (hybrid models)
 
     # ------------------------------------------------------------------ forward
     def execute(self, sched: SchedulerOutput, input_tokens=None,
@@ -253,9 +249,14 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             positions.extend([0] * pad)
             slots.extend([-1] * pad)
             tokens += pad
-        step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
-        self.cache.set_engine_step(step)
         pin = self.device.type == "cuda"
+        step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
+        if self.hybrid:  # each sequence's recurrent-state slot, and its rows (`hf_paged.attention.recurrent`)
+            state_slots = bm.state.slots([item.seq.seq_id for item in sched.scheduled])
+            step.state_slots = int_tensor(state_slots, torch.long, pin=pin).to(self.device, non_blocking=True)
+            step.state_rows = [(first, item.num_tokens, item.start > 0)
+                               for first, item in zip(firsts, sched.scheduled)]
+        self.cache.set_engine_step(step)
         if input_tokens is None:
             input_ids = int_tensor(ids, torch.long, pin=pin)[None].to(self.device, non_blocking=True)
         else:  # one token a row, each from the previous step's picks (its placeholder is all the host has)
@@ -328,8 +329,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         pin = dev.type == "cuda"
         # one int64 buffer for the per-row vectors, so a step uploads them with a single copy: row 0 token ids,
         # 1 positions, 2 slot mapping, 3 sequence lengths, 4 table-store rows, 5 rows of the previous step's tokens
-        # to take as input ids (pipelined steps; the kernels accept int64 indices)
-        meta = torch.zeros((6, n), dtype=torch.long, device=dev)
+        # to take as input ids (pipelined steps; the kernels accept int64 indices), 6 recurrent-state slots
+        meta = torch.zeros((_META_ROWS, n), dtype=torch.long, device=dev)
         self._store_capacity = 2 * n + 1  # every live sequence plus as many finished ones before a sweep
         self._buffers = {
             "meta": meta,
@@ -339,6 +340,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             "lens": meta[3],
             "rows": meta[4],
             "src": meta[5],
+            "state": meta[6],
             "tables": torch.zeros((n, mb), dtype=torch.int32, device=dev),
             "store": torch.zeros((self._store_capacity, mb), dtype=torch.int32, device=dev),
             "staging": torch.zeros((n, mb), dtype=torch.int32, device=dev),
@@ -355,7 +357,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         # a set is written again only two launches later, when the engine has waited for the step that used it.
         self._host_sets = [
             {
-                "meta": torch.zeros((6, n), dtype=torch.long, pin_memory=pin),
+                "meta": torch.zeros((_META_ROWS, n), dtype=torch.long, pin_memory=pin),
                 "staging": torch.zeros((n, mb), dtype=torch.int32, pin_memory=pin),
                 "staging_rows": torch.zeros(n, dtype=torch.long, pin_memory=pin),
                 "point_index": torch.zeros(n, dtype=torch.long, pin_memory=pin),
@@ -397,7 +399,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         return StepMetadata(
             layout="ragged", slot_mapping=b["slots"][:batch], block_tables=b["tables"][:batch],
             seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
-            split_counters=b["counters"],
+            split_counters=b["counters"], state_slots=b["state"][:batch] if self.hybrid else None,
         )
 
     def _run_model(self, batch: int) -> torch.Tensor:
@@ -501,7 +503,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             if last[1] == seq_ids:
                 rows = last[2]
             elif batch is not None:  # or some of them: rows left the batch since (stops, length finishes)
-                rows = _kept_rows(batch, sched.batch_step, last)
+                rows = kept_rows(batch, sched.batch_step, last)
         if rows is not None:
             changed, (flat, blocks), too_long = self._changed_rows(seq_ids, sched.table_changes)
         else:
@@ -527,6 +529,9 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         host[2, real:bucket] = -1
         host[3, real:bucket] = 0
         host[4, real:bucket] = 0
+        if self.hybrid:  # recurrent-state slots; a bucket's padding rows write the scratch slot
+            host[6, :real] = self.cache.block_manager.state.slots(seq_ids)
+            host[6, real:bucket] = self.cache.block_manager.state.scratch
         b = self._buffers
         # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
         b["meta"].copy_(host_set["meta"], non_blocking=True)

@@ -77,6 +77,8 @@ class RaggedGraphs:
 
     # ------------------------------------------------------------------ eligibility
     def _ragged_enabled(self) -> bool:
+        if self.hybrid:  # a hybrid model's ragged step calls its recurrent layers once per chunk: never recorded
+            return False
         mode = self.ragged_graphs
         if mode is None:
             mode = self.decode_mode == "graph" and (getattr(self.model, "tp_size", None) or 1) == 1

@@ -9,9 +9,21 @@ single points, not as whole rows.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..cache import device_table
 
-__all__ = ["TableStore"]
+__all__ = ["TableStore", "kept_rows"]
+
+
+def kept_rows(batch, number: int, last: tuple) -> np.ndarray | None:
+    """The store rows of step `number` of `batch`, taken from those of the step before it when that was the last
+    static step (`last`: its sequence ids, by identity, and rows): each row of the step is the row `source` names in
+    the step before, from which rows only left (`DecodeBatch.remove`). None when that does not hold."""
+    before, step = batch.rows_of(number - 1), batch.rows_of(number)
+    if before is None or step is None or last[1] is not before.seq_ids:
+        return None
+    return last[2][step.source]
 
 
 class TableStore:

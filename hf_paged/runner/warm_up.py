@@ -78,7 +78,7 @@ class WarmUpForwards:
             return
         self._ensure_buffers()
         self._dummy_rows()
-        key_cache, value_cache = self.cache.layer_caches(0)
+        key_cache, value_cache = self.cache.layer_caches(self.cache.kv_layers[0])
         heads, kv_heads = attention_heads(self.cache.config)
         local_kv = key_cache.shape[1]  # this rank's
         local_q = local_kv * max(1, heads // max(1, kv_heads))
@@ -130,6 +130,10 @@ class WarmUpForwards:
         table = [0] * -(-q_len // self.block_size)  # every position reads block 0
         step = cache._make_step("ragged", [-1] * tokens, [table] * num_seqs, [q_len] * num_seqs,
                                 [q_len] * num_seqs, self.device)
+        if self.hybrid:  # recurrent states: every sequence starts from nothing and writes the scratch slot
+            step.state_slots = torch.full((num_seqs,), cache.block_manager.state.scratch, dtype=torch.long,
+                                          device=self.device)
+            step.state_rows = [(i * q_len, q_len, False) for i in range(num_seqs)]
         cache.set_engine_step(step)
         positions = torch.arange(q_len, device=self.device).repeat(num_seqs)[None]
         with self._prefill_layers(tokens) if compiled else nullcontext():

@@ -1,0 +1,299 @@
+"""Recurrent layers of hybrid models on the paged cache: each sequence's state in a slot, ragged steps without leaks.
+
+transformers 5.x runs every hybrid family's recurrent mixer (gated DeltaNet in Qwen3.5 / Qwen3-Next / OLMo-Hybrid,
+Mamba 2 in Granite 4 / Bamba / Falcon-H1 / Nemotron-H, Mamba in Jamba, the short convolution of LFM2) through one
+cache API: ``cache.has_previous_state(layer_idx)``, ``cache.layers[layer_idx].conv_states[i]`` /
+``.recurrent_states[i]`` and ``cache.update_conv_state`` / ``cache.update_recurrent_state``, with one batch row per
+sequence. The engine's steps are one packed ``[1, T]`` row holding many sequences (prefill chunks and decodes), whose
+states live in a slot pool (`hf_paged.cache.state_pool`); run as one row, one sequence's tokens would flow into
+the next one's state through the convolution and the scan.
+
+So `install` wraps the `forward` of every such mixer module (per instance; the model's own projections, weights and
+code run unchanged) with `_mixer_forward`, which, when the cache is a `PagedCache`, calls the module's own forward
+once per group of rows that form a proper batch, each time with a `_StateView`: a stand-in cache that gathers the
+group's slots from the pool, answers the calls above for exactly those rows, and scatters the new states back:
+
+* the rows that decode one token with a state (every row of a decode step): one call, ``[B, 1, H]``;
+* each prefill chunk: one call of its own, ``[1, n, H]``, starting from its slot's state when the sequence has
+  computed tokens before (a chunked prefill, a prefix-cache hit restored from a checkpoint), else from nothing;
+* the drop-in cache's padded batches (transformers' own `generate()`): one call for the whole batch, the padding mask
+  passed through, as transformers runs it.
+
+Anything else (no cache, a `DynamicCache`) goes straight to the module's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import Any
+
+import torch
+
+from ..cache import PagedCache, StateSpec
+
+__all__ = ["install", "uninstall", "mixer_modules", "profile_state_specs", "is_mixer_class"]
+
+_RECURRENT_CALLS = ("update_conv_state", "update_recurrent_state")
+_CACHE_ARGS = ("cache_params", "past_key_values")
+# per-token keyword arguments of a packed batch that a per-sequence call must not receive whole
+_PER_TOKEN_KWARGS = ("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                     "max_length_k", "seq_idx", "position_embeddings")
+
+
+@functools.cache
+def _call_layout(cls: type) -> tuple[tuple[str, ...], str | None] | None:
+    """(positional parameter names of `cls.forward` after self, the cache argument's name), or None when `cls` is no
+    recurrent mixer of transformers' cache API."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    if not any(call in source for call in _RECURRENT_CALLS):
+        return None
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    cache_arg = next((n for n in _CACHE_ARGS if n in names), None)
+    if cache_arg is None or not names:
+        return None
+    return names, cache_arg
+
+
+def is_mixer_class(cls: type) -> bool:
+    """Whether `cls` is a recurrent mixer that keeps its state through transformers' cache API (see the module doc)."""
+    return _call_layout(cls) is not None
+
+
+def mixer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The recurrent mixer modules of `model` (those `install` wraps), in module order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and is_mixer_class(type(m))]
+
+
+def install(model: torch.nn.Module) -> int:
+    """Wrap every recurrent mixer's forward (idempotent); returns how many modules are wrapped."""
+    count = 0
+    for module in mixer_modules(model):
+        if "_hf_paged_forward" not in module.__dict__:
+            module._hf_paged_forward = module.forward  # what the instance ran before (a bound method, or a hook's)
+            module.forward = types.MethodType(_mixer_forward, module)
+        count += 1
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Undo `install`."""
+    for module in model.modules():
+        original = module.__dict__.pop("_hf_paged_forward", None)
+        if original is not None:
+            if isinstance(original, types.MethodType) and original.__func__ is type(module).forward:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = original
+
+
+def _mixer_forward(module: torch.nn.Module, *args, **kwargs):
+    """The installed forward: a `PagedCache` step through `_run_paged`, anything else to the module's own forward."""
+    names, cache_arg = _call_layout(type(module))
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    cache = call.get(cache_arg)
+    if not isinstance(cache, PagedCache):
+        return module._hf_paged_forward(*args, **kwargs)
+    return _run_paged(cache, _Call(module, names[0], cache_arg, call))
+
+
+def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
+    """One mixer's part of a forward over the paged cache: its own code over each group of rows (module doc)."""
+    hidden = call.hidden_states
+    layer = call.layer_idx
+    step = cache.enter_recurrent_layer(layer, hidden)
+    pool = cache.states.pool
+    if step.layout == "padded":  # the drop-in cache: transformers' own batch, its padding mask included
+        return call.run(hidden, _StateView(layer, pool, step.state_slots, step.state_prev), call.attention_mask)
+    tokens = hidden.shape[1]
+    rows = step.state_rows
+    if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
+        view = _StateView(layer, pool, step.state_slots[:tokens], True)
+        return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
+    decode = [i for i, (_, n, prev) in enumerate(rows) if n == 1 and prev]
+    if len(decode) == len(rows) == tokens:  # (an eager decode step: rows are the sequences, in order)
+        view = _StateView(layer, pool, step.state_slots, True)
+        return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
+    pieces: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+    if decode:
+        index = torch.tensor(decode, dtype=torch.long, device=hidden.device)
+        at = torch.tensor([rows[i][0] for i in decode], dtype=torch.long, device=hidden.device)
+        view = _StateView(layer, pool, step.state_slots.index_select(0, index), True)
+        pieces.append((at, call.run(hidden[0].index_select(0, at)[:, None], view, packed=True)[:, 0]))
+    chosen = set(decode)
+    for i, (first, n, prev) in enumerate(rows):
+        if i in chosen:
+            continue
+        view = _StateView(layer, pool, step.state_slots[i : i + 1], prev)
+        pieces.append((slice(first, first + n), call.run(hidden[:, first : first + n], view, packed=True)[0]))
+    if len(pieces) == 1 and isinstance(pieces[0][0], slice) and pieces[0][1].shape[0] == tokens:
+        return pieces[0][1][None]
+    width = pieces[0][1].shape[-1]
+    out = hidden.new_zeros((tokens, width), dtype=pieces[0][1].dtype)  # padding rows (a token grid) stay zero
+    for where, piece in pieces:
+        if isinstance(where, slice):
+            out[where] = piece
+        else:
+            out.index_copy_(0, where, piece)
+    return out[None]
+
+
+class _Call:
+    """One call of a mixer's own forward, re-issued over groups of rows with a `_StateView` as the cache."""
+
+    def __init__(self, module: torch.nn.Module, hidden_name: str, cache_arg: str, call: dict[str, Any]) -> None:
+        self.module = module
+        self.layer_idx = int(module.layer_idx)
+        self.hidden_name = hidden_name
+        self.cache_arg = cache_arg
+        self.call = call
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        return self.call[self.hidden_name]
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        return self.call.get("attention_mask")
+
+    def run(self, hidden: torch.Tensor, view: _StateView, attention_mask: torch.Tensor | None = None,
+            packed: bool = False) -> torch.Tensor:
+        """The module's own forward over `hidden` with `view` as its cache; `packed`: the rows come out of a packed
+        step, so per-token keyword arguments of the whole step are left out."""
+        call = dict(self.call)
+        call[self.hidden_name] = hidden
+        call[self.cache_arg] = view
+        if "attention_mask" in call or attention_mask is not None:
+            call["attention_mask"] = attention_mask
+        if packed:
+            for name in _PER_TOKEN_KWARGS:
+                call.pop(name, None)
+        out = self.module._hf_paged_forward(**call)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"hf-paged: {type(self.module).__name__}.forward returned {type(out).__name__}; the "
+                            "recurrent adapter handles mixers that return their output tensor")
+        view.commit()
+        return out
+
+
+class _LayerStates:
+    """What a mixer reads off `cache.layers[layer_idx]`: its states (by state index) and flags."""
+
+    __slots__ = ("conv_states", "recurrent_states", "has_previous_state", "record_past", "conv_kernel_size")
+
+    def __init__(self) -> None:
+        self.conv_states: dict[int, torch.Tensor] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
+        self.has_previous_state: dict[int, bool] = {}
+        self.record_past = False  # speculative-decoding rollback: not used by hf-paged
+        self.conv_kernel_size: dict[int, int] = {}
+
+
+class _StateView:
+    """A stand-in cache for one call of one mixer: the states of `slots` (gathered from the pool), or none when the
+    rows start fresh; `commit()` writes what the call left back to the slots.
+
+    It implements what transformers' `LinearAttentionLayer` does for the calls recurrent mixers make (the padding of
+    a first convolution window, the concatenation with the previous one, keeping the last `conv_kernel_size`).
+    `pool` None: a recording view (`profile_state_specs`), whose commit keeps the states' shapes and dtypes.
+    """
+
+    def __init__(self, layer_idx: int, pool, slots: torch.Tensor | None, has_previous: bool,
+                 gather=None, scatter=None) -> None:
+        self.layer_idx = layer_idx
+        self._pool = pool
+        self._slots = slots
+        self._scatter = scatter
+        self._initial = has_previous
+        states = _LayerStates()
+        self.layers = {layer_idx: states}
+        self.recorded: dict[tuple[int, str, int], torch.Tensor] = {}
+        if pool is not None and has_previous:
+            for key in pool.specs:
+                if key[0] != layer_idx:
+                    continue
+                tensor = gather(key) if gather is not None else pool.tensors[key].index_select(0, slots)
+                (states.conv_states if key[1] == "conv" else states.recurrent_states)[key[2]] = tensor
+                if key[1] == "conv":
+                    states.has_previous_state[key[2]] = True
+                    states.conv_kernel_size[key[2]] = tensor.shape[-1]
+
+    def _states(self, layer_idx: int) -> _LayerStates:
+        if layer_idx != self.layer_idx:
+            raise ValueError(f"hf-paged: the mixer of layer {self.layer_idx} used the cache of layer {layer_idx}")
+        return self.layers[layer_idx]
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        flags = self._states(self.layer_idx if layer_idx is None else layer_idx).has_previous_state
+        if state_idx is None:
+            return all(flags.values()) if flags else self._initial
+        return flags.get(state_idx, self._initial)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        states = self._states(layer_idx)
+        kernel = states.conv_kernel_size.get(state_idx)
+        if kernel is None:
+            kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
+            states.conv_kernel_size[state_idx] = kernel
+        previous = states.conv_states.get(state_idx)
+        if not states.has_previous_state.get(state_idx, False) or previous is None:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+            states.has_previous_state[state_idx] = True
+        else:
+            full = torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
+        states.conv_states[state_idx] = full[..., -kernel:]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        states = self._states(layer_idx)
+        previous = states.recurrent_states.get(state_idx)
+        if previous is not None and previous.dtype != recurrent_states.dtype:
+            recurrent_states = recurrent_states.to(previous.dtype)  # transformers keeps the first state's dtype
+        states.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    def commit(self) -> None:
+        states = self.layers[self.layer_idx]
+        for kind, tensors in (("conv", states.conv_states), ("recurrent", states.recurrent_states)):
+            for index, tensor in tensors.items():
+                key = (self.layer_idx, kind, index)
+                if self._pool is None:
+                    self.recorded[key] = tensor
+                elif self._scatter is not None:
+                    self._scatter(key, tensor)
+                else:
+                    target = self._pool.ensure(key, tensor)
+                    target.index_copy_(0, self._slots, tensor.to(target.dtype))
+
+
+def profile_state_specs(model: torch.nn.Module) -> dict:
+    """`{(layer_idx, kind, state_idx): StateSpec}` of every recurrent state of `model`: each mixer's own forward run
+    once on two tokens of zeros with a recording view (no attention runs, nothing is kept)."""
+    specs = {}
+    param = next(model.parameters())
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    hidden = int(config.hidden_size)
+    with torch.no_grad():
+        for module in mixer_modules(model):
+            names, cache_arg = _call_layout(type(module))
+            view = _StateView(int(module.layer_idx), None, None, False)
+            x = torch.zeros((1, 2, hidden), dtype=param.dtype, device=param.device)
+            original = module.__dict__.get("_hf_paged_forward", module.forward)
+            original(**{names[0]: x, cache_arg: view})
+            view.commit()
+            for key, tensor in view.recorded.items():
+                specs[key] = StateSpec(tuple(tensor.shape[1:]), tensor.dtype)
+    return specs

@@ -1,0 +1,49 @@
+"""`PagedLayer`: the per-layer facade of a `PagedCache` in transformers' `Cache.layers` list.
+
+transformers' generic `Cache` code asks its layers (is_sliding, is_compileable, mask sizes, batch size, ...); each
+answers for the whole paged cache, whose pool holds every layer's blocks.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from transformers.cache_utils import CacheLayerMixin
+
+__all__ = ["PagedLayer"]
+
+
+class PagedLayer(CacheLayerMixin):
+    """Per-layer facade so `Cache`'s generic properties (is_sliding, is_compileable, ...) answer correctly."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache, layer_idx: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)  # no cache <-> layer cycle: dropping the cache frees the pool at once
+        self._layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
+        self._cache._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._cache._rows)
