@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from ..cache import PagedCache, StateSpec
+from .compiled_op import _ACTIVE
 
 __all__ = ["install", "uninstall", "mixer_modules", "profile_state_specs", "is_mixer_class"]
 
+_KINDS = ("conv", "recurrent")  # the kinds of state a layer keeps (`hf_paged.cache.state_pool.StateKey`)
 _RECURRENT_CALLS = ("update_conv_state", "update_recurrent_state")
 _CACHE_ARGS = ("cache_params", "past_key_values")
 # per-token keyword arguments of a packed batch that a per-sequence call must not receive whole
@@ -79,6 +81,7 @@ def install(model: torch.nn.Module) -> int:
     for module in mixer_modules(model):
         if "_hf_paged_forward" not in module.__dict__:
             module._hf_paged_forward = module.forward  # what the instance ran before (a bound method, or a hook's)
+            module._hf_paged_layout = _call_layout(type(module))  # (read in the compiled step: no source lookups)
             module.forward = types.MethodType(_mixer_forward, module)
         count += 1
     return count
@@ -88,6 +91,8 @@ def uninstall(model: torch.nn.Module) -> None:
     """Undo `install`."""
     for module in model.modules():
         original = module.__dict__.pop("_hf_paged_forward", None)
+        module.__dict__.pop("_hf_paged_layout", None)
+        module.__dict__.pop("_hf_paged_state_layout", None)
         if original is not None:
             if isinstance(original, types.MethodType) and original.__func__ is type(module).forward:
                 module.__dict__.pop("forward", None)
@@ -97,7 +102,7 @@ def uninstall(model: torch.nn.Module) -> None:
 
 def _mixer_forward(module: torch.nn.Module, *args, **kwargs):
     """The installed forward: a `PagedCache` step through `_run_paged`, anything else to the module's own forward."""
-    names, cache_arg = _call_layout(type(module))
+    names, cache_arg = module._hf_paged_layout
     call = dict(zip(names, args))
     call.update(kwargs)
     cache = call.get(cache_arg)
@@ -110,14 +115,17 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
     """One mixer's part of a forward over the paged cache: its own code over each group of rows (module doc)."""
     hidden = call.hidden_states
     layer = call.layer_idx
-    step = cache.enter_recurrent_layer(layer, hidden)
+    # inside the compiled decode step the runner has set the step (no bookkeeping may run in the graph), and the
+    # states go through opaque ops (`_StateView`)
+    compiled = getattr(call.module, "_hf_paged_state_layout", None) if torch.compiler.is_compiling() else None
+    step = cache._step if compiled is not None else cache.enter_recurrent_layer(layer, hidden)
     pool = cache.states.pool
     if step.layout == "padded":  # the drop-in cache: transformers' own batch, its padding mask included
         return call.run(hidden, _StateView(layer, pool, step.state_slots, step.state_prev), call.attention_mask)
     tokens = hidden.shape[1]
     rows = step.state_rows
     if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
-        view = _StateView(layer, pool, step.state_slots[:tokens], True)
+        view = _StateView(layer, pool, step.state_slots[:tokens], True, compiled)
         return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
     decode = [i for i, (_, n, prev) in enumerate(rows) if n == 1 and prev]
     if len(decode) == len(rows) == tokens:  # (an eager decode step: rows are the sequences, in order)
@@ -152,7 +160,7 @@ class _Call:
 
     def __init__(self, module: torch.nn.Module, hidden_name: str, cache_arg: str, call: dict[str, Any]) -> None:
         self.module = module
-        self.layer_idx = int(module.layer_idx)
+        self.layer_idx = module.layer_idx  # (symbolic in the compiled step: never made an int here)
         self.hidden_name = hidden_name
         self.cache_arg = cache_arg
         self.call = call
@@ -181,8 +189,7 @@ class _Call:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"hf-paged: {type(self.module).__name__}.forward returned {type(out).__name__}; the "
                             "recurrent adapter handles mixers that return their output tensor")
-        view.commit()
-        return out
+        return view.commit(out)
 
 
 class _LayerStates:
@@ -198,49 +205,65 @@ class _LayerStates:
         self.conv_kernel_size: dict[int, int] = {}
 
 
+class _Layers:
+    """`cache.layers` of a `_StateView`: whatever index the mixer asks for (its own), its states."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: _LayerStates) -> None:
+        self.states = states
+
+    def __getitem__(self, layer_idx) -> _LayerStates:
+        return self.states
+
+
 class _StateView:
     """A stand-in cache for one call of one mixer: the states of `slots` (gathered from the pool), or none when the
-    rows start fresh; `commit()` writes what the call left back to the slots.
+    rows start fresh; `commit(out)` writes what the call left back to the slots.
 
     It implements what transformers' `LinearAttentionLayer` does for the calls recurrent mixers make (the padding of
     a first convolution window, the concatenation with the previous one, keeping the last `conv_kernel_size`).
     `pool` None: a recording view (`profile_state_specs`), whose commit keeps the states' shapes and dtypes.
+    `compiled`: the layer's state layout (`_hf_paged_state_layout`, from `profile_state_specs`) when the call is
+    traced in the compiled decode step: the states go through the opaque ops `hf_paged::gather_state` and
+    `hf_paged::commit_states`, so the pool is no graph input and the layer index stays symbolic.
     """
 
-    def __init__(self, layer_idx: int, pool, slots: torch.Tensor | None, has_previous: bool,
-                 gather=None, scatter=None) -> None:
+    def __init__(self, layer_idx, pool, slots: torch.Tensor | None, has_previous: bool,
+                 compiled: list | None = None) -> None:
         self.layer_idx = layer_idx
         self._pool = pool
         self._slots = slots
-        self._scatter = scatter
+        self._compiled = compiled
         self._initial = has_previous
         states = _LayerStates()
-        self.layers = {layer_idx: states}
+        self.layers = _Layers(states)
         self.recorded: dict[tuple[int, str, int], torch.Tensor] = {}
-        if pool is not None and has_previous:
-            for key in pool.specs:
-                if key[0] != layer_idx:
-                    continue
-                tensor = gather(key) if gather is not None else pool.tensors[key].index_select(0, slots)
-                (states.conv_states if key[1] == "conv" else states.recurrent_states)[key[2]] = tensor
-                if key[1] == "conv":
-                    states.has_previous_state[key[2]] = True
-                    states.conv_kernel_size[key[2]] = tensor.shape[-1]
-
-    def _states(self, layer_idx: int) -> _LayerStates:
-        if layer_idx != self.layer_idx:
-            raise ValueError(f"hf-paged: the mixer of layer {self.layer_idx} used the cache of layer {layer_idx}")
-        return self.layers[layer_idx]
+        if pool is None or not has_previous:
+            return
+        if compiled is not None:
+            keys = [(layer_idx, kind, index, shape, dtype) for kind, index, shape, dtype in compiled]
+        else:
+            keys = [(*key, None, None) for key in pool.specs if key[0] == layer_idx]
+        for _, kind, index, shape, dtype in keys:
+            if compiled is not None:
+                tensor = torch.ops.hf_paged.gather_state(slots, layer_idx, kind, index, list(shape), dtype)
+            else:
+                tensor = pool.tensors[(layer_idx, kind, index)].index_select(0, slots)
+            (states.conv_states if kind == "conv" else states.recurrent_states)[index] = tensor
+            if kind == "conv":
+                states.has_previous_state[index] = True
+                states.conv_kernel_size[index] = tensor.shape[-1]
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        flags = self._states(self.layer_idx if layer_idx is None else layer_idx).has_previous_state
+        flags = self.layers.states.has_previous_state
         if state_idx is None:
             return all(flags.values()) if flags else self._initial
         return flags.get(state_idx, self._initial)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
-        states = self._states(layer_idx)
+        states = self.layers.states
         kernel = states.conv_kernel_size.get(state_idx)
         if kernel is None:
             kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
@@ -258,30 +281,73 @@ class _StateView:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
-        states = self._states(layer_idx)
+        states = self.layers.states
         previous = states.recurrent_states.get(state_idx)
         if previous is not None and previous.dtype != recurrent_states.dtype:
             recurrent_states = recurrent_states.to(previous.dtype)  # transformers keeps the first state's dtype
         states.recurrent_states[state_idx] = recurrent_states
         return recurrent_states
 
-    def commit(self) -> None:
-        states = self.layers[self.layer_idx]
-        for kind, tensors in (("conv", states.conv_states), ("recurrent", states.recurrent_states)):
-            for index, tensor in tensors.items():
-                key = (self.layer_idx, kind, index)
-                if self._pool is None:
-                    self.recorded[key] = tensor
-                elif self._scatter is not None:
-                    self._scatter(key, tensor)
-                else:
-                    target = self._pool.ensure(key, tensor)
-                    target.index_copy_(0, self._slots, tensor.to(target.dtype))
+    def commit(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the states the call left to the slots; returns `out` (in the compiled step, through the op that
+        writes, so the write is never dropped as dead code nor moved after a later read)."""
+        states = self.layers.states
+        items = [(kind, index, tensor) for kind, tensors in (("conv", states.conv_states),
+                                                             ("recurrent", states.recurrent_states))
+                 for index, tensor in tensors.items()]
+        if self._pool is None:
+            self.recorded.update({(self.layer_idx, kind, index): tensor for kind, index, tensor in items})
+            return out
+        if self._compiled is not None:
+            return torch.ops.hf_paged.commit_states(out, [t for _, _, t in items], self._slots, self.layer_idx,
+                                                    [_KINDS.index(k) for k, _, _ in items],
+                                                    [i for _, i, _ in items])
+        for kind, index, tensor in items:
+            target = self._pool.ensure((self.layer_idx, kind, index), tensor)
+            target.index_copy_(0, self._slots, tensor.to(target.dtype))
+        return out
+
+
+@torch.library.custom_op("hf_paged::gather_state", mutates_args=())
+def gather_state(slots: torch.Tensor, layer_idx: int, kind: str, index: int, shape: list[int],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The states `(layer_idx, kind, index)` of `slots`, read from the active cache's pool (the compiled step)."""
+    return _active_pool().tensors[(layer_idx, kind, index)].index_select(0, slots)
+
+
+@gather_state.register_fake
+def _(slots, layer_idx, kind, index, shape, dtype):
+    return slots.new_empty((slots.shape[0], *shape), dtype=dtype)
+
+
+@torch.library.custom_op("hf_paged::commit_states", mutates_args=())
+def commit_states(out: torch.Tensor, values: list[torch.Tensor], slots: torch.Tensor, layer_idx: int,
+                  kinds: list[int], indices: list[int]) -> torch.Tensor:
+    """Write a layer's new states (`kinds`: indices into `_KINDS`) to `slots` of the active cache's pool; returns a
+    copy of `out` (the layer's output, which the rest of the step reads: that keeps this op in the graph, in order)."""
+    pool = _active_pool()
+    for value, kind, index in zip(values, kinds, indices):
+        target = pool.tensors[(layer_idx, _KINDS[kind], index)]
+        target.index_copy_(0, slots, value.to(target.dtype))
+    return out.clone()
+
+
+@commit_states.register_fake
+def _(out, values, slots, layer_idx, kinds, indices):
+    return torch.empty_like(out)
+
+
+def _active_pool():
+    cache = _ACTIVE[0]
+    if cache is None or cache.states is None:
+        raise RuntimeError("hf_paged's recurrent-state ops ran outside hf_paged's compiled step (no active cache)")
+    return cache.states.pool
 
 
 def profile_state_specs(model: torch.nn.Module) -> dict:
     """`{(layer_idx, kind, state_idx): StateSpec}` of every recurrent state of `model`: each mixer's own forward run
-    once on two tokens of zeros with a recording view (no attention runs, nothing is kept)."""
+    once on two tokens of zeros with a recording view (no attention runs, nothing is kept). Each mixer module keeps
+    its layer's list as `_hf_paged_state_layout` (what the compiled decode step gathers and commits)."""
     specs = {}
     param = next(model.parameters())
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -292,8 +358,11 @@ def profile_state_specs(model: torch.nn.Module) -> dict:
             view = _StateView(int(module.layer_idx), None, None, False)
             x = torch.zeros((1, 2, hidden), dtype=param.dtype, device=param.device)
             original = module.__dict__.get("_hf_paged_forward", module.forward)
-            original(**{names[0]: x, cache_arg: view})
-            view.commit()
-            for key, tensor in view.recorded.items():
-                specs[key] = StateSpec(tuple(tensor.shape[1:]), tensor.dtype)
+            view.commit(original(**{names[0]: x, cache_arg: view}))
+            layout = []
+            for (layer, kind, index), tensor in sorted(view.recorded.items()):
+                specs[(layer, kind, index)] = StateSpec(tuple(tensor.shape[1:]), tensor.dtype)
+                layout.append((kind, index, tuple(tensor.shape[1:]), tensor.dtype))
+            # what the compiled decode step gathers and commits for this layer (the same for every layer of a kind)
+            module._hf_paged_state_layout = tuple(layout)
     return specs

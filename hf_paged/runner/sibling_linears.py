@@ -256,9 +256,8 @@ def fold_residual_adds(gm: torch.fx.GraphModule) -> int:
                 _fold(graph, node, linear, residual)
                 folded += 1
                 break
-    if folded:
-        graph.eliminate_dead_code()
-        graph.lint()
+    if folded:  # (no `eliminate_dead_code`: FX takes in-place method calls, e.g. a recurrent layer's convolution
+        graph.lint()  # window update `conv_state.copy_(...)`, for dead code and would drop them)
         gm.recompile()
     return folded
 
@@ -299,6 +298,7 @@ def _fold(graph: torch.fx.Graph, add: torch.fx.Node, linear: torch.fx.Node, resi
         node.meta["example_value"] = value
     add.replace_all_uses_with(back)
     graph.erase_node(add)
+    graph.erase_node(linear)  # its one reader was the add
 
 
 #: residual adds folded into GEMMs by `fusing_backend` (see `fold_residual_adds`); off: Inductor's own kernels
