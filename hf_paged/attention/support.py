@@ -25,7 +25,6 @@ __all__ = [
     "FEATURES",
     "HANDLED_FEATURES",
     "KERNEL_FEATURES",
-    "SUPPORTED_MODEL_TYPES",
     "check_supported",
     "describe_support",
     "model_features",
@@ -77,10 +76,6 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
 KERNEL_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim",
 })
-
-# The families tested in depth by hf_paged.testing (kept for code written against 0.1; no longer a gate).
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite"})
 
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")
 _RECURRENT_CLASS_WORDS = ("Mamba", "Rwkv", "LinearAttention", "ShortConv", "GatedDeltaNet", "Recurrent", "LSTM",
