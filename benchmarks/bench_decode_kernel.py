@@ -258,14 +258,18 @@ def render(results, meta, out_dir) -> int:
     return 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_kernel.json / .png")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's launch configuration")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if not torch.cuda.is_available():
         print("bench_decode_kernel: needs a CUDA GPU; nothing measured.")

@@ -47,11 +47,15 @@ def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--splits", default="1,2,3,4,6,8,12,16,24,32")
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_splits.py needs a GPU")
     from hf_paged.kernels import triton_decode  # triton: imported here, so that importing graph_time_us needs none

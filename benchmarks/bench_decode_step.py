@@ -94,7 +94,7 @@ def time_variant(model, compiled: bool, batches: list[int], context: int, args) 
     return {"setup_s": setup_s, "rows": rows}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--batches", default="1,8,32,64,128,192,256")
@@ -105,7 +105,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_step.py times CUDA graphs: it needs a GPU")
     model = build_model(args.model, "cuda", getattr(torch, args.dtype))

@@ -416,7 +416,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     return result
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--workload", default="sharegpt", choices=sorted(WORKLOADS) + sorted(UNIFORM_WORKLOADS))
@@ -446,7 +446,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (with --top-p/--top-k)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     dtype = getattr(torch, args.dtype)
     workload = make_workload(args.workload, args.num_requests, args.seed, jsonl=args.jsonl)

@@ -120,7 +120,7 @@ def float32_agreement(args, prompts, device) -> str:
     return f"{sum(a == b for a, b in zip(got, ref))}/{len(rows)}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--dtype", default="bfloat16")
@@ -133,7 +133,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="20GiB")
     parser.add_argument("--agreement", type=int, default=1, help="1: also compare greedy rows in float32")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     vocab = build_model(args.model, "meta", torch.float32).config.vocab_size

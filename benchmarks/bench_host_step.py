@@ -104,7 +104,7 @@ def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bo
     return 1000 * elapsed / steps
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default="1,8,32,64,128,256", help="comma list of running-request counts")
     parser.add_argument("--steps", type=int, default=200)
@@ -113,7 +113,11 @@ def main() -> None:
     parser.add_argument("--finishing", action="store_true",
                         help="requests stop at ShareGPT-like lengths; every step until the last finishes is timed")
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     rows = []

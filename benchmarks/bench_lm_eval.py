@@ -116,7 +116,7 @@ def float32_agreement(args, tokenizer, requests, vocab: int, device: str) -> str
     return f"{same}/{len(requests)}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     parser.add_argument("--tokenizer", required=True, help="a saved tokenizer directory (SmolLM2's on the GPU)")
@@ -131,7 +131,11 @@ def main() -> None:
                         help="then this many requests (32 new tokens) in float32: hf vs hf-paged greedy texts; "
                              "bf16 greedy on a random model flips on rounding, float32 shows whether they agree")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     if tokenizer.pad_token_id is None:

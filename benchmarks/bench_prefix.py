@@ -122,7 +122,7 @@ def run_engine(engine, requests, prefix_len: int, caching: bool, args) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help=f"random-init shape ({', '.join(SHAPES)}) or a checkpoint path;"
                         " default: small on CPU, llama-1b on CUDA")
@@ -142,7 +142,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the best is reported")
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     cuda = args.device.startswith("cuda")
     args.model = args.model or ("llama-1b" if cuda else "small")

@@ -125,12 +125,16 @@ def time_argmax(rows_list, vocabs, bw) -> list[dict]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--greedy-only", action="store_true", help="only the greedy-pick table")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_sampling.py needs CUDA")
     import triton.testing

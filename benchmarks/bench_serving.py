@@ -158,7 +158,7 @@ async def run_rate(url, model, requests, rate: float, seed: int, extra) -> dict:
             "slowest_ttft": [{"ttft_ms": r["ttft"] * 1000, "sent_s": r["sent"] - start} for r in slowest]}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-1b", help=f"a shape ({', '.join(SHAPES)}) or a local model dir")
     p.add_argument("--model-dir", default="/tmp/hf_paged_bench_model")
@@ -178,7 +178,11 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--append", action="store_true",
                    help="keep the other systems' rows of OUT/bench_serving.json (systems run in separate invocations)")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model) if Path(args.model).is_dir() else write_model(

@@ -110,7 +110,7 @@ def run(model, workload, mode: str, width: int, args) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny | tiny-32k | smollm2")
     parser.add_argument("--device", default="cpu")
@@ -122,7 +122,11 @@ def main() -> None:
     parser.add_argument("--widths", default="2,4,6")
     parser.add_argument("--modes", default="parallel,beam")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     torch.set_grad_enabled(False)
     model = build_model(args.model, args.device)

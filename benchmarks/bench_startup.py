@@ -99,7 +99,7 @@ def run_child(model_name: str, compile_decode: bool, cache_dir: str, args, pycac
     return row
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-1b,qwen3-0.6b")
     parser.add_argument("--modes", default="eager,compiled", help="eager and/or compiled (compile_decode=True)")
@@ -117,7 +117,12 @@ def main() -> None:
                              "`pip install`); as-is: the environment's own")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--compile-decode", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.warm_runs < 1:
         parser.error(f"--warm-runs must be at least 1, got {args.warm_runs}")
     if args.child:

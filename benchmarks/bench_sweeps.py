@@ -114,14 +114,18 @@ def batch_at_dynamic_budget(model, workload, dynamic_batch: int):
     return result
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--block-sizes", default="8,16,32,64,128")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--parts", default="kernel,blocks,budget")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     parts = set(args.parts.split(","))
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     out = Path(args.out)

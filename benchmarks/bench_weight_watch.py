@@ -51,14 +51,18 @@ def time_check(model, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-1b,qwen3-0.6b,llama-8b,llama-70b")
     parser.add_argument("--step-ms", type=float, default=2.0, help="decode step time to compare with")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--peft", action="store_true", help="also with a LoRA adapter on q/k/v/o (needs peft)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     rows = []
     print(f"| model | tensors | check (us) | share of a {args.step_ms:g} ms step |")
     print("|---|---|---|---|")

@@ -92,14 +92,18 @@ def accepted_types() -> list[str]:
     return [r["model_type"] for r in records if r["verdict"] == "pass"]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_types", nargs="*", help="only these (default: every accepted architecture)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     types = args.model_types or accepted_types()
     if args.worker:  # print one JSON line per architecture
         for model_type in types:

@@ -1,25 +1,53 @@
-"""Where a decode step's time goes: torch profiler over a window of steady-state engine steps.
+"""Where a decode step's time goes: the torch profiler over steady engine steps, at one or more running counts.
 
-Builds a named shape (bf16, random init), fills the engine with a workload, steps until the prefills are done, then
-profiles `--steps` steps and prints the kernels by total CUDA time, the CUDA time per step and the host (CPU) time
-per step. Writes the table and a Chrome trace to `--out`.
+Builds a named shape (`bench_generate.SHAPES`, random init), fills an engine with a workload (EOS ignored), steps until
+the prefills are done, then, for each count of `--until-running` (0: at once), steps on until at most that many
+sequences run and profiles `--steps` steps. For each window it prints
 
+* the device kernels (CUDA kernels, memcpy and memset; on the CPU, the top-level CPU ops) by total time per step, with
+  their launches per step and mean duration,
+* the device time per step (the kernels' summed durations: the GPU's busy time), their span per step (first start to
+  last end), the host wall time per step and the profiled CPU time per step,
+
+and writes, under `--out`, `<name>_at<running>.txt` (the profiler's table by device time), `.json` (a Chrome trace) and
+`_kernels.json` (every kernel in launch order: name, start and duration in us): the kernel-by-kernel listing of a step
+that the write-ups in benchmarks/results/ read (h100_2026-11-26h call b, h100_2026-11-27f call a, h200_2026-11-28
+calls 1 and 4). The profiler stretches kernels shorter than a few us; time them in CUDA graphs for those.
+
+    python benchmarks/profile_decode.py --model llama-1b --compile-decode --finished-only --until-running 240,64,8 \
+        --steps 3                                                  # the compiled step's kernels at three batch sizes
     python benchmarks/profile_decode.py --model qwen3-0.6b --workload uniform --temperature 0.6 --top-p 0.95
+    python benchmarks/profile_decode.py --model tiny --device cpu --num-requests 16 --until-running 12,4 --steps 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_generate import SHAPES, UNIFORM_WORKLOADS, WORKLOADS, build_model, make_workload, sampling_kwargs
+from bench_generate import SHAPES, UNIFORM_WORKLOADS, WORKLOADS, build_model, make_workload, sampling_kwargs, sync
 
 import hf_paged
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-def main() -> None:
+
+def counts(text: str) -> list[int]:
+    """`--until-running`: comma-separated running counts, each >= 0, profiled in the order given."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     parser.add_argument("--workload", default="sharegpt", choices=sorted(WORKLOADS) + sorted(UNIFORM_WORKLOADS))
@@ -28,46 +56,92 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--compile-decode", action="store_true")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="steps profiled in each window")
     parser.add_argument("--finished-only", action="store_true", help="step(finished_only=True), as generate() does")
-    parser.add_argument("--until-running", type=int, default=0,
-                        help="step on until at most this many sequences run before profiling (a workload's tail)")
+    parser.add_argument("--until-running", type=counts, default=[0],
+                        help="comma list: before each window, step on until at most this many sequences run "
+                             "(0: profile at once, after the prefills)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                        help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--kv-cache-memory", default=None, help="KV pool size (default: the engine's sizing)")
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser
+
+
+def device_rows(prof: torch.profiler.profile, device: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the window's device work in launch order: CUDA kernels and copies on CUDA,
+    the top-level CPU ops (those no other op called) on the CPU."""
+    if device.startswith("cuda"):
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
+    rows = [(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())) for e in events]
+    return sorted(rows, key=lambda r: r[1])
+
+
+def kernel_table(rows: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float, float, float]]:
+    """(name, us per step, launches per step, mean us) per kernel name, the largest total first."""
+    total: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    for name, _, dur in rows:
+        total[name] += dur
+        launches[name] += 1
+    return [(name, total[name] / steps, launches[name] / steps, total[name] / launches[name])
+            for name in sorted(total, key=lambda n: (-total[n], n))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cuda = args.device.startswith("cuda")
+    dtype = _DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     workload = make_workload(args.workload, args.num_requests, 0)
-    model = build_model(args.model, "cuda", torch.bfloat16)
-    engine = hf_paged.Engine(model, compile_decode=args.compile_decode)
+    model = build_model(args.model, args.device, dtype)
+    engine = hf_paged.Engine(model, compile_decode=args.compile_decode, kv_cache_memory=args.kv_cache_memory)
     engine.warm_up()
     for prompt, n in workload:
         engine.add_request(prompt, max_new_tokens=n, ignore_eos=True, **sampling_kwargs(args))
+    step = lambda: engine.step(finished_only=args.finished_only)
     while engine.scheduler.waiting or any(s.is_prefill for g in engine.scheduler.running for s in g.live_seqs()):
-        engine.step(finished_only=args.finished_only)
+        step()
     for _ in range(5):
-        engine.step(finished_only=args.finished_only)
-    while args.until_running and engine.scheduler.num_running_seqs() > args.until_running:
-        engine.step(finished_only=args.finished_only)
-    torch.cuda.synchronize()
-    running = engine.scheduler.num_running_seqs()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step(finished_only=args.finished_only)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) / args.steps
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    events = prof.key_averages()
-    cuda_total = sum(e.self_device_time_total for e in events) / 1000 / args.steps
-    cpu_total = sum(e.self_cpu_time_total for e in events) / 1000 / args.steps
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     name = f"profile_{args.model}_{args.workload}" + (f"_t{args.temperature:g}" if args.temperature else "") + (
-        "_compiled" if args.compile_decode else "") + (f"_upto{args.until_running}" if args.until_running else "")
-    (out / f"{name}.txt").write_text(table)
-    prof.export_chrome_trace(str(out / f"{name}.json"))
-    print(table)
-    print(f"running sequences: {running}; wall per step {wall * 1000:.2f} ms; CUDA time per step {cuda_total:.2f} ms; "
-          f"profiled CPU time per step {cpu_total:.2f} ms; pipelined steps {engine.pipelined_steps}")
+        "_compiled" if args.compile_decode else "")
+    for until in args.until_running:
+        while until and engine.has_unfinished() and engine.scheduler.num_running_seqs() > until:
+            step()
+        if not engine.has_unfinished():
+            print(f"the workload finished before {until} sequences ran: no window")
+            break
+        sync(args.device)
+        running = engine.scheduler.num_running_seqs()
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync(args.device)
+            wall_ms = (time.perf_counter() - start) / args.steps * 1000
+        rows = device_rows(prof, args.device)
+        events = prof.key_averages()
+        table = events.table(sort_by="device_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+        stem = f"{name}_at{running}"
+        (out / f"{stem}.txt").write_text(table)
+        prof.export_chrome_trace(str(out / f"{stem}.json"))
+        (out / f"{stem}_kernels.json").write_text(json.dumps(
+            {"model": args.model, "running": running, "steps": args.steps, "device": args.device,
+             "kernels": [{"name": n, "start_us": s, "dur_us": d} for n, s, d in rows]}))
+        busy = sum(d for _, _, d in rows) / args.steps
+        span = (rows[-1][1] + rows[-1][2] - rows[0][1]) / args.steps if rows else 0.0
+        cpu_ms = sum(e.self_cpu_time_total for e in events) / 1000 / args.steps
+        print(f"== {args.model}, {running} running: {len(rows) / args.steps:.0f} device ops a step, busy {busy:.0f} us, "
+              f"span {span:.0f} us; wall {wall_ms:.2f} ms, profiled CPU time {cpu_ms:.2f} ms a step; "
+              f"pipelined steps so far {engine.pipelined_steps}")
+        for kernel, per_step, launches, mean in kernel_table(rows, args.steps)[:25]:
+            print(f"  {per_step:9.1f} us/step {launches:6.1f} x {mean:8.2f} us  {kernel[:100]}")
     engine.close()
 
 

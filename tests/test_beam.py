@@ -15,7 +15,7 @@ import torch
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 import hf_paged
-from hf_paged.beam import BeamSearch
+from hf_paged.engine import BeamSearch
 from hf_paged.testing import FAMILIES, tiny_batch, tiny_model
 
 try:
@@ -225,7 +225,7 @@ def test_copy_on_write_at_kernel_level(backend, monkeypatch):
     """Fork, then each sibling appends: the copy (`copy_blocks`) and the writes (`write_kv`) never change what the
     other sibling's `paged_decode` reads, and the last holder of the shared block writes in place."""
     from hf_paged import kernels
-    from hf_paged.block_manager import BlockManager
+    from hf_paged.core import BlockManager
 
     if backend == "triton" and not kernels.triton_available():
         pytest.skip("triton not installed")

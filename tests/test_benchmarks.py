@@ -268,3 +268,118 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     gemma = AutoConfig.for_model("gemma2", num_hidden_layers=2, sliding_window=2, num_attention_heads=2, head_dim=4)
     per_pair = 4.0 * 2 * 4
     assert roofline.prefill_flops([([1] * 5, 1)], gemma, 0) == pytest.approx(per_pair * ((1 + 2 + 3 + 4 + 5) + 9))
+
+
+# ------------------------------------------------------------------------------------------------ command lines
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# modules the scripts import, with no command line of their own (tested above)
+HELPER_MODULES = {"gpu_timeline", "roofline"}
+# per script: command lines as the GPU runners (run_h100.sh, run_tp.sh, gpu_*.sh) and the write-ups pass them, and
+# the values they must give
+COMMAND_LINES = {
+    "architecture_report": [([], {"check": False}), (["--check"], {"check": True})],
+    "bench_attention_features": [(["--out", "o", "--features", "window"],
+                                  {"features": "window", "batch": 32, "context": 8192})],
+    "bench_beam": [(["--model", "llama-8b", "--beams", "4,6,8", "--systems", "paged_compiled,paged,transformers",
+                     "--out", "r"], {"beams": "4,6,8", "num_prompts": 100, "new_tokens": 256, "out": "r"})],
+    "bench_decode_kernel": [(["--out", "r", "--sweep"], {"sweep": True, "rep": 200, "shapes": ""})],
+    "bench_decode_splits": [(["--out", "r"], {"splits": "1,2,3,4,6,8,12,16,24,32"})],
+    "bench_decode_step": [(["--out", "r"], {"model": "llama-1b", "context": 512, "variants": "graph,compiled"})],
+    "bench_generate": [(["--model", "llama-1b", "--workload", "sharegpt", "--num-requests", "256", "--systems",
+                         "paged,paged_compiled,generate_batch_graphs,dynamic", "--system-timeout", "260",
+                         "--no-progress", "--out", "r"],
+                        {"num_requests": 256, "system_timeout": 260, "no_progress": True, "temperature": 0.0}),
+                       (["--workload", "uniform", "--temperature", "0.6", "--top-p", "0.95"],
+                        {"workload": "uniform", "temperature": 0.6, "top_p": 0.95})],
+    "bench_grpo_rollouts": [(["--model", "llama-1b", "--dtype", "bfloat16", "--prompts", "64", "--generations", "8",
+                              "--new-tokens", "256", "--steps", "1", "--out", "o"],
+                             {"prompts": 64, "generations": 8, "steps": 1, "prompt_len": "64,256"})],
+    "bench_host_step": [(["--running", "256", "--steps", "400", "--sampled"],
+                         {"running": "256", "steps": 400, "sampled": True, "finishing": False})],
+    "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
+                       {"tokenizer": "t", "requests": 400, "batch_size": 64})],
+    "bench_prefix": [(["--task-len", "4", "8"], {"task_len": [4, 8], "output_len": (8, 32), "device": "cpu"})],
+    "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False})],
+    "bench_serving": [(["--model", "llama-1b", "--model-dir", "/tmp/m", "--tokenizer", "t", "--systems", "hf_paged",
+                        "--append", "--rates", "1,2,4", "--num-requests", "60", "--rate-timeout", "150", "--out", "o"],
+                       {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False})],
+    "bench_sharing": [(["--model", "tiny-32k", "--widths", "2,4"], {"model": "tiny-32k", "widths": "2,4"})],
+    "bench_startup": [(["--models", "llama-1b", "--modes", "compiled", "--warm-runs", "3"],
+                       {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
+    "bench_sweeps": [(["--parts", "kernel"], {"parts": "kernel", "block_sizes": "8,16,32,64,128"})],
+    "bench_weight_watch": [(["--step-ms", "2.5"], {"step_ms": 2.5, "peft": False})],
+    "probe_architectures": [(["llama", "gemma2"], {"model_types": ["llama", "gemma2"], "timeout": 60})],
+    "probe_compiled": [(["--jobs", "2", "--dtype", "bfloat16"], {"jobs": 2, "dtype": "bfloat16", "model_types": []})],
+    "profile_decode": [([], {"until_running": [0], "steps": 30, "dtype": None}),
+                       (["--compile-decode", "--finished-only", "--until-running", "240,64,8", "--steps", "3"],
+                        {"until_running": [240, 64, 8], "compile_decode": True, "steps": 3})],
+}
+# values each parser must refuse (exit 2 with a usage message)
+BAD_COMMAND_LINES = {
+    "bench_generate": [["--workload", "nope"], ["--num-requests", "many"]],
+    "bench_lm_eval": [[]],  # --tokenizer is required
+    "bench_startup": [["--bytecode", "compiled"]],
+    "probe_compiled": [["--dtype", "float16"]],
+    "profile_decode": [["--until-running", "-1"], ["--until-running", "a,b"], ["--model", "gpt5"]],
+}
+
+
+def _scripts() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in HELPER_MODULES)
+
+
+def test_every_benchmark_script_says_what_it_measures_and_has_its_command_lines_tested():
+    import ast
+
+    assert set(COMMAND_LINES) == set(_scripts()), "add the new script's command lines to COMMAND_LINES"
+    for name in _scripts():
+        tree = ast.parse((BENCHMARKS / f"{name}.py").read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and len(doc) > 100, f"benchmarks/{name}.py needs a docstring saying what it measures"
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "build_parser" in functions, f"benchmarks/{name}.py: its argparse parser comes from build_parser()"
+        assert [a.arg for a in functions["main"].args.args] == ["argv"], f"benchmarks/{name}.py: main(argv=None)"
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_LINES))
+def test_benchmark_command_lines_parse(name, capsys):
+    module = pytest.importorskip(name)
+    for argv, expected in COMMAND_LINES[name]:
+        args = module.build_parser().parse_args(argv)
+        assert {key: getattr(args, key) for key in expected} == expected, (name, argv)
+    with pytest.raises(SystemExit) as help_exit:
+        module.build_parser().parse_args(["--help"])
+    assert help_exit.value.code == 0 and "usage:" in capsys.readouterr().out
+    for argv in [["--no-such-option"], *BAD_COMMAND_LINES.get(name, [])]:
+        with pytest.raises(SystemExit) as bad:
+            module.build_parser().parse_args(argv)
+        assert bad.value.code == 2 and "usage:" in capsys.readouterr().err, (name, argv)
+
+
+def test_startup_benchmark_refuses_zero_warm_runs_before_measuring(capsys):
+    bench_startup = pytest.importorskip("bench_startup")
+    with pytest.raises(SystemExit) as bad:
+        bench_startup.main(["--warm-runs", "0"])
+    assert bad.value.code == 2 and "--warm-runs must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.sh")))
+def test_gpu_runner_scripts_parse_and_ask_for_their_output_folder(script):
+    """The GPU runners are bash: each must parse, and without its OUT argument stop with its usage line before running
+    anything."""
+    import subprocess
+
+    path = BENCHMARKS / script
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    run = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30, cwd=BENCHMARKS.parent)
+    assert run.returncode != 0 and f"usage: {script}" in run.stderr, run.stderr
+
+
+def test_profile_decode_lists_a_steps_kernels_by_total_time():
+    """`profile_decode.kernel_table`: per kernel name, its time and launches per step and its mean, largest first."""
+    profile_decode = pytest.importorskip("profile_decode")
+    rows = [("gemm", 0.0, 10.0), ("norm", 10.0, 2.0), ("gemm", 12.0, 30.0), ("norm", 42.0, 2.0), ("copy", 44.0, 5.0),
+            ("add", 49.0, 4.0)]
+    assert profile_decode.kernel_table(rows, 2) == [("gemm", 20.0, 1.0, 20.0), ("copy", 2.5, 0.5, 5.0),
+                                                    ("add", 2.0, 0.5, 4.0), ("norm", 2.0, 1.0, 2.0)]  # ties: by name

@@ -1,4 +1,4 @@
-"""Tests of hf_paged.block_manager: unit tests per method and error, plus a Hypothesis state machine.
+"""Tests of hf_paged.core.block_manager: unit tests per method and error, plus a Hypothesis state machine.
 
 The state machine keeps a shadow of the KV pools (slot -> token id) and performs the copies the manager asks for, so
 it checks the end-to-end property that matters: every live sequence reads back exactly its own tokens, whatever
@@ -20,32 +20,32 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "hf_paged"
-MODULE_PATH = PACKAGE_DIR / "core" / "block_manager.py"
 PACKAGE = "_hf_paged_block_manager_under_test"
 
 
 def _load_by_path() -> ModuleType:
-    """Load hf_paged's pure-Python block manager without running hf_paged/__init__.py.
+    """Load hf_paged's pure-Python `core` package without running hf_paged/__init__.py.
 
-    The package __init__ imports torch and transformers (seconds); the block manager (`hf_paged.core`, reached here
-    through its 0.1 path `hf_paged.block_manager`) is pure Python, so its tests load the package directory under a
-    private name and run in about a second. It never collides with a normal ``import hf_paged``.
+    The package __init__ imports torch and transformers (seconds); `hf_paged.core` is pure Python, so its tests load
+    the package directory under a private name and run in about a second. It never collides with a normal
+    ``import hf_paged``.
     """
     if PACKAGE not in sys.modules:
         package = ModuleType(PACKAGE)
         package.__path__ = [str(PACKAGE_DIR)]
         sys.modules[PACKAGE] = package
-    return importlib.import_module(f"{PACKAGE}.block_manager")
+    return importlib.import_module(f"{PACKAGE}.core")
 
 
-block_manager = _load_by_path()
+core = _load_by_path()
+block_pool = importlib.import_module(f"{PACKAGE}.core.block_pool")
 # where the prefix cache looks the hash function up (patched to force collisions)
 prefix_caching = importlib.import_module(f"{PACKAGE}.core.prefix_caching")
-AppendResult = block_manager.AppendResult
-BlockAllocator = block_manager.BlockAllocator
-BlockManager = block_manager.BlockManager
-BlockStats = block_manager.BlockStats
-NoFreeBlocksError = block_manager.NoFreeBlocksError
+AppendResult = core.AppendResult
+BlockAllocator = core.BlockAllocator
+BlockManager = core.BlockManager
+BlockStats = core.BlockStats
+NoFreeBlocksError = core.NoFreeBlocksError
 
 
 def snapshot(bm: BlockManager) -> tuple:
@@ -73,7 +73,7 @@ def test_module_does_not_import_torch() -> None:
         "import importlib, sys, types\n"
         f"package = types.ModuleType('bm_isolated'); package.__path__ = [{str(PACKAGE_DIR)!r}]\n"
         "sys.modules['bm_isolated'] = package\n"
-        "module = importlib.import_module('bm_isolated.block_manager')\n"
+        "module = importlib.import_module('bm_isolated.core.block_manager')\n"
         "bm = module.BlockManager(4, 2)\n"
         "bm.allocate(0, 3)\n"
         "assert 'torch' not in sys.modules, 'block_manager imported torch'\n"
@@ -84,17 +84,25 @@ def test_module_does_not_import_torch() -> None:
 
 
 def test_public_api_exported() -> None:
-    assert set(block_manager.__all__) == {
+    assert set(core.__all__) == {
         "AppendResult",
         "BlockAllocator",
         "BlockManager",
         "BlockStats",
         "CachingBlockAllocator",
+        "NULL_BLOCK",
         "NoFreeBlocksError",
         "PrefixCacheStats",
         "PrefixMatch",
+        "ScheduledSeq",
+        "Scheduler",
+        "SchedulerOutput",
+        "Sequence",
+        "SequenceGroup",
+        "SequenceStatus",
         "hash_block",
     }
+    assert all(hasattr(core, name) for name in core.__all__)
     assert issubclass(NoFreeBlocksError, RuntimeError)
 
 
@@ -572,7 +580,7 @@ def test_slot_mapping_of_long_ranges_is_per_position(block_size: int) -> None:
 def test_allocator_allocate_many_is_allocate_repeated() -> None:
     """`allocate_many(n)` takes the blocks `n` calls of `allocate` would, in order, evicting the least recently released
     cached block only when no block is truly free; all or nothing."""
-    caching = block_manager.CachingBlockAllocator
+    caching = core.CachingBlockAllocator
     for cls in (BlockAllocator, caching):
         a, b = cls(6), cls(6)
         for pool in (a, b):
@@ -1266,7 +1274,7 @@ class PrefixCachingMachine(BlockManagerMachine):
             assert None not in values, f"cached block {block} holds unwritten slots"
             assert tuple(v[-1] for v in values) == entry.tokens
             assert all(values[i] == values[-1][: len(values[-1]) - bs + 1 + i] for i in range(bs))
-            if entry.parent == block_manager.ROOT_ENTRY:
+            if entry.parent == block_pool.ROOT_ENTRY:
                 assert len(values[0]) == 1
             elif entry.parent in by_id:
                 assert memory[by_id[entry.parent] * bs + bs - 1] == values[0][:-1]

@@ -24,18 +24,19 @@ PACKAGE = "_hf_paged_prefix_cache_under_test"
 
 
 def _load():
-    """block_manager / sequence / scheduler as a package of their own (hf_paged/__init__.py imports torch)."""
+    """hf_paged.core's block pool, sequences and scheduler, loaded under a private package (hf_paged/__init__.py
+    imports torch)."""
     if PACKAGE not in sys.modules:
         package = types.ModuleType(PACKAGE)
         package.__path__ = [str(PACKAGE_DIR)]
         sys.modules[PACKAGE] = package
-    return tuple(importlib.import_module(f"{PACKAGE}.{name}") for name in ("block_manager", "sequence", "scheduler"))
+    return tuple(importlib.import_module(f"{PACKAGE}.core.{name}") for name in ("block_pool", "sequence", "scheduler"))
 
 
-block_manager, sequence, scheduler = _load()
+block_pool, sequence, scheduler = _load()  # block_pool: where the digest function is cached
+core = importlib.import_module(f"{PACKAGE}.core")
 prefix_caching = importlib.import_module(f"{PACKAGE}.core.prefix_caching")  # where hash_block is looked up
-block_pool = importlib.import_module(f"{PACKAGE}.core.block_pool")  # where the digest function is cached
-BlockManager = block_manager.BlockManager
+BlockManager = core.BlockManager
 Scheduler = scheduler.Scheduler
 Sequence = sequence.Sequence
 SequenceGroup = sequence.SequenceGroup
@@ -76,11 +77,11 @@ def check_pools(bm: BlockManager) -> None:
 
 
 def test_hash_block_is_chained_and_deterministic() -> None:
-    h = block_manager.hash_block
+    h = core.hash_block
     assert h(1, [5, 6]) == h(1, [5, 6])
     assert h(1, [5, 6]) != h(2, [5, 6])  # same tokens, other parent
     assert h(1, [5, 6]) != h(1, [6, 5])
-    assert 0 <= h(block_manager.ROOT_KEY, [0, 1, 2]) < 2**64
+    assert 0 <= h(block_pool.ROOT_KEY, [0, 1, 2]) < 2**64
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -94,9 +95,9 @@ def test_chain_hashes_equal_hash_block_chained(block_size: int, monkeypatch) -> 
     tokens = [rng.randrange(2**31) for _ in range(20 * block_size + block_size // 2)]
 
     def chained(n):
-        keys, key = [], block_manager.ROOT_KEY
+        keys, key = [], block_pool.ROOT_KEY
         for i in range(n):
-            key = block_manager.hash_block(key, tokens[i * block_size : (i + 1) * block_size])
+            key = core.hash_block(key, tokens[i * block_size : (i + 1) * block_size])
             keys.append(key)
         return keys
 
@@ -105,7 +106,7 @@ def test_chain_hashes_equal_hash_block_chained(block_size: int, monkeypatch) -> 
             monkeypatch.setitem(sys.modules, "xxhash", None)
             monkeypatch.setattr(block_pool, "_digest", None)
         for n in (0, 1, 7, 20):
-            assert block_pool.chain_hashes(block_manager.ROOT_KEY, tokens, n, block_size) == chained(n), (digest, n)
+            assert block_pool.chain_hashes(block_pool.ROOT_KEY, tokens, n, block_size) == chained(n), (digest, n)
     bm = manager(num_blocks=64, block_size=block_size)
     assert list(bm.match_prefix(tokens).keys) == chained(20)
     monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, chunk: hash((parent, tuple(chunk))))
@@ -140,11 +141,11 @@ def test_xxhash_is_used_and_the_fallback_works(monkeypatch) -> None:
     import xxhash
 
     data = (7).to_bytes(8, "little") + b"".join(t.to_bytes(8, "little") for t in (3, 4))
-    assert block_manager.hash_block(7, [3, 4]) == xxhash.xxh64_intdigest(data)
+    assert core.hash_block(7, [3, 4]) == xxhash.xxh64_intdigest(data)
     monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash now raises ImportError
     monkeypatch.setattr(block_pool, "_digest", None)
-    fallback = block_manager.hash_block(7, [3, 4])
-    assert fallback == block_manager.hash_block(7, [3, 4]) != block_manager.hash_block(7, [4, 3])
+    fallback = core.hash_block(7, [3, 4])
+    assert fallback == core.hash_block(7, [3, 4]) != core.hash_block(7, [4, 3])
     assert 0 <= fallback < 2**64
 
 
@@ -155,7 +156,7 @@ def test_module_imports_and_caches_without_xxhash_torch_or_numpy() -> None:
         "import types\n"
         f"package = types.ModuleType('bm_isolated'); package.__path__ = [{str(PACKAGE_DIR)!r}]\n"
         "sys.modules['bm_isolated'] = package\n"
-        "module = importlib.import_module('bm_isolated.block_manager')\n"
+        "module = importlib.import_module('bm_isolated.core.block_manager')\n"
         "bm = module.BlockManager(8, 2, enable_prefix_caching=True)\n"
         "bm.allocate_prefix('a', [1, 2, 3, 4, 5]); bm.append_slots('a', 5); bm.commit('a', [1, 2, 3, 4, 5], 5)\n"
         "assert bm.allocate_prefix('b', [1, 2, 3, 4, 9]) == 4\n"
@@ -484,8 +485,8 @@ def test_stats_and_counters() -> None:
 
 def test_caching_off_by_default_and_switchable_only_when_empty() -> None:
     bm = BlockManager(8, 2)
-    assert not bm.enable_prefix_caching and type(bm.gpu) is block_manager.BlockAllocator
-    assert bm.match_prefix([1, 2, 3]) == block_manager.PrefixMatch(num_tokens=3)
+    assert not bm.enable_prefix_caching and type(bm.gpu) is core.BlockAllocator
+    assert bm.match_prefix([1, 2, 3]) == core.PrefixMatch(num_tokens=3)
     assert bm.allocate_prefix("a", [1, 2, 3]) == 0 and bm.block_table("a") == []
     bm.append_slots("a", 3)
     assert bm.commit("a", [1, 2, 3], 3) == 0
@@ -495,7 +496,7 @@ def test_caching_off_by_default_and_switchable_only_when_empty() -> None:
     bm.free("a")
     bm.free("b")
     bm.set_prefix_caching(True)
-    assert isinstance(bm.gpu, block_manager.CachingBlockAllocator)
+    assert isinstance(bm.gpu, core.CachingBlockAllocator)
     with pytest.raises(ValueError, match="bool"):
         bm.set_prefix_caching(1)  # type: ignore[arg-type]
     bm.reset()

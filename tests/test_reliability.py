@@ -23,7 +23,7 @@ import torch
 
 import hf_paged
 import hf_paged.kernels
-from hf_paged.sequence import SequenceStatus
+from hf_paged.core import SequenceStatus
 from hf_paged.testing import tiny_model
 
 try:

@@ -1,8 +1,8 @@
 """A Hypothesis state machine over the block manager *and* the scheduler, driven like the engine drives them.
 
-No model and no torch: `hf_paged/block_manager.py`, `sequence.py` and `scheduler.py` are loaded as a private package
-(without `hf_paged/__init__.py`), and :class:`Sim` plays the engine's part of every step, mirroring
-`Engine._sample_and_update`, `Engine._fork` and `hf_paged.beam.BeamSearch` (defer, fork, drop, finish):
+No model and no torch: `hf_paged/core/` (`block_manager.py`, `sequence.py`, `scheduler.py`) is loaded as a private
+package (without `hf_paged/__init__.py`), and :class:`Sim` plays the engine's part of every step, mirroring
+`Engine._sample_and_update`, `Engine._fork` and `hf_paged.engine.beam.BeamSearch` (defer, fork, drop, finish):
 
 * add a request: one sequence, parallel sampling (forked to ``n`` at its first sample) or beam search (``k`` beams
   forked and dropped at every step) with random prompt / output lengths, the engine's admission checks applied;
@@ -48,7 +48,8 @@ def _load_pure_modules():
         package = types.ModuleType(PURE_PACKAGE)
         package.__path__ = [str(PACKAGE_DIR)]
         sys.modules[PURE_PACKAGE] = package
-    return tuple(importlib.import_module(f"{PURE_PACKAGE}.{name}") for name in ("block_manager", "sequence", "scheduler"))
+    return tuple(importlib.import_module(f"{PURE_PACKAGE}.core.{name}")
+                 for name in ("block_manager", "sequence", "scheduler"))
 
 
 block_manager, sequence, scheduler = _load_pure_modules()
@@ -71,7 +72,7 @@ def test_pure_modules_do_not_import_torch():
     code = (
         "import sys, types, importlib\n"
         f"p = types.ModuleType({PURE_PACKAGE!r}); p.__path__ = [{str(PACKAGE_DIR)!r}]; sys.modules[p.__name__] = p\n"
-        f"importlib.import_module({PURE_PACKAGE!r} + '.scheduler')\n"
+        f"importlib.import_module({PURE_PACKAGE!r} + '.core.scheduler')\n"
         "assert 'torch' not in sys.modules, 'the scheduler imported torch'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

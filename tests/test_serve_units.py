@@ -263,3 +263,20 @@ def test_cli_records_the_prefill_graphs_at_start_up_unless_told_not_to(monkeypat
         with pytest.raises(Stop):
             cli.serve_main(argv)
     assert seen == [{"prefill_graphs": True}, {"prefill_graphs": False}]
+
+
+def test_console_script_prints_its_usage_and_refuses_unknown_commands(monkeypatch, capsys):
+    """`hf-paged --help` exits 0 with the usage on stdout (the wheel check in CI runs it from an installed wheel);
+    no command or an unknown one exits 2 with the usage on stderr; `serve` hands the rest to `serve_main`."""
+    from hf_paged.serve import cli
+
+    for flag in ("--help", "-h"):
+        assert cli.main([flag]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("usage: hf-paged serve MODEL") and not err
+    for argv in ([], ["generate", "m"]):
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("usage: hf-paged serve MODEL") and not out
+    monkeypatch.setattr(cli, "serve_main", lambda argv: ("served", argv))
+    assert cli.main(["serve", "m", "--port", "9"]) == ("served", ["m", "--port", "9"])

@@ -80,7 +80,7 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
 
 def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(monkeypatch):
     import hf_paged
-    from hf_paged.integrations.distributed import TensorParallel
+    from hf_paged.runner.distributed import TensorParallel
 
     model = tiny_model("llama")  # 4 query / 2 KV heads
     fake = TensorParallel(size=4, rank=0, group=None, src=0)

@@ -9,12 +9,11 @@ from .compiled_op import active_cache, fused_decode_attention, write_and_decode
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
 from .recurrent import profile_state_specs
 from .setup import on_prepare, prepare_model
-from .support import HANDLED_FEATURES, SUPPORTED_MODEL_TYPES, check_supported, describe_support, model_features
+from .support import HANDLED_FEATURES, check_supported, describe_support, model_features
 
 __all__ = [
     "ATTENTION_NAME",
     "HANDLED_FEATURES",
-    "SUPPORTED_MODEL_TYPES",
     "active_cache",
     "check_supported",
     "describe_support",

@@ -26,7 +26,6 @@ __all__ = [
     "FEATURES",
     "HANDLED_FEATURES",
     "KERNEL_FEATURES",
-    "SUPPORTED_MODEL_TYPES",
     "check_supported",
     "describe_support",
     "model_features",
@@ -81,10 +80,6 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
 KERNEL_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim",
 })
-
-# The families tested in depth by hf_paged.testing (kept for code written against 0.1; no longer a gate).
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite"})
 
 # keyword arguments of an attention call that change nothing the kernels compute, or that they take per call
 KNOWN_ATTENTION_KWARGS = frozenset({

@@ -112,10 +112,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     return 0 if engine.closed else 1
 
 
+_USAGE = "usage: hf-paged serve MODEL [options]   (hf-paged serve --help lists the options)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The `hf-paged` console script: `hf-paged serve MODEL ...`."""
+    """The `hf-paged` console script: `hf-paged serve MODEL ...`; `hf-paged --help` prints the usage and exits 0."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
     if not argv or argv[0] != "serve":
-        print("usage: hf-paged serve MODEL [options]   (hf-paged serve --help)", file=sys.stderr)
+        print(_USAGE, file=sys.stderr)
         return 2
     return serve_main(argv[1:])
