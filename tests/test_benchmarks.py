@@ -268,3 +268,37 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     gemma = AutoConfig.for_model("gemma2", num_hidden_layers=2, sliding_window=2, num_attention_heads=2, head_dim=4)
     per_pair = 4.0 * 2 * 4
     assert roofline.prefill_flops([([1] * 5, 1)], gemma, 0) == pytest.approx(per_pair * ((1 + 2 + 3 + 4 + 5) + 9))
+
+
+def test_plot_summary_arguments():
+    """The summary plot's command line: defaults point at the committed data and PNG; nonsense is refused."""
+    plot_summary = pytest.importorskip("plot_summary")
+    args = plot_summary.parse_args([])
+    assert args.data == plot_summary.DEFAULT_DATA and args.data.is_file()
+    assert args.out == plot_summary.DEFAULT_OUT and args.out.suffix == ".png"
+    assert not args.markdown and not args.no_plot and args.dpi > 0
+    args = plot_summary.parse_args(["--data", "x.json", "--out", "y.png", "--dpi", "80", "--markdown", "--no-plot"])
+    assert (str(args.data), str(args.out), args.dpi, args.markdown, args.no_plot) == ("x.json", "y.png", 80, True, True)
+    for bad in (["--dpi", "0"], ["--no-plot"], ["--dpi", "many"]):
+        with pytest.raises(SystemExit):
+            plot_summary.parse_args(bad)
+
+
+def test_plot_summary_table(capsys):
+    """Ratios come out of the data (throughputs: ours / theirs; latencies: theirs / ours); the table prints without
+    matplotlib (`--markdown --no-plot`)."""
+    plot_summary = pytest.importorskip("plot_summary")
+    assert plot_summary.speedup({"hf_paged": 300.0, "transformers": 100.0, "higher_is_better": True}) == 3.0
+    assert plot_summary.speedup({"hf_paged": 1.0, "transformers": 2.5, "higher_is_better": False}) == 2.5
+    assert plot_summary.speedup({"hf_paged": 1.0, "transformers": None, "higher_is_better": True}) is None
+    assert plot_summary.main(["--markdown", "--no-plot"]) == 0
+    table = capsys.readouterr().out.strip()
+    data = plot_summary.load(plot_summary.DEFAULT_DATA)
+    assert table == plot_summary.markdown_table(data) and len(table.splitlines()) == len(data["rows"]) + 2
+
+
+def test_plot_summary_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_summary = pytest.importorskip("plot_summary")
+    out = plot_summary.plot(plot_summary.load(plot_summary.DEFAULT_DATA), tmp_path / "summary.png", dpi=40)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
