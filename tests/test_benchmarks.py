@@ -286,7 +286,7 @@ def test_plot_summary_arguments():
 
 def test_plot_summary_table(capsys):
     """Ratios come out of the data (throughputs: ours / theirs; latencies: theirs / ours); the table prints without
-    matplotlib (`--markdown --no-plot`)."""
+    matplotlib (`--markdown --no-plot`), and the README and docs/performance.md show exactly that table."""
     plot_summary = pytest.importorskip("plot_summary")
     assert plot_summary.speedup({"hf_paged": 300.0, "transformers": 100.0, "higher_is_better": True}) == 3.0
     assert plot_summary.speedup({"hf_paged": 1.0, "transformers": 2.5, "higher_is_better": False}) == 2.5
@@ -295,6 +295,9 @@ def test_plot_summary_table(capsys):
     table = capsys.readouterr().out.strip()
     data = plot_summary.load(plot_summary.DEFAULT_DATA)
     assert table == plot_summary.markdown_table(data) and len(table.splitlines()) == len(data["rows"]) + 2
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/performance.md"):  # the current figures, shown from this data and nowhere else
+        assert table in (root / doc).read_text(), f"{doc}'s table is stale: python benchmarks/plot_summary.py --markdown"
 
 
 def test_plot_summary_writes_a_png(tmp_path):
