@@ -1,4 +1,4 @@
-"""Render docs/architectures.json (written by probe_architectures.py) into docs/model-families.md and the README.
+"""Render docs/architectures.json (written by probe_architectures.py) into docs/models.md and the README.
 
 Both documents keep their hand-written parts; the generated parts sit between `<!-- BEGIN GENERATED ... -->` /
 `<!-- END GENERATED ... -->` markers. `tests/test_architectures.py` checks that the files hold exactly what this
@@ -18,13 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "docs" / "architectures.json"
-FAMILIES_PATH = ROOT / "docs" / "model-families.md"
+MODELS_PATH = ROOT / "docs" / "models.md"
 README_PATH = ROOT / "README.md"
-FAMILIES_MARK = "ARCHITECTURES"
+MODELS_MARK = "ARCHITECTURES"
 README_MARK = "SUPPORTED MODELS"
 
 # imported lazily by main() only when rendering needs the constants; the JSON carries them too
-__all__ = ["load", "summary", "render_families", "render_readme", "replace_block", "rendered_files"]
+__all__ = ["load", "summary", "render_models", "render_readme", "replace_block", "rendered_files"]
 
 
 def load(path: Path = JSON_PATH) -> dict:
@@ -84,7 +84,7 @@ def _cell(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def render_families(data: dict) -> str:
+def render_models(data: dict) -> str:
     lines = _summary_lines(data) + [
         "",
         "| `model_type` | class | runs under transformers | interface-routed | features (gate) | verdict | reason |",
@@ -102,18 +102,18 @@ def render_families(data: dict) -> str:
 
 
 def render_readme(data: dict) -> str:
-    passing = [r for r in data["architectures"] if r["verdict"] == "pass"]
-    lines = _summary_lines(data) + [
+    """The README's short summary: the counts and the accepted `model_type`s, the table itself in docs/models.md."""
+    s = summary(data)
+    passing = [r["model_type"] for r in data["architectures"] if r["verdict"] == "pass"]
+    return "\n".join([
+        f"**{s['pass']} of the {s['runs_under_transformers']} causal-LM architectures** that run under transformers "
+        f"{data['transformers_version']} are accepted and give transformers' greedy tokens "
+        "(`generate(cache_implementation=\"paged\")` and the drop-in `PagedCache`); the other "
+        f"{s['refused']} are refused by `hf_paged.enable` with a `ValueError` naming the feature. Accepted "
+        "`model_type`s: " + ", ".join(f"`{t}`" for t in passing) + ".",
         "",
-        "Accepted and token-identical to transformers (greedy, `generate(cache_implementation=\"paged\")` and the "
-        "drop-in `PagedCache`); every other architecture is refused by `hf_paged.enable` with a `ValueError` naming "
-        "the feature, listed with the reason in [docs/model-families.md](docs/model-families.md):",
-        "",
-        "| `model_type` | class |",
-        "|---|---|",
-    ]
-    lines += [f"| `{r['model_type']}` | `{r['class']}` |" for r in passing]
-    return "\n".join(lines)
+        "The table of every architecture, with the reason for each refusal: [docs/models.md](docs/models.md).",
+    ])
 
 
 def replace_block(text: str, mark: str, body: str) -> str:
@@ -128,7 +128,7 @@ def replace_block(text: str, mark: str, body: str) -> str:
 def rendered_files(data: dict) -> dict[Path, str]:
     """{path: the file's full text with its generated part rendered from `data`}."""
     return {
-        FAMILIES_PATH: replace_block(FAMILIES_PATH.read_text(), FAMILIES_MARK, render_families(data)),
+        MODELS_PATH: replace_block(MODELS_PATH.read_text(), MODELS_MARK, render_models(data)),
         README_PATH: replace_block(README_PATH.read_text(), README_MARK, render_readme(data)),
     }
 

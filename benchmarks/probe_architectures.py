@@ -4,7 +4,7 @@ For each `model_type` of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: build the tiny see
 run transformers' own greedy `generate()` on a left-padded batch, read the static gate's features, record one
 forward with `hf_paged.capabilities.inspect_model`, and, when the gate accepts it, compare the greedy tokens of
 `generate(cache_implementation="paged")` and of the drop-in `PagedCache` with transformers'. Then regenerate
-docs/model-families.md and the README's supported-models table (`architecture_report.py`).
+docs/models.md and the README's supported-models summary (`architecture_report.py`).
 
     python benchmarks/probe_architectures.py               # all architectures (about a minute on 2 CPU cores)
     python benchmarks/probe_architectures.py llama gemma2  # print these only, write nothing

@@ -7,7 +7,7 @@ from .engine import CompletionOutput, Engine, EngineClosedError, RequestOutput, 
 from .integrations.generate import disable, enable
 from .integrations.pipeline import pipeline
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ATTENTION_NAME",

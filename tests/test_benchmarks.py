@@ -309,6 +309,7 @@ COMMAND_LINES = {
                        {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
     "bench_sweeps": [(["--parts", "kernel"], {"parts": "kernel", "block_sizes": "8,16,32,64,128"})],
     "bench_weight_watch": [(["--step-ms", "2.5"], {"step_ms": 2.5, "peft": False})],
+    "plot_summary": [(["--markdown", "--no-plot"], {"markdown": True, "no_plot": True, "dpi": 120})],
     "probe_architectures": [(["llama", "gemma2"], {"model_types": ["llama", "gemma2"], "timeout": 60})],
     "probe_compiled": [(["--jobs", "2", "--dtype", "bfloat16"], {"jobs": 2, "dtype": "bfloat16", "model_types": []})],
     "profile_decode": [([], {"until_running": [0], "steps": 30, "dtype": None}),
@@ -383,3 +384,38 @@ def test_profile_decode_lists_a_steps_kernels_by_total_time():
             ("add", 49.0, 4.0)]
     assert profile_decode.kernel_table(rows, 2) == [("gemm", 20.0, 1.0, 20.0), ("copy", 2.5, 0.5, 5.0),
                                                     ("add", 2.0, 0.5, 4.0), ("norm", 2.0, 1.0, 2.0)]  # ties: by name
+def test_plot_summary_arguments():
+    """The summary plot's command line: defaults point at the committed data and PNG; nonsense is refused."""
+    plot_summary = pytest.importorskip("plot_summary")
+    args = plot_summary.parse_args([])
+    assert args.data == plot_summary.DEFAULT_DATA and args.data.is_file()
+    assert args.out == plot_summary.DEFAULT_OUT and args.out.suffix == ".png"
+    assert not args.markdown and not args.no_plot and args.dpi > 0
+    args = plot_summary.parse_args(["--data", "x.json", "--out", "y.png", "--dpi", "80", "--markdown", "--no-plot"])
+    assert (str(args.data), str(args.out), args.dpi, args.markdown, args.no_plot) == ("x.json", "y.png", 80, True, True)
+    for bad in (["--dpi", "0"], ["--no-plot"], ["--dpi", "many"]):
+        with pytest.raises(SystemExit):
+            plot_summary.parse_args(bad)
+
+
+def test_plot_summary_table(capsys):
+    """Ratios come out of the data (throughputs: ours / theirs; latencies: theirs / ours); the table prints without
+    matplotlib (`--markdown --no-plot`), and the README and docs/performance.md show exactly that table."""
+    plot_summary = pytest.importorskip("plot_summary")
+    assert plot_summary.speedup({"hf_paged": 300.0, "transformers": 100.0, "higher_is_better": True}) == 3.0
+    assert plot_summary.speedup({"hf_paged": 1.0, "transformers": 2.5, "higher_is_better": False}) == 2.5
+    assert plot_summary.speedup({"hf_paged": 1.0, "transformers": None, "higher_is_better": True}) is None
+    assert plot_summary.main(["--markdown", "--no-plot"]) == 0
+    table = capsys.readouterr().out.strip()
+    data = plot_summary.load(plot_summary.DEFAULT_DATA)
+    assert table == plot_summary.markdown_table(data) and len(table.splitlines()) == len(data["rows"]) + 2
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/performance.md"):  # the current figures, shown from this data and nowhere else
+        assert table in (root / doc).read_text(), f"{doc}'s table is stale: python benchmarks/plot_summary.py --markdown"
+
+
+def test_plot_summary_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_summary = pytest.importorskip("plot_summary")
+    out = plot_summary.plot(plot_summary.load(plot_summary.DEFAULT_DATA), tmp_path / "summary.png", dpi=40)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,6 +14,44 @@ Per-layer attention options reach the kernels from what transformers' attention 
 `softcap` (kwarg: Gemma 2), `s_aux` (kwarg: gpt-oss sinks), `scaling`, and chunked attention from the module's
 config (`layer_types[layer_idx] == "chunked_attention"` with `attention_chunk_size`: Llama 4). Since the mask
 function builds no 4D mask, the kernels apply windows and chunks themselves on every path.
+
+What transformers' modeling code hands this function (read from transformers 5.17 for the nine families of
+`hf_paged.testing` and checked at run time with a spy attention and mask function on their tiny models, under
+`generate()` on a left-padded batch; the sweep of `hf_paged.model_zoo` checks the rest):
+
+* The attention module computes projections, then RoPE (Qwen3 first applies its per-head `q_norm` / `k_norm`), then
+  `key, value = past_key_values.update(key, value, self.layer_idx)`, then calls
+  `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)(self, query, key,
+  value, attention_mask, dropout=..., scaling=..., [sliding_window=...,] **kwargs)`. The K/V returned by `update()`
+  arrive unchanged (the same tensor objects), so the pool handles `PagedCache.update()` returns survive to this call,
+  and nothing touches K/V after `update()`. Shapes: `query [B, Hq, q, D]`, K/V whatever `update()` returned; the
+  function returns `(out [B, q, Hq, D], weights | None)` and the caller reshapes to `[B, q, -1]`. `dropout` is 0.0 in
+  eval mode.
+* Always use the `scaling` kwarg; never recompute `head_dim**-0.5`: OPT passes 1.0 (its query is pre-scaled before
+  `update()`), GPT-2 with `scale_attn_by_inverse_layer_idx` divides by `layer_idx + 1` (a different value per layer),
+  Granite passes `attention_multiplier` (1/head_dim in real checkpoints). Qwen3 and Gemma set `head_dim` explicitly
+  (different from hidden / heads).
+* `sliding_window` arrives as a kwarg from Mistral (`MistralConfig` defaults to 4096: every layer slides), Phi-3
+  (Phi-3-mini-4k ships 2047), Qwen2 / Qwen3 (None unless that layer slides: `use_sliding_window`, then layers
+  `i >= max_window_layers`), and the windowed families named above.
+* The mask is built once per forward by `masking_utils.create_causal_mask(config, inputs_embeds, attention_mask,
+  past_key_values, position_ids)` (OPT calls it without `position_ids`), sized by the cache's `get_mask_sizes()` /
+  `get_query_offset()`, through `ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]`: an implementation not
+  registered there gets `attention_mask=None` and loses the padding, hence `paged_mask`. With `config.is_causal`
+  False (Gemma's `use_bidirectional_attention`) it builds a bidirectional mask: refused by the support check. When
+  `past_key_values.is_compileable`, `generate()` pre-builds a 4D mask that `create_causal_mask` returns as is.
+* Positions: under `generate()`, every family's forward gets `position_ids` (`attention_mask.cumsum(-1) - 1`, pads
+  at 0, then `last + 1` per step, `[B, q]`), so a left-padded row's RoPE or learned position is its index among
+  real tokens; they reach this function in `kwargs["position_ids"]`, already applied. Called without them, Llama-like
+  families and GPT-2 use `arange(q) + cache.get_seq_length()` (`[1, q]`, the same for every row) and OPT derives them
+  from the 2D mask (learned positions with offset 2), so the engine's ragged `[1, T]` batch always passes
+  `position_ids`. `get_seq_length()` of the cache is read by every forward and by `generate()`.
+* RoPE variants that depend on `max(position_ids)` over the whole batch (`dynamic`, Phi-3's `longrope`) make a
+  sequence's outputs depend on which sequences share its forward once one passes
+  `original_max_position_embeddings`; `default`, `llama3`, `linear` and `yarn` are position-wise.
+* `use_cache=True` without `past_key_values` makes the model build `DynamicCache(config=...)` itself (with sliding
+  layers when the config says so); GPT-2 with `add_cross_attention` wraps the cache in an `EncoderDecoderCache`
+  (refused). GPT-2's `reorder_and_upcast_attn` only affects its `eager` attention.
 """
 
 from __future__ import annotations

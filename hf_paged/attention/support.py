@@ -32,7 +32,7 @@ __all__ = [
     "refusal",
 ]
 
-# Every feature name the gate and the run-time probe report, with what it means (docs/model-families.md lists them).
+# Every feature name the gate and the run-time probe report, with what it means (docs/models.md explains them).
 FEATURES: dict[str, str] = {
     "full_attention": "causal softmax attention over the whole prefix",
     "gqa": "grouped-query / multi-query attention (fewer KV heads than query heads)",
@@ -348,7 +348,7 @@ def refusal(model_or_config, features: dict[str, str]) -> str | None:
     reasons = "; ".join(f"{name}: {FEATURES.get(name, name)} ({detail})" for name, detail in sorted(unhandled.items()))
     return (f"hf-paged cannot run this model ({model_type}): it uses feature(s) {sorted(unhandled)} that the paged "
             f"attention does not handle: {reasons}. Handled: {', '.join(sorted(HANDLED_FEATURES))}; see "
-            "docs/model-families.md.")
+            "docs/models.md.")
 
 
 def check_supported(model_or_config) -> None:

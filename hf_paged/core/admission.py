@@ -3,6 +3,25 @@
 `schedule()` asks `_count_admission()` once per planned step, `schedule_decode_step()` `_admission()` once per plan;
 the engine asks `admission_due()` whether a step may start the pipeline. State (set up by `Scheduler.__init__`):
 `admission_batch`, `admission_max_wait`, `_withheld_steps`, `_short_of_blocks`, `watermark_blocks`, and the queues.
+
+* Batches (`Engine(admission_batch=, admission_max_wait=)`): while requests run, waiting ones are admitted when
+  `admission_batch` sequences fit at once (or every waiting one does), or after `admission_max_wait` steps in a row
+  left room unused; an idle engine admits at once. Why: a step that prefills beside running decodes leaves the CUDA
+  graph and the pipeline (about ten decode steps of host time on an H100), so the default with CUDA graphs is
+  `max_num_seqs // 8` (`hf_paged.engine.defaults`), 1 without. Decode steps in between stay pipelined. A saturated
+  llama-1b engine (1,000 Alpaca-like requests) ran 2.1-2.8x faster, with a shorter time to first token
+  (`benchmarks/results/h100_2026-11-26i/`, call h). Only steps that plan something count towards
+  `admission_max_wait`: a `schedule_decode_step` that finds no room is planned again by `schedule()`.
+* Places and blocks: a batch is due only when its prompts' first chunks (up to `max_num_batched_tokens` each, prefix
+  hits not counted) also fit the free blocks with the watermark; otherwise the step counts as withheld, so
+  `admission_max_wait` still bounds the wait. A pool-bound backlog used to admit a request or two whenever a few
+  blocks came free, each time in a step off the fast path (llama-1b, 1,000 Alpaca-like requests, 256 MiB pool, H100:
+  2.48-2.63 s against 4.34-5.67 s, same results, call e).
+* Pool-bound backlogs: when the head of `waiting` is found short of blocks (`_short_of_blocks`: the group and the
+  free blocks its try needed, watermark included), no admission is due until the pool has that many free again or
+  the head changes, whatever `admission_batch`: such steps would admit nobody, and a due admission keeps the engine
+  off the pipelined path. An idle engine still admits at once (llama-1b, 1,000 ShareGPT-like requests, 2 GiB pool,
+  H100: 9.9-10.6 s against 12.1-12.9 s, `benchmarks/results/h100_2026-11-26j/`, call d).
 """
 
 from __future__ import annotations

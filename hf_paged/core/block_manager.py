@@ -7,7 +7,7 @@ operation sequences in seconds, and other projects can reuse the logic. Hence: p
 Vocabulary
 ----------
 * A *block* is a fixed group of ``block_size`` KV slots. Physical slot of token ``p`` of a sequence is
-  ``table[p // block_size] * block_size + p % block_size`` (the pool layout of ``docs/architecture.md``).
+  ``table[p // block_size] * block_size + p % block_size`` (the pool layout of :mod:`hf_paged.kernels`).
 * A *block table* maps a sequence's logical blocks to physical block ids, in order. Its length is always
   ``ceil(num_tokens / block_size)``: blocks are reserved lazily, one at a time, so a sequence wastes at most the
   unfilled tail of its last block (§4.3).
@@ -45,7 +45,9 @@ Automatic prefix caching (§4.4 "shared prefix", off unless ``enable_prefix_cach
   CPU blocks carry no keys; swap-in copies every block into fresh, unkeyed GPU blocks.
 
 The manager returns the copies the caller must perform (copy-on-write and swap pairs) instead of doing them, so the
-tensor side can batch every copy of a step into one kernel launch (``hf_paged.kernels.copy_blocks``).
+tensor side can batch every copy of a step into one kernel launch (``hf_paged.kernels.copy_blocks``): the scheduler
+collects a step's pairs (copy-on-write is done by ``append_slots`` of the sequence that writes into the shared partial
+block), and the model runner applies them before the forward.
 """
 
 from __future__ import annotations

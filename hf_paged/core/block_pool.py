@@ -2,7 +2,9 @@
 
 `BlockAllocator` hands out block ids and counts their holders; `CachingBlockAllocator` adds the automatic prefix
 cache's entries (content keys chained with `hash_block`, verified token by token) and the evictable LRU pool of
-cached blocks nobody holds. Called by `hf_paged.core.block_manager` only; it never touches tensors.
+cached blocks nobody holds. Called by `hf_paged.core.block_manager` only; it never touches tensors. With a prefix
+cache, truly free + used (ref >= 1) + evictable (ref 0, entry kept) == total; `num_free`, what the scheduler sees, is
+free + evictable.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ Sliding windows (`release_window`, set by the engine when every attention layer 
 of every `schedule()` each running sequence gives back the blocks wholly before the oldest key a future query can
 attend (`BlockManager.release_before`), after committing them to the prefix cache. The freed blocks count as free
 for this very step's decisions, so a long generation holds about `ceil(window / block_size) + 1` blocks.
+
+The decode hot path (`_schedule_decodes`, the persistent batch of pipelined steps): `hf_paged.core.decode_batch`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ A request becomes one `SequenceGroup`. Its sequences (one for greedy / sampling;
 beam search) are scheduled, preempted and freed together (paper §4.5: all-or-nothing eviction of a group).
 `num_computed` counts tokens whose K/V are in the cache; a step computes tokens `[num_computed, num_computed + n)`,
 and when that reaches the end of the sequence the step also samples the next token.
+
+Preempting a group by recompute frees every sequence's blocks, and each is prefilled again on its own, without
+sharing; swapping moves the blocks shared inside the group once, and they stay shared. `max_num_seqs` counts a group
+at `SequenceGroup.max_running_seqs()`: its `width` (samples or beams) until it forks, then its live sequences, so
+admitting a one-sequence prompt that will fork never overfills the next step.
 """
 
 from __future__ import annotations

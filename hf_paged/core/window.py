@@ -3,6 +3,34 @@
 When every attention layer of the model slides, no future query reads the keys before the largest window, so their
 blocks only cost memory: their table entries become `NULL_BLOCK` (a prefix of the table; positions still index it)
 and their references go back to the pool. See `hf_paged.core.block_manager` for how every other operation skips them.
+
+* Which models (`Engine(release_window_blocks=True)`, the default): those where every attention layer slides
+  (Mistral v0.1, Phi-3-mini-4k, Qwen2 with the window on all layers). The window of a layer is what transformers
+  passes to the attention function as `sliding_window`; the attention function records it per layer in
+  `PagedCache.layer_windows` on eager forwards, and once every layer was seen `PagedCache.sliding_window_bound()`
+  gives the largest window W (None when some layer is full), which the engine hands to `Scheduler.release_window`.
+  Mixed stacks (Gemma 2/3's local and global layers, Qwen2 with `max_window_layers`) release nothing: the global
+  layers read every block, and the local layers' kernels only skip reading the blocks before their window.
+* When: at the start of every `schedule()` and `schedule_decode_step()`, before any reservation, so the freed blocks
+  serve this very step. A query at position p attends keys in (p - W, p] (`masking_utils`' sliding overlay, the
+  kernels' `q - k < W`), and a sequence's oldest future query is at `num_computed`, so the blocks wholly before token
+  `num_computed - W + 1` go (`release_out_of_window`: one dict lookup per sequence with nothing new to release, then
+  `release_before`). A decoding sequence then holds at most `ceil(W / block_size) + 1` blocks (a prefill chunk holds
+  what it writes).
+* How: released entries become `NULL_BLOCK` (-1) and stay in the table (always a prefix of it, counted by
+  `_Seq.released`), and the table's reference is dropped. A shared block returns to the pool with its last holder;
+  with prefix caching a block is committed before it is released, so it stays cached as evictable (released newest
+  first: the root of a cached chain is evicted last). Copy-on-write only ever touches the partial last block, which
+  is never released.
+* Device tables: `device_table` maps null entries to block 0 when a table is uploaded (`PagedCache._make_step`, the
+  static path's staging rows): a valid id that is never read (it lies before every query's window). A release alone
+  does not re-upload a table-store row: its stale ids are valid and unread as well. A pipelined step in flight may
+  still read a just-released block; the step that writes it again runs after it on the same stream.
+* Admission and preemption count the free pool, so released blocks make room for more sequences; a recomputed
+  sequence prefills again (chunked by the token budget, releasing between chunks). `add_request` still refuses a
+  request whose whole length does not fit the pool (a recompute may need it in one chunk).
+* Statistics: `BlockStats.released_blocks` (null entries of resident tables now) and `window_released` (released so
+  far), through `Engine.kv_stats()`. Tests: `tests/test_window_release.py`.
 """
 
 from __future__ import annotations

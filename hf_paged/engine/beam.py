@@ -22,6 +22,11 @@ beam-slot order. Every step that computes the last token of all of them runs `Be
 The group is scheduled and preempted all-or-nothing by the scheduler. After a recompute preemption the beams are
 prefilled separately (no sharing); if a step finishes some beams' prefill but not all, the finished ones give their
 last token back (it is recomputed with the others next step) so that every beam of the group is scored in one step.
+When the group is done, `CompletionOutput.score` is the hypothesis' score (transformers' `sequences_scores`).
+
+Sharing statistics (`track_sharing`, `sharing_stats`): every step, after scheduling, the engine adds
+`BlockStats.used_blocks` and `logical_blocks` (the blocks the tables would hold without sharing) to `engine.stats`;
+`Engine.sharing_stats()` gives the live values and the run averages (`SharingStats`).
 """
 
 from __future__ import annotations

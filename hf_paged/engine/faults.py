@@ -1,5 +1,14 @@
 """What a failed or interrupted step undoes: failing only its own requests, or requeueing them intact.
-A mixin of `Engine`; see docs/architecture.md, "Engine failures, interrupts, threads and shutdown".
+A mixin of `Engine`.
+
+* A step that raises an `Exception` (block copies, forward, a kernel, sampling, a logits processor) fails the requests
+  scheduled in it: finish reason "error", `RequestOutput.error` is the exception, their blocks are freed; the engine
+  keeps serving the others. If the block copies raised, the groups the step's swaps moved are recomputed instead
+  (their tokens are intact, their swapped K/V may not be).
+* A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the engine is made consistent: before sampling
+  began, the step's requests (and the groups its swaps moved) go back to the waiting queue with `num_computed = 0`
+  and are recomputed, losing nothing; during sampling (tokens or forks may be half applied) they are failed as above.
+  `tests/test_reliability.py::assert_consistent` is the invariant. Pipelined steps: `hf_paged.engine.pipelined`.
 """
 
 from __future__ import annotations

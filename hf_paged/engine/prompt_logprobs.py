@@ -18,6 +18,14 @@ Two things keep the scores exact and complete:
 
 Steps that carry scored rows run eagerly (the static / CUDA-graph path keeps one row per sequence), so they are
 never pipelined either (`PipelinedDecode` only pipelines static steps).
+
+How: before a step's forward, `_score_rows` lists per scheduled chunk the wanted positions it computes; the runner
+keeps them as extra rows after the sampling rows (`ModelRunner.execute(extra_rows=...)`), and they become float32
+`log_softmax` scores of the next prompt token plus an argmax flag, appended to the group's `PromptScoring`, which
+`RequestOutput.prompt_logprobs` reports. A recompute after a preemption resumes at `PromptScoring.next_position`, so
+no row is scored twice. A scoring-only request finishes in `_finish_scoring_only`, its blocks freed to the prefix
+cache; its `RequestOutput.prompt_token_ids` is the whole prompt. The lm-eval backend
+(`hf_paged.integrations.lm_eval`) scores its log-likelihood requests this way; tests: `tests/test_prompt_logprobs.py`.
 """
 
 from __future__ import annotations

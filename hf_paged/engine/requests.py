@@ -1,5 +1,14 @@
 """Taking requests in and out of the engine: prompt checks, `add_request`, `abort`, `close`, and the fair
 engine lock that lets other threads in between steps. A mixin of `Engine` (state set up by `Engine.__init__`).
+
+Threads: `add_request`, `abort` and `close` may be called from any thread while one thread steps (`step` /
+`stream`); they take the engine lock, which a step holds for its duration. Python's locks are not fair, so these
+calls announce themselves and `step()` lets every announced call through before it locks again (`_control`). An
+aborted (or closed) request's final output (finish reason "abort") comes from the next `step()`; `stream()` also
+yields those left when it ends. Run one stepping loop at a time (two would split the outputs between them).
+
+`close()` aborts every unfinished request, frees its blocks and makes `add_request` raise `EngineClosedError` (a
+`RuntimeError`); it is idempotent, and `with Engine(...) as engine:` closes on exit.
 """
 
 from __future__ import annotations

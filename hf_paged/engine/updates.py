@@ -1,5 +1,10 @@
 """Applying a step's picks: sample (or argmax) the next tokens, append them, fork parallel samples, run beam
 search, and check stop conditions. A mixin of `Engine`.
+
+Parallel sampling (`num_return_sequences=n` with `do_sample=True`): once the prompt's last token is computed, the
+step samples n tokens and forks n - 1 sequences from the prompt's table (`BlockManager.fork`: reference counts up, no
+copy). Plain greedy requests (`SequenceGroup.plain`: one sequence, no logits processing, no scores) take the argmax
+fast path of `_update_plain`. Beam groups go to `hf_paged.engine.beam.BeamSearch`.
 """
 
 from __future__ import annotations

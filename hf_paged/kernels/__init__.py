@@ -1,6 +1,44 @@
 """Paged-KV kernels: public dispatchers.
 
-See ``docs/architecture.md`` ("KV pool layout", "Kernel API") for the contract.
+The contract (each function's docstring has its details):
+
+* Pool layout: a cache's pool is one tensor ``pool[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
+  layer ``l`` uses ``key_cache = pool[l, 0]`` and ``value_cache = pool[l, 1]``, each
+  ``[num_blocks, num_kv_heads, block_size, head_dim]``. Token slot ``block_id * block_size + offset``; slot -1 means
+  "do not write".
+* Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). GQA: query head
+  ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
+  that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
+  masked (:mod:`hf_paged.kernels.triton_dims`).
+* :func:`write_kv` ``(key [T,Hkv,D], value, key_cache, value_cache, slot_mapping [T])``: in place, slot < 0 skipped.
+* :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
+  kv_start [B] | None, *, split_counters=None, ...) -> [B,Hq,Dv]``: one query token per sequence at position
+  ``seq_lens[b] - 1`` over keys ``[kv_start[b], seq_lens[b])``; an empty range gives zeros (never NaN). Split-K on
+  the Triton path: the grid's split count comes from the batch's power of two, the KV heads and the SMs
+  (``triton_decode.choose_num_splits``: 4 to 64, none from 32 programs per SM), and each sequence cuts its *own*
+  keys into at most that many runs of at least 256 keys (the best single setting for 1, 2, 4 and 8 KV heads,
+  ``benchmarks/results/h100_2026-11-27g/``), so a graph step (batch padded to its bucket) and an eager step of the
+  same sequences give the same bits. :mod:`hf_paged.kernels.triton_decode` says why.
+* :func:`write_and_paged_decode`: ``write_kv`` then ``paged_decode``, bit for bit, in one launch on the Triton path
+  (the program that reads position ``seq_lens[b] - 1`` stores the step's K/V first, then a CTA barrier). With
+  ``split_counters`` (int32 zeros, ``>= B * Hkv``, owned by one stream of launches: the runner's ``"counters"``
+  buffer, passed in ``StepMetadata.split_counters``) the last split of a (sequence, KV head) to finish combines the
+  partials (an acq_rel counter, loads past L1) and resets its counter, so no combine kernel is launched; the combine
+  is one helper shared with the combine kernel (:mod:`hf_paged.kernels.triton_attention_end`), hence the same bits.
+  The compiled step's decode-only steps use it (two kernels fewer per layer).
+* :func:`paged_prefill` ``(query [T,Hq,D], key_cache, value_cache, block_tables [S,max_blocks], cu_seqlens_q [S+1],
+  seq_lens [S], scale, max_seqlen_q, kv_start [S] | None) -> [T,Hq,Dv]``: sequence ``s`` owns rows
+  ``[cu[s], cu[s+1])``, its row ``i`` sits at ``p = seq_lens[s] - q_len_s + i`` (own K/V already written) and attends
+  ``[kv_start[s], p]`` causally, cached prefix included. Its tile is chosen by the padded head dim, the element size
+  and, at head dim 256, the device's shared memory (``triton_prefill._config``); key tiles every row of a query tile
+  sees whole run without masks (``triton_prefill._whole_tiles``).
+* :func:`copy_blocks` ``(pool, src [N], dst [N])``: ``pool[..., dst[i], :, :, :] = pool[..., src[i], :, :, :]`` for
+  every leading index (the block dim is ``pool.dim() - 4``), one launch for all layers; copy-on-write and swap use it.
+* Per-call attention options on both attention kernels: ``sliding_window``, ``softcap``, ``sinks``, ``chunk_size``.
+* :mod:`hf_paged.kernels.sampling`: ``sample_tokens`` (the device sampler) and ``argmax_rows`` (torch's
+  ``argmax(dim=-1)``, bit for bit; a Triton kernel on CUDA while the rows are no more than the SMs);
+  ``greedy_picker(device)`` resolves backend, SM count and scratch once, for the engine's picker, which calls it
+  every all-greedy step.
 
 Backend: Triton when the tensors are on CUDA and triton imports, the plain-torch
 reference (:mod:`hf_paged.kernels.reference`) otherwise. The environment variable

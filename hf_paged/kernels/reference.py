@@ -6,7 +6,7 @@ attention gathers each sequence's K/V through its block table into contiguous
 tensors and calls ``torch.nn.functional.scaled_dot_product_attention`` with an
 explicit boolean mask. Query rows whose key range is empty get zeros.
 
-Layouts follow ``docs/architecture.md`` ("KV pool layout", "Kernel API"):
+Layouts follow the contract of :mod:`hf_paged.kernels` (pool layout, kernel API):
 ``key_cache`` / ``value_cache`` are ``[num_blocks, num_kv_heads, block_size, head_dim]``
 and token slot ``block_id * block_size + offset``.
 

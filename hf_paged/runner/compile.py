@@ -9,7 +9,8 @@ the registered attention function) stays outside the compiled regions.
 
 Compilation takes seconds to minutes the first time each submodule runs, so `Engine.warm_up()` is the place to pay
 it. Shapes are compiled dynamic in the token dimension, so one compilation serves every batch size. Results are those
-of the uncompiled modules up to floating-point reassociation in the fused reductions.
+of the uncompiled modules up to floating-point reassociation in the fused reductions. The only recompilation is
+the 0/1 specialisation of a one-token batch. `hf_paged.disable(model)` uncompiles them (`uncompile_submodules`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ block table are the same on all ranks, because
 
 Requests must be added and aborted identically on every rank; an abort from another thread on one rank only is not
 supported under tensor parallelism (the ranks' schedules would diverge).
+
+CUDA graphs and the compiled step are on by default under tensor parallelism, as in one process: the graphs record
+the row-parallel all-reduces, so a decode step makes no host round trip per layer (transformers' eager TP layers cost
+~43 ms of host time in a llama-8b step on 2 H200s). NCCL does not destroy a communicator that a live graph recorded,
+so `Engine.close()` must come before `destroy_process_group()`; `hf_paged.runner.model_runner` drops every live
+runner's graphs at interpreter exit for engines left open. `examples/tensor_parallel.py` is the example, and
+`tests/test_tensor_parallel.py` runs it with 2 processes (gloo on the CPU, NCCL on 2 GPUs). Measured:
+`benchmarks/results/h200x2_2026-11-26/README.md`.
 """
 
 from __future__ import annotations

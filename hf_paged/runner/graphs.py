@@ -2,8 +2,10 @@
 
 A graph replays the decode forward over the runner's static buffers (ids, positions, slots, lengths, table rows)
 with no host work per kernel. All buckets share one memory pool, captured largest first. A model whose forward does
-host work (a copy from an unpinned CPU tensor, a `.tolist()`) runs eagerly but cannot be recorded: the runner then
-decodes on the same static buffers without graphs (`_give_up_graphs`) instead of failing every request.
+host work (a copy from an unpinned CPU tensor, a `.tolist()`: Gemma3n, X-MOD, Aria text, mixture-of-experts layers in
+float32) runs eagerly but cannot be recorded: the runner then decodes on the same static buffers without graphs
+(`_give_up_graphs`: `decode_mode = "static"`, still pipelined, compiled layers kept), with a warning and
+`graph_failure` set, instead of failing every request as such models did before.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """Turn a scheduler decision into one model forward: inputs, block operations, CUDA graphs.
 
-Prefill-carrying steps run eagerly over the flattened `[1, T]` batch. Decode-only steps on CUDA replay a CUDA graph
-captured for the next larger batch-size bucket. The graph reads persistent device buffers:
+Prefill-carrying steps run eagerly over the flattened `[1, T]` batch (or, once compiled, replay a graph per token
+bucket: `hf_paged.runner.ragged_graphs`). Decode-only steps of at most `max_num_seqs` sequences, each computing one
+token and sampling, replay on CUDA a CUDA graph captured for the next larger batch-size bucket
+(`hf_paged.runner.shapes.decode_buckets`). The graph reads persistent device buffers:
 
-* `meta`: one int64 row each for token ids, positions, slot mapping, sequence lengths and table-store rows, refilled
-  by a single host-to-device copy per step;
+* `meta [6, max_num_seqs]`: one int64 row each for token ids, positions, slot mapping, sequence lengths, table-store
+  rows and the rows of the previous step's tokens (pipelined steps gather their input ids from them on the device),
+  refilled by a single host-to-device copy per step from pinned host buffers (two sets, used alternately: a pinned
+  copy is read by the GPU after `copy_` returns, and a pipelined step writes its inputs before the step launched
+  before it has run);
 * `store`: a device-side table store where every sequence keeps its block table in a row of its own across steps.
   Only the rows whose table changed (a new block, a copy-on-write, a new sequence) are uploaded; the graph gathers
   the step's `block_tables` from the store by the `meta` row indices. A sequence that finishes therefore costs
@@ -289,7 +294,9 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         prefill step at run time (`hf_paged.attention.compiled_op`). One-token forwards would specialise that
         dimension (a recompilation), so they stay on the model's code. The first routed step holds the compile lock
         and counts the graphs it compiled: more than a decode step may compile means the layers keep recompiling
-        for prefill shapes, and prefill stays eager from then on (`compile_prefill = False`).
+        for prefill shapes, and prefill stays eager from then on (`compile_prefill = False`); `Engine.warm_up()` runs
+        one dummy routed step, so that check happens at start-up. On an H100 the prefill MFU of Qwen3-0.6B went from
+        19 % to 33 % and that of llama-1b's long prompts from 51 % to 63-64 % (by the MFU count of the time).
         """
         if tokens < 2 or not self._prefill_routable():
             return nullcontext()

@@ -23,6 +23,23 @@ that differs between layers become an input. Where torch can be told which ints 
 compiled once; elsewhere it turns symbolic at the first recompilation (Dynamo's automatic dynamic), and the code is
 compiled twice (the first layer, then the second). The batch dimension of the step's tensors is marked symbolic
 before the first call. The final norm and rotary table are compiled once each.
+
+A model whose layers come in more than `MAX_LAYER_KINDS` kinds (`layer_kind`: the classes and scalar attributes of
+the submodules, the config's layer type), or with chunked attention (its size is looked up by layer index), has its
+whole decode forward compiled as one graph instead, as does a model whose first compiled forward produced more
+graphs than its kinds allow (a per-layer constant `layer_kind` did not see).
+
+Where the rest of the compiled step lives: the default and its fallback (`hf_paged.engine.defaults`,
+`ModelRunner._give_up_compiling`), the opaque attention op (`hf_paged.attention.compiled_op`), one GEMM for q/k/v
+and gate/up, the residual fold and combo kernels (`hf_paged.runner.sibling_linears.fusing_backend`), the CUDA graphs
+(`graphs`, `ragged_graphs`, `recording`) and compiled prefill (`ModelRunner._prefill_layers`).
+`tests/test_compile_decode.py` checks on the CPU backend that every supported family compiles with no graph break
+and no more graphs than its layer kinds allow (six layers compile as often as two), the whole-forward fallbacks,
+transformers' greedy and beam tokens, and equality with the uncompiled static path under preemption, forks and
+prefix hits; `tests/test_gpu.py` compares the compiled CUDA graphs with eager decoding on a GPU. No reference cycle
+may hold an engine: `Engine.warm_up()` freezes the objects alive (`gc.freeze()`), so a cycle through the engine would
+keep its pool forever; `BeamSearch` holds a weak proxy of the engine, and `Engine.close()` drops the pool, the graphs
+and the compiled step.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Why a grid of shapes: cuBLAS pays for a GEMM shape the first time it meets it. I
 cached per shape (200-300 us of host time at a new shape against ~16 us, H100, `benchmarks/results/h100_2026-11-26i/`,
 call k), and an output projection at a row count the process had not run held the host until the GPU drained (38 ms
 of a 61 ms llama-1b prefill step, `benchmarks/results/h100_2026-11-27h/`, call 7). Steps padded to a grid meet few
-shapes.
+shapes. Only ragged steps on CUDA are padded (`padded_tokens`, and `padded_rows` for the output projection of an
+eager ragged step); decode-only eager steps, and every step off CUDA, run at their own sizes.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ Why a store: every sequence keeps its table in a row of its own across steps, an
 `block_tables` from it by row index, so a decode step uploads only what changed. Most steps change a table in its
 last entry only (one in `block_size` rows opens a block; a copy-on-write replaces the last one): those entries go as
 single points, not as whole rows.
+
+The store is `[2 * max_num_seqs + 1, max_blocks]` (row 0 serves the padding rows). A row is uploaded only when its
+table's `(length, last block)` changed since its upload, or its sequence is new. Preemption, swaps and failed steps
+invalidate every row (tables were rebuilt or moved); the rows of sequences no longer in the step are swept when the
+store runs out of rows. Entries released out of a sliding window keep their stale ids in the store: valid, and never
+read.
 """
 
 from __future__ import annotations

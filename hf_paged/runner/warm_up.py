@@ -3,6 +3,18 @@
 Nothing they compute is kept: every row writes to slot -1 (nowhere) and reads block 0. `Engine.warm_up` runs them
 inside `kernels.parallel_jit.compile_only()`, where the launches only compile, in parallel threads; without it they
 run for real and compile one kernel after another.
+
+The order of `Engine.warm_up()` on CUDA: in the dry block, the compiler's imports (`import_compiler`, while Triton's
+compiler key is still being hashed in the thread the engine started when it was built:
+`parallel_jit.prefetch_compiler_key`), the sampler, dummy ragged prefill forwards for a few tile shapes, one decode
+bucket per decode-kernel variant (`kernels.decode_variant`) and, with `compile_decode`, the compiled prefill; the
+main thread meanwhile traces and compiles the decode step. Then the picks once for real, the capture of every decode
+bucket (each after one forward outside the graph: `graphs._capture`), and `warm_up_uploads`. Measured on H100 hosts:
+hashing the key from the engine's construction saved 0.39-0.41 s of a warm start
+(`benchmarks/results/h100_2026-11-27f/`), and the imports under the hash took a warm llama-1b start from a median
+5.6 to 4.6 s with a fixed pool and 5.0 to 4.4 s with a profiled one (`benchmarks/results/h100_2026-11-27g/`).
+Launching the picks and uploads once saved the first decode steps about 35 ms of kernel loading
+(`benchmarks/results/h100_2026-11-26c/`, call 06).
 """
 
 from __future__ import annotations
