@@ -41,6 +41,7 @@ from .block_manager import BlockManager
 from .decode_batch import DecodeBatch
 from .schedule import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .state_policy import WaitingKeys, free_state_slots, plan_state_saves
 
 __all__ = ["Scheduler"]
 
@@ -267,7 +268,7 @@ class Scheduler(AdmissionPolicy):
                 needed = bm.blocks_needed_to_swap_in_and_append((s.seq_id, n) for s, n in plan)
                 if needed + (self.watermark_blocks if self.running else 0) > bm.gpu.num_free:
                     break
-                if bm.state is not None and group.max_running_seqs() > self._free_state_slots():
+                if bm.state is not None and group.max_running_seqs() > free_state_slots(bm, self.running):
                     break
                 out.swap_in.extend(bm.swap_in([s.seq_id for s in seqs]))
                 self.swapped.pop(0)
@@ -277,11 +278,11 @@ class Scheduler(AdmissionPolicy):
                 self._reserve(group, plan, out, budget)
 
         if not out.preempted and not self.swapped and admit:
-            free_slots = self._free_state_slots() if bm.state is not None else None
+            free_slots = free_state_slots(bm, self.running) if bm.state is not None else None
             shared = None
             if caching and bm.state is not None:  # (hybrid models: prompts hashed now if no launch did it ahead)
                 self.prepare_admissions()
-                shared = self._waiting_keys()
+                shared = WaitingKeys(self.waiting)
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
                 if free_slots is not None:  # hybrid models: a state slot for every sequence it will run
@@ -312,7 +313,7 @@ class Scheduler(AdmissionPolicy):
                         bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
                 if caching and bm.state is not None:
-                    self._plan_state_saves(group, plan, matches, shared)
+                    plan_state_saves(bm.block_size, group, plan, matches, shared)
                     plan = self._plan(group, budget)  # chunks now end at the checkpoints
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
@@ -501,46 +502,6 @@ class Scheduler(AdmissionPolicy):
             if saves and saves[0] == start + n:  # the chunk ends at a checkpoint: kept once the forward is launched
                 out.state_saves.append((seq, saves.pop(0)))
         budget[1] -= max(len(plan), group.max_running_seqs())
-
-    def _free_state_slots(self) -> int:
-        """Free state slots left for admissions: those the running groups about to fork will take are not."""
-        forks = sum(group.width - 1 for group in self.running if len(group.seqs) == 1 and group.width > 1)
-        return self.block_manager.state.num_free - forks
-
-    def _waiting_keys(self) -> tuple[dict[int, int], dict[int, int]]:
-        """(prefix-cache key -> how many waiting groups' prompts have that block prefix, group id -> how many keys it
-        gave), over the groups hashed ahead (those `prepare_admissions` expects one step to admit)."""
-        counts: dict[int, int] = {}
-        given: dict[int, int] = {}
-        for group in self.waiting:
-            keys = group.seqs[0].prompt_keys or ()
-            given[id(group)] = len(keys)
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
-        return counts, given
-
-    def _plan_state_saves(self, group: SequenceGroup, plan, matches, shared) -> None:
-        """Where an admitted sequence of a hybrid model checkpoints its recurrent state (prefix caching on).
-
-        A prefix-cache hit needs the state at the hit's end as well as the K/V blocks before it. Block-aligned
-        positions where a later prompt is likely to resume are kept: where the cached K/V of an earlier prompt ends
-        beyond the checkpoint found, and where the prompt stops sharing blocks with another waiting prompt (both: a
-        shared system prompt; the next prompt that shares it resumes there, and one that waits for the pending
-        blocks resumes after one step), and the last full block of the prompt (a conversation's next turn starts
-        with this prompt)."""
-        shift = self.block_manager.block_size.bit_length() - 1
-        counts, given = shared
-        mine = given.get(id(group), 0)  # the first keys of its prompt, counted in `counts` (its own)
-        for seq, _ in plan:
-            match = matches[seq.seq_id]
-            start = seq.num_computed
-            common = 0  # blocks this prompt shares with another waiting group's
-            for i, key in enumerate(match.keys):
-                if counts.get(key, 0) - (i < mine) <= 0:
-                    break
-                common = i + 1
-            points = {match.num_hit_blocks << shift, common << shift, (seq.prompt_len >> shift) << shift}
-            seq.state_saves = sorted(p for p in points if start < p <= seq.num_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
