@@ -12,31 +12,13 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.serve.stops import TextTracker, find_stop, held_back  # noqa: E402
-from hf_paged.testing import tiny_model  # noqa: E402
-
-SPECIAL = ["<pad>", "<s>", "</s>"]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Ids 0-2 special, then one token per byte (no merges): any text round-trips."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    out.add_special_tokens({"additional_special_tokens": []})
-    out.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    return out
+from hf_paged.testing import byte_tokenizer, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,7 @@ class Outputs:
         if finished:
             self._groups.pop(group.request_id, None)
             self.sampler.forget(group.request_id)
+            self.structured.finished(group)
         outputs = []
         for index, seq in enumerate(group.seqs):
             reason = seq.stop_reason if seq.status.is_finished else None
