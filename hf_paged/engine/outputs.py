@@ -44,6 +44,9 @@ class RequestOutput:
     # `SamplingParams.prompt_logprobs_start`: per prompt token from that index on, (its log-probability given the
     # tokens before it, whether it is the most likely token there), float32 log-softmax of the raw logits
     prompt_logprobs: list[tuple[float, bool]] | None = None
+    # `SamplingParams.prompt_top_logprobs`: per scored prompt token, (its rank, [(token id, log-probability)] of the
+    # most likely tokens there)
+    prompt_top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
 
 
 class Outputs:
@@ -95,4 +98,5 @@ class Outputs:
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.perf_counter()
         return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error,
-                             dict(group.metrics), None if scoring is None else list(scoring.values))
+                             dict(group.metrics), None if scoring is None else list(scoring.values),
+                             list(scoring.tops) if scoring is not None and scoring.top else None)

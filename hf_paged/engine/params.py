@@ -62,7 +62,12 @@ def validate_beam_params(p) -> None:
 
 def validate_prompt_logprobs(p) -> None:
     """Check `prompt_logprobs_start` (its upper bound, the prompt length, is checked by `Engine.add_request`)."""
+    top = p.prompt_top_logprobs
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+        raise ValueError(f"prompt_top_logprobs must be an int in [0, 20], got {top!r}")
     start = p.prompt_logprobs_start
+    if top and start is None:
+        raise ValueError("prompt_top_logprobs needs prompt_logprobs_start (the first prompt token to score)")
     if start is None:
         return
     if not isinstance(start, int) or isinstance(start, bool) or start < 1:
@@ -103,6 +108,9 @@ class SamplingParams:
     # prompt token from this index on (index >= 1: token 0 has no context). With max_new_tokens=0 the request only
     # scores: the last prompt token is not computed, nothing is generated (hf_paged.engine.prompt_logprobs)
     prompt_logprobs_start: int | None = None
+    # with prompt_logprobs_start: also record, per scored prompt token, its rank and this many top alternatives
+    # (`RequestOutput.prompt_top_logprobs`; what a server's echo with logprobs reports)
+    prompt_top_logprobs: int = 0
     # structured outputs (hf_paged.engine.grammar, needs xgrammar: `pip install "hf-paged[structured]"`); at most one:
     # a JSON schema (dict, JSON text or pydantic model class), a regular expression, a list of allowed strings, any
     # JSON object, an EBNF grammar (xgrammar's dialect) or an xgrammar structural tag (dict or JSON text). The request

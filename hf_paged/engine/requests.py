@@ -110,7 +110,7 @@ class Requests:
             if compiled is not None:
                 self.structured.start(group, compiled)
             if params.prompt_logprobs_start is not None:
-                start_scoring(group, scored_prompt, params.prompt_logprobs_start)
+                start_scoring(group, scored_prompt, params.prompt_logprobs_start, params.prompt_top_logprobs)
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)
