@@ -59,6 +59,8 @@ def test_overload_gets_429_with_retry_after(server):
     assert error["type"] == "rate_limit_error" and error["code"] == "queue_full" and "max-queue-len" in error["message"]
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in replies if r.status_code == 200)
     _blocks_back(server)
+    metrics = httpx.get(f"{server['base']}/metrics", timeout=10).text
+    assert f"hf_paged_requests_refused_total {float(codes.count(429))}" in metrics
 
 
 def test_timeouts_abort_whole_and_streamed_requests(server):

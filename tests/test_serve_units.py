@@ -183,6 +183,7 @@ def test_stream_n_logprobs_and_metrics(served):
     metrics = call(app, "GET", "/metrics", key=None).text
     assert "hf_paged_time_to_first_token_seconds_count" in metrics
     assert "hf_paged_kv_blocks_used 0.0" in metrics  # everything finished: no block held
+    assert "hf_paged_num_requests_queued 0.0" in metrics and "hf_paged_requests_refused_total 0.0" in metrics
 
 
 def test_chat_logprobs(served):

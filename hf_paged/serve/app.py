@@ -33,7 +33,7 @@ from .stream import (
     prompt_logprobs_list,
     sse,
 )
-from .structured import constraint_of
+from .structured import constraint_of, warm_up_grammars
 from .tools import ToolStream, check_template, forced_calls, guess_parser, marker_ids, tool_parser
 
 __all__ = ["build_app"]
@@ -63,7 +63,11 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        # the grammar compiler's view of the tokenizer (a second or two for a 150k vocabulary) is built now, in a
+        # thread, not when the first structured request arrives
+        warming = asyncio.ensure_future(asyncio.to_thread(warm_up_grammars, engine))
         yield
+        warming.cancel()
         await asyncio.to_thread(bridge.shutdown, shutdown_grace)
 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
@@ -130,6 +134,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     @app.get("/metrics")
     async def prometheus():
         stats = await asyncio.to_thread(engine.queue_stats)
+        stats.update(queued=limits.queued, refused=limits.refused, timed_out=limits.timed_out)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

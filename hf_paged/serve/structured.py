@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from .protocol import ApiError
 
-__all__ = ["constraint_of"]
+__all__ = ["constraint_of", "warm_up_grammars"]
+
+
+def warm_up_grammars(engine) -> bool:
+    """Build the engine's grammar cache (xgrammar's tokenizer info) ahead of the first constrained request; False when
+    xgrammar is not installed or the engine has no tokenizer (those requests then get a 400 saying so)."""
+    try:
+        engine.structured.cache()
+    except (ImportError, ValueError):
+        return False
+    return True
 
 
 def constraint_of(body) -> tuple[str | None, dict]:
