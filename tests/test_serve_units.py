@@ -246,3 +246,29 @@ def test_cli_records_the_prefill_graphs_at_start_up_unless_told_not_to(monkeypat
         with pytest.raises(Stop):
             cli.serve_main(argv)
     assert seen == [{"prefill_graphs": True}, {"prefill_graphs": False}]
+
+
+def test_echo_streamed_and_scoring_only(served):
+    """echo in a stream: the first chunk of each choice starts with the prompt (and its logprob entries, the first
+    one null); max_tokens=0 only scores; prompt_logprobs without echo; the same scores as the whole response."""
+    app, engine, tok = served
+    body = {"prompt": "abcd", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "stream": True}
+    r = call(app, "POST", "/v1/completions", body)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    entries = [lp for c in chunks for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    whole = call(app, "POST", "/v1/completions", {**body, "stream": False}).json()["choices"][0]
+    assert text == whole["text"] and text.startswith("abcd") and len(text) > 4
+    assert entries == whole["logprobs"]["token_logprobs"] and entries[0] is None and len(entries) == 4 + 3
+    scored = call(app, "POST", "/v1/completions", {"prompt": "abcd", "max_tokens": 0, "echo": True, "logprobs": 2,
+                                                  "prompt_logprobs": 1}).json()["choices"][0]
+    assert scored["text"] == "abcd" and scored["finish_reason"] == "length"
+    assert scored["logprobs"]["token_logprobs"][0] is None  # (a prefill of 3 tokens, not 4: float noise only)
+    assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:4], abs=1e-5)
+    assert scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == 4
+    ids = tok("abcd")["input_ids"]
+    for entry, token, lp in zip(scored["prompt_logprobs"][1:], ids[1:], scored["logprobs"]["token_logprobs"][1:]):
+        assert entry[str(token)]["logprob"] == lp
+    r = call(app, "POST", "/v1/completions", {"prompt": "abcd", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert engine.kv_stats().used_blocks == 0
