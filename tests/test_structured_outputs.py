@@ -164,3 +164,12 @@ def test_generate_kwargs_reach_the_engine():
     assert re.fullmatch("[a-c]{3}x", tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     with pytest.raises(ValueError, match="regex"):
         model.generate(ids, cache_implementation="paged", max_new_tokens=4, regex="(", tokenizer=tok)
+
+
+def test_warm_up_builds_the_cache_and_masks(engine):
+    pytest.importorskip("fastapi")
+    from hf_paged.serve.structured import warm_up_grammars
+
+    assert warm_up_grammars(engine)
+    width = engine.logits_width()
+    assert width == len(engine.tokenizer) + 20 and engine.structured.cache().vocab_size == width

@@ -190,6 +190,16 @@ class StructuredOutputs:
             raise ValueError("structured outputs need a tokenizer: create the engine with tokenizer=...")
         return grammar_cache(tokenizer, self._logits_width_of(), self._stop_ids_of())
 
+    def warm_up(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        """Build the grammar cache (xgrammar's view of the tokenizer: 1-2 s for a 150k vocabulary) and run the
+        device masking once for logits of each of `dtypes` (on CUDA its Triton kernel compiles then), so the first
+        constrained request pays neither. Raises ImportError / ValueError as `cache` does."""
+        self.cache()
+        width = self._logits_width_of()
+        mask = torch.full((1, (width + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        for dtype in dict.fromkeys(dtypes):
+            self.apply(torch.zeros((1, width), dtype=dtype, device=self.device), StepMasks([0], mask))
+
     def compiled(self, params: SamplingParams):
         """The compiled grammar of `params` (ValueError: invalid; ImportError: xgrammar missing)."""
         kind, text = params.constraint

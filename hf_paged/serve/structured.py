@@ -7,16 +7,19 @@ request that asks for two constraints at once (400 naming both parameters).
 
 from __future__ import annotations
 
+import torch
+
 from .protocol import ApiError
 
 __all__ = ["constraint_of", "warm_up_grammars"]
 
 
 def warm_up_grammars(engine) -> bool:
-    """Build the engine's grammar cache (xgrammar's tokenizer info) ahead of the first constrained request; False when
-    xgrammar is not installed or the engine has no tokenizer (those requests then get a 400 saying so)."""
+    """Build the engine's grammar cache (xgrammar's tokenizer info) and warm the device masking up ahead of the first
+    constrained request; False when xgrammar is not installed or the engine has no tokenizer (those requests then get
+    a 400 saying so)."""
     try:
-        engine.structured.cache()
+        engine.structured.warm_up((engine.dtype, torch.float32))
     except (ImportError, ValueError):
         return False
     return True
