@@ -132,6 +132,7 @@ def test_invalid_grammars_are_value_errors(engine, kwargs, error, words):
     ({"regex": "a", "choice": ["b"]}, ValueError, "at most one"),
     ({"regex": "a", "num_beams": 2}, ValueError, "num_beams"),
     ({"regex": "a", "max_new_tokens": 0, "prompt_logprobs_start": 1}, ValueError, "max_new_tokens"),
+    ({"regex": "a", "min_new_tokens": 2}, ValueError, "min_new_tokens"),
 ])
 def test_sampling_params_validation(kwargs, error, words):
     with pytest.raises(error, match=words):

@@ -249,3 +249,6 @@ def validate_constraint(p) -> None:
     if p.max_new_tokens == 0:
         raise ValueError(f"{given[0]} (structured output) needs max_new_tokens > 0: a scoring-only request "
                          f"generates nothing")
+    if p.min_new_tokens > 0:  # its EOS mask could leave a complete grammar no token at all
+        raise ValueError(f"min_new_tokens is not supported with {given[0]} (structured output): the grammar says "
+                         f"when the output may end")
