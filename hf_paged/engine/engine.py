@@ -26,6 +26,7 @@ from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
 from .faults import FaultHandling
+from .grammar import StructuredOutputs
 from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
@@ -265,6 +266,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self.release_window_blocks = release_window_blocks
         self._window_known = not release_window_blocks  # nothing to learn when releasing is off
         self._weights = WeightWatch(self._model_ref)
+        # grammar-constrained requests (hf_paged.engine.grammar): xgrammar is imported by the first one
+        self.structured = StructuredOutputs(self.device, lambda: self.tokenizer, self.logits_width, self.stop_token_ids)
 
     @property
     def model(self):
@@ -344,11 +347,31 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     def _warm_up_sampler(self) -> None:
         """Compile the device sampler for this model's logits rows (width and dtype), so the first sampled step does
         not wait for it."""
+        weight = self._head_weight()
+        self.picker.warm_up(self.logits_width(), weight.dtype if weight is not None else self.dtype)
+
+    def _head_weight(self) -> torch.Tensor | None:
         model = self._model_ref()
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         weight = getattr(head, "weight", None)
-        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else self.vocab_size
-        self.picker.warm_up(vocab, weight.dtype if isinstance(weight, torch.Tensor) else self.dtype)
+        return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+    def logits_width(self) -> int:
+        """Columns of the model's logits: its output projection's rows (may exceed the tokenizer's vocabulary)."""
+        width = getattr(self, "_logits_width", None)
+        if width is None:
+            weight = self._head_weight()
+            width = self._logits_width = int(weight.shape[0]) if weight is not None else self.vocab_size
+        return width
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence ids (generation config and tokenizer): what ends a grammar's output."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = [eos] if isinstance(eos, int) else list(eos or ())
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in ids:
+            ids.append(tok_eos)
+        return tuple(ids)
 
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -386,6 +409,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                         phase = "sample"
                         self.scheduler.commit_launched(sched)  # host work while the GPU runs the forward
                         self.scheduler.prepare_admissions()
+                        if self.structured.active:  # grammar bitmasks: filled on the host, applied on the device
+                            masks = self.structured.fill(sched)
+                            if masks is not None:
+                                self.structured.apply(logits, masks)
                         scored: list[SequenceGroup] = []
                         rest = sched
                         if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
