@@ -41,7 +41,7 @@ from .block_manager import BlockManager
 from .decode_batch import DecodeBatch
 from .schedule import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
-from .state_policy import WaitingKeys, free_state_slots, plan_state_saves
+from .state_policy import CheckpointPlanner, free_state_slots
 
 __all__ = ["Scheduler"]
 
@@ -279,10 +279,10 @@ class Scheduler(AdmissionPolicy):
 
         if not out.preempted and not self.swapped and admit:
             free_slots = free_state_slots(bm, self.running) if bm.state is not None else None
-            shared = None
+            planner = None
             if caching and bm.state is not None:  # (hybrid models: prompts hashed now if no launch did it ahead)
                 self.prepare_admissions()
-                shared = WaitingKeys(self.waiting)
+                planner = CheckpointPlanner(self.waiting, bm.block_size)
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
                 if free_slots is not None:  # hybrid models: a state slot for every sequence it will run
@@ -290,7 +290,7 @@ class Scheduler(AdmissionPolicy):
                         break
                     free_slots -= group.max_running_seqs()
                 if caching:
-                    plan, matches = self._plan_admission(group, budget)
+                    plan, matches = self._plan_admission(group, budget, planner)
                     if plan is None:
                         break
                 else:
@@ -313,7 +313,7 @@ class Scheduler(AdmissionPolicy):
                         bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
                 if caching and bm.state is not None:
-                    plan_state_saves(bm.block_size, group, plan, matches, shared)
+                    planner.plan_saves(group, plan, matches)
                     plan = self._plan(group, budget)  # chunks now end at the checkpoints
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
@@ -437,19 +437,20 @@ class Scheduler(AdmissionPolicy):
         budget[1] -= seq_budget
         return True
 
-    def _plan_admission(self, group: SequenceGroup, budget: list[int]):
+    def _plan_admission(self, group: SequenceGroup, budget: list[int], planner: CheckpointPlanner | None = None):
         """With prefix caching: `(plan, matches)` to admit a waiting group now, or `(None, None)`.
 
         Each sequence's `num_computed` is moved past its cached prefix (reset to 0 when the group is not admitted).
         Cached blocks taken from the evictable pool count against the free blocks. The group waits (one step) when
-        the block after a sequence's cached prefix is being computed by a running sequence right now.
+        the block after a sequence's cached prefix is being computed by a running sequence right now, or (hybrid
+        models, `planner`) when a sequence admitted before it in this pass checkpoints the state it could resume from.
         """
         bm = self.block_manager
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
             match = bm.match_prefix(seq.token_ids, group.max_cached_prefix, known_keys=seq.prompt_keys or ())
-            if match.pending and self.running:
+            if (match.pending or (planner is not None and planner.waits(match))) and self.running:
                 return None, None
             matches[seq.seq_id] = match
         for seq in seqs:
