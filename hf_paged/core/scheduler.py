@@ -482,8 +482,11 @@ class Scheduler(AdmissionPolicy):
         for index, seq in enumerate(seqs):
             # share the budget so every sequence of the group gets at least one token (gang scheduling)
             n = min(seq.num_uncomputed, tokens_left - (len(seqs) - index - 1))
-            if seq.state_saves:
-                n = min(n, seq.state_saves[0] - seq.num_computed)
+            saves = seq.state_saves
+            while saves and saves[0] <= seq.num_computed:  # passed in a one-token step of the decode fast path
+                saves.pop(0)
+            if saves:
+                n = min(n, saves[0] - seq.num_computed)
             plan.append((seq, n))
             tokens_left -= n
         if len(plan) > 1 and self.block_manager.state is not None:
