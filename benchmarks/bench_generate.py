@@ -374,6 +374,15 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
                              kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode,
                              enable_prefix_caching=prefix_caching)
     engine.runner.compile_prefill = compile_decode and compile_prefill
+    try:
+        return _run_engine(engine, workload, args, progress, setup_start)
+    finally:  # a failing or timed-out run gives its pool and graphs back before the next system is built
+        engine.close()
+
+
+def _run_engine(engine, workload, args, progress: bool, setup_start: float) -> dict:
+    import hf_paged
+
     engine.warm_up()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
@@ -440,7 +449,6 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
         "timing": {**timer.summary(), "outside_steps_s": run_s - timer.step_wall_s},
         "gpu": timeline.summary(),
     }
-    engine.close()
     return result
 
 

@@ -220,8 +220,8 @@ def test_hybrid_models_on_cuda(family, compile_decode):
 
     model = zoo_model(family).cuda()
     model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    prompts = _prompts(12, seed=5)
-    prompts += [prompts[0][:20] + p for p in _prompts(3, seed=6)]  # prompts sharing a prefix
+    prompts = [[t % 200 for t in p] for p in _prompts(12, seed=5)]  # (the zoo's vocabulary)
+    prompts += [prompts[0][:20] + [t % 200 for t in p] for p in _prompts(3, seed=6)]  # prompts sharing a prefix
     refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     engine = hf_paged.Engine(model, num_blocks=48, block_size=16, max_num_batched_tokens=64,
