@@ -92,6 +92,7 @@ def test_public_api_exported() -> None:
         "CachingBlockAllocator",
         "NULL_BLOCK",
         "NoFreeBlocksError",
+        "NoFreeSlotsError",
         "PrefixCacheStats",
         "PrefixMatch",
         "ScheduledSeq",
@@ -100,6 +101,8 @@ def test_public_api_exported() -> None:
         "Sequence",
         "SequenceGroup",
         "SequenceStatus",
+        "SlotOps",
+        "StateSlots",
         "hash_block",
     }
     assert all(hasattr(core, name) for name in core.__all__)

@@ -144,7 +144,7 @@ def test_store_rows_match_the_tables_after_every_static_step(model, prompts, ref
     (`SchedulerOutput.table_changes`). After every static step, fast or not, each row's record must equal its
     table's (length, last block), as a comparison of every table would leave it; and the tokens are transformers'.
     `eager_every`: every so many steps run eagerly (their reservations change tables too). `mixed_lengths`: requests
-    finish along the way, their rows leave the batch, and the others keep their store rows (`_kept_rows`)."""
+    finish along the way, their rows leave the batch, and the others keep their store rows (`kept_rows`)."""
     from hf_paged.runner import model_runner
     from hf_paged.runner.model_runner import ModelRunner
 
@@ -153,14 +153,14 @@ def test_store_rows_match_the_tables_after_every_static_step(model, prompts, ref
     engine_kwargs = dict(engine_kwargs)
     eager_every = engine_kwargs.pop("eager_every", 0)
     mixed = engine_kwargs.pop("mixed_lengths", False)
-    kept, kept_rows = [], model_runner._kept_rows
+    kept, kept_rows = [], model_runner.kept_rows
 
     def counting_kept(*args):
         rows = kept_rows(*args)
         kept.append(rows is not None)
         return rows
 
-    monkeypatch.setattr(model_runner, "_kept_rows", counting_kept)
+    monkeypatch.setattr(model_runner, "kept_rows", counting_kept)
     if eager_every:
         static_eligible, calls = ModelRunner.static_eligible, [0]
 

@@ -235,7 +235,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self._window_known = not release_window_blocks  # nothing to learn when releasing is off
         self._weights = WeightWatch(self._model_ref)
         # grammar-constrained requests (hf_paged.engine.grammar): xgrammar is imported by the first one
-        self.structured = StructuredOutputs(self.device, lambda: self.tokenizer, self.logits_width, self.stop_token_ids)
+        self.structured = StructuredOutputs(self.device, self)
 
     @property
     def model(self):

@@ -169,9 +169,12 @@ class StepMasks:
 class StructuredOutputs:
     """The engine's side of structured outputs (see the module docstring)."""
 
-    def __init__(self, device: torch.device, tokenizer_of, logits_width_of, stop_ids_of) -> None:
+    def __init__(self, device: torch.device, engine) -> None:
+        """`engine` is held weakly (its tokenizer, logits width and stop ids are read when needed): a strong
+        reference would make a cycle that keeps a dropped engine, and its model, alive until the cycle collector
+        runs."""
         self.device = device
-        self._tokenizer_of, self._logits_width_of, self._stop_ids_of = tokenizer_of, logits_width_of, stop_ids_of
+        self._engine = weakref.ref(engine)
         self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
         self._dev: torch.Tensor | None = None
         self._batch = None  # xgrammar's BatchGrammarMatcher (fills many rows in threads)
@@ -185,17 +188,17 @@ class StructuredOutputs:
 
     # ------------------------------------------------------------------ requests
     def cache(self) -> GrammarCache:
-        tokenizer = self._tokenizer_of()
+        tokenizer = self._engine().tokenizer
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer: create the engine with tokenizer=...")
-        return grammar_cache(tokenizer, self._logits_width_of(), self._stop_ids_of())
+        return grammar_cache(tokenizer, self._engine().logits_width(), self._engine().stop_token_ids())
 
     def warm_up(self, dtypes: tuple[torch.dtype, ...]) -> None:
         """Build the grammar cache (xgrammar's view of the tokenizer: 1-2 s for a 150k vocabulary) and run the
         device masking once for logits of each of `dtypes` (on CUDA its Triton kernel compiles then), so the first
         constrained request pays neither. Raises ImportError / ValueError as `cache` does."""
         self.cache()
-        width = self._logits_width_of()
+        width = self._engine().logits_width()
         mask = torch.full((1, (width + 31) // 32), -1, dtype=torch.int32, device=self.device)
         for dtype in dict.fromkeys(dtypes):
             self.apply(torch.zeros((1, width), dtype=dtype, device=self.device), StepMasks([0], mask))
@@ -261,7 +264,7 @@ class StructuredOutputs:
 
     def _host_buffer(self, rows: int) -> torch.Tensor:
         """A host bitmask of at least `rows` rows; never the one the previous step's upload may still read."""
-        width = (self._logits_width_of() + 31) // 32
+        width = (self._engine().logits_width() + 31) // 32
         if not self._host or self._host[0].shape[0] < rows or self._host[0].shape[1] != width:
             size = max(rows, 2 * self._host[0].shape[0] if self._host else 64)
             pin = self.device.type == "cuda"

@@ -127,9 +127,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self.decode_mode = "graph" if use_cuda_graph else "eager"
         self.compile_decode = compile_decode
         self.compile_auto = compile_auto  # compile_decode was chosen, not asked for: a failed compile falls back
-        # hybrid models: a ragged step runs each recurrent layer once per prefill chunk (`attention.recurrent`), a
-        # structure that changes every step, so such steps run eagerly on the model's code (no ragged graphs, no
-        # compiled prefill); decode steps (one batched call per layer) are compiled and recorded as usual
+        # hybrid models: ragged steps call each recurrent layer per prefill chunk (`attention.recurrent`), so they run
+        # eagerly (no ragged graphs or compiled prefill); decode steps are compiled and recorded as usual
         self.hybrid = cache.has_states
         # ragged (prefill-carrying) steps run through the decode step's compiled layers once they exist (see
         # `_prefill_layers`); set False to keep them on the model's own code
@@ -257,8 +256,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         pin = self.device.type == "cuda"
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
         if self.hybrid:  # each sequence's recurrent-state slot, and its rows (`hf_paged.attention.recurrent`)
-            state_slots = bm.state.slots([item.seq.seq_id for item in sched.scheduled])
-            step.state_slots = int_tensor(state_slots, torch.long, pin=pin).to(self.device, non_blocking=True)
+            state_slots = int_tensor(bm.state.slots([item.seq.seq_id for item in sched.scheduled]), torch.long, pin=pin)
+            step.state_slots = state_slots.to(self.device, non_blocking=True)
             step.state_rows = [(first, item.num_tokens, item.start > 0)
                                for first, item in zip(firsts, sched.scheduled)]
         self.cache.set_engine_step(step)
@@ -303,8 +302,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         return self._compiled_prefill(self._compiled, tokens)
 
     def _prefill_routable(self) -> bool:
-        """Prefill may run through compiled layers: asked for, regional, compiled for a symbolic batch already, and
-        not a hybrid model (whatever `compile_prefill` says: its ragged steps call each recurrent layer per chunk)."""
+        """Prefill may run through compiled layers: asked for, regional, compiled for a symbolic batch, not hybrid."""
         return (self.compile_prefill and not self.hybrid and isinstance(self._compiled, CompiledLayers)
                 and True in self._compiled_kinds)
 
