@@ -363,7 +363,7 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
     CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
     keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`);
-    `prefix_caching=False` runs without the prefix cache (system `paged_compiled_nocache`)."""
+    `prefix_caching=False` runs without the prefix cache (systems `paged_nocache`, `paged_compiled_nocache`)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -570,10 +570,11 @@ def main(argv: list[str] | None = None) -> None:
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
-                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill", "paged_compiled_nocache"):
-                    extra = run_paged(model, workload, args, progress, compile_decode=system != "paged",
+                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill", "paged_compiled_nocache",
+                                "paged_nocache"):
+                    extra = run_paged(model, workload, args, progress, compile_decode=system.startswith("paged_comp"),
                                       compile_prefill=system != "paged_compiled_eager_prefill",
-                                      prefix_caching=system != "paged_compiled_nocache")
+                                      prefix_caching=not system.endswith("_nocache"))
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

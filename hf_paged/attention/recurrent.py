@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from ..cache import PagedCache, StateSpec
+from ..kernels.gated_delta import gdn_decode
+from . import gated_deltanet
 from .compiled_op import _ACTIVE
 
 __all__ = ["install", "uninstall", "mixer_modules", "profile_state_specs", "is_mixer_class"]
@@ -83,6 +85,7 @@ def install(model: torch.nn.Module) -> int:
             module._hf_paged_forward = module.forward  # what the instance ran before (a bound method, or a hook's)
             module._hf_paged_layout = _call_layout(type(module))  # (read in the compiled step: no source lookups)
             module.forward = types.MethodType(_mixer_forward, module)
+            gated_deltanet.install(module)  # Qwen3.5's layout: one call a step on the GPU
         count += 1
     return count
 
@@ -93,6 +96,7 @@ def uninstall(model: torch.nn.Module) -> None:
         original = module.__dict__.pop("_hf_paged_forward", None)
         module.__dict__.pop("_hf_paged_layout", None)
         module.__dict__.pop("_hf_paged_state_layout", None)
+        gated_deltanet.uninstall(module)
         if original is not None:
             if isinstance(original, types.MethodType) and original.__func__ is type(module).forward:
                 module.__dict__.pop("forward", None)
@@ -124,6 +128,11 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
         return call.run(hidden, _StateView(layer, pool, step.state_slots, step.state_prev), call.attention_mask)
     tokens = hidden.shape[1]
     rows = step.state_rows
+    fast = gated_deltanet.applies(call.module, hidden)
+    if fast is not None:  # Qwen3.5's gated DeltaNet on the GPU: every row of the step in one call
+        if rows is None:
+            return fast.decode(call.module, hidden[0], step.state_slots[:tokens], pool, compiled is not None)[None]
+        return fast.ragged(call.module, hidden[0], rows, step.state_slots, pool)[None]
     if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
         view = _StateView(layer, pool, step.state_slots[:tokens], True, compiled)
         return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
@@ -338,6 +347,19 @@ def commit_states(out: torch.Tensor, values: list[torch.Tensor], slots: torch.Te
 @commit_states.register_fake
 def _(out, values, slots, layer_idx, kinds, indices):
     return torch.empty_like(out)
+
+
+@torch.library.custom_op("hf_paged::gdn_decode_slots", mutates_args=())
+def gdn_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     slots: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    """`kernels.gated_delta.gdn_decode` on layer `layer_idx`'s delta-rule states in the active cache's pool (updated in place):
+    the compiled decode step of a gated DeltaNet layer (`gated_deltanet`)."""
+    return gdn_decode(q, k, v, g, beta, _active_pool().tensors[(layer_idx, "recurrent", 0)], slots, scale)
+
+
+@gdn_decode_slots.register_fake
+def _(q, k, v, g, beta, slots, layer_idx, scale):
+    return torch.empty_like(v)
 
 
 def _active_pool():

@@ -1,0 +1,229 @@
+"""A fast path for Qwen3.5's gated DeltaNet layers on the GPU: one call per layer and step, states updated in place.
+
+The generic adapter (`hf_paged.attention.recurrent`) runs a recurrent layer's own forward once per prefill chunk and
+once for the decoding rows, with each group's states gathered from their slots and scattered back. On an H200 with a
+Qwen3.5-9B shape that cost a prefill step seconds of host time (a forward per sequence and layer) and a decode step
+six passes over the float32 delta-rule states, the largest tensor the step touches. This path keeps the module's own
+projections, convolution weights, gates, norm and output projection, and runs, for all rows of a step at once:
+
+* the depthwise causal convolution over each sequence's rows, its window starting from the sequence's convolution
+  state (`varlen_conv`: one gather per tap, every sequence apart);
+* decode rows: `kernels.gdn_decode`, which reads each state from its slot and writes it back, once;
+* prefill chunks: flash-linear-attention's `chunk_gated_delta_rule` over all chunks in one variable-length call,
+  from each sequence's state (its slot's, or zeros), or transformers' torch reference chunk by chunk without it.
+
+It is installed (`install`, from `recurrent.install`) on modules with Qwen3.5's layout, and used on CUDA (the CPU
+runs the module's own code, which the architecture sweep compares with transformers token for token).
+`tests/test_hybrid.py` compares this path with the generic one on the CPU (`FORCE` on).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from ..kernels.gated_delta import gdn_decode
+
+__all__ = ["FORCE", "GatedDeltaNetPath", "varlen_conv"]
+
+FORCE = False  # run the fast path on the CPU too (tests)
+_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
+               "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size",
+               "activation", "layer_idx")
+
+
+def varlen_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
+                index: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution of packed rows: `out[r] = sum_t weight[:, t] * window[r, t] + bias`.
+
+    `x` `[T, C]`, `weight` `[C, K]`, `history` `[R, C]` (the rows before the sequences' first rows: their states'
+    last `K - 1` entries, zeros for a fresh sequence), `index` `[T, K]` int64 into `cat([history, x])` (each row's
+    window: its sequence's own rows and history only). Accumulates in float32."""
+    buffer = torch.cat([history.to(x.dtype), x])
+    out = None
+    for tap in range(weight.shape[1]):
+        term = buffer.index_select(0, index[:, tap]).float() * weight[:, tap].float()
+        out = term if out is None else out + term
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+class GatedDeltaNetPath:
+    """The fast path of one gated DeltaNet module (Qwen3.5's layout: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+    `in_proj_a`, a depthwise `conv1d`, `A_log` / `dt_bias` gates, a gated RMS norm, `out_proj`)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.act = ACT2FN[module.activation]
+        self.ratio = module.num_v_heads // module.num_k_heads
+        self.kernel = int(module.conv_kernel_size)
+        self.scale = module.head_k_dim ** -0.5
+        modeling = sys.modules[type(module).__module__]
+        self.chunk_reference = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+
+    @staticmethod
+    def supports(module: torch.nn.Module) -> bool:
+        return all(hasattr(module, name) for name in _ATTRIBUTES) and module.conv1d.groups == module.conv1d.in_channels
+
+    # ------------------------------------------------------------------ shared pieces
+    def _project(self, module, hidden: torch.Tensor):
+        """The module's own projections of `hidden` `[T, H]`: (conv input `[T, C]`, z, beta, g)."""
+        mixed = module.in_proj_qkv(hidden)
+        z = module.in_proj_z(hidden)
+        beta = module.in_proj_b(hidden).sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias)
+        return mixed, z, beta, g
+
+    def _split(self, module, mixed: torch.Tensor):
+        """q, k `[T, HV, K]` (repeated to the value heads, as transformers does) and v `[T, HV, V]`."""
+        rows = mixed.shape[0]
+        q, k, v = torch.split(self.act(mixed), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        q = q.reshape(rows, -1, module.head_k_dim)
+        k = k.reshape(rows, -1, module.head_k_dim)
+        v = v.reshape(rows, -1, module.head_v_dim)
+        if self.ratio > 1:
+            q = q.repeat_interleave(self.ratio, dim=1)
+            k = k.repeat_interleave(self.ratio, dim=1)
+        return q, k, v
+
+    def _finish(self, module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        rows = core.shape[0]
+        out = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(rows, -1))
+
+    # ------------------------------------------------------------------ decode rows
+    def decode(self, module, hidden: torch.Tensor, slots: torch.Tensor, pool, compiled: bool) -> torch.Tensor:
+        """Rows `hidden` `[B, H]` each decoding one token from its slot's states; returns `[B, H]`. `compiled`: traced
+        in the compiled step, the states go through the opaque ops (`recurrent.gather_state`, `gdn_decode_slots`)."""
+        layer = module.layer_idx
+        mixed, z, beta, g = self._project(module, hidden)
+        weight = module.conv1d.weight[:, 0]
+        if compiled:
+            state = torch.ops.hf_paged.gather_state(slots, layer, "conv", 0, list(weight.shape[:1]) + [self.kernel],
+                                                    mixed.dtype)
+        else:
+            state = pool.tensors[(layer, "conv", 0)].index_select(0, slots)
+        window = torch.cat([state[:, :, 1:].to(mixed.dtype), mixed[:, :, None]], dim=-1)  # the last K inputs
+        conv = (window.float() * weight.float()).sum(-1)
+        if module.conv1d.bias is not None:
+            conv = conv + module.conv1d.bias.float()
+        q, k, v = self._split(module, conv.to(mixed.dtype))
+        if compiled:
+            core = torch.ops.hf_paged.gdn_decode_slots(q, k, v, g, beta.to(g.dtype), slots, layer, self.scale)
+            out = self._finish(module, core, z)
+            return torch.ops.hf_paged.commit_states(out, [window], slots, layer, [0], [0])
+        pool.tensors[(layer, "conv", 0)].index_copy_(0, slots, window.to(pool.tensors[(layer, "conv", 0)].dtype))
+        core = gdn_decode(q, k, v, g, beta.to(g.dtype), pool.tensors[(layer, "recurrent", 0)], slots, self.scale)
+        return self._finish(module, core, z)
+
+    # ------------------------------------------------------------------ a ragged step
+    def ragged(self, module, hidden: torch.Tensor, rows: list[tuple[int, int, bool]], state_slots: torch.Tensor,
+               pool) -> torch.Tensor:
+        """All sequences of a ragged step (`hidden` `[T, H]`, `rows` = (first row, tokens, continues a state)); rows
+        of no sequence (a token grid's padding) get zeros. Returns `[T, H]`."""
+        layer = module.layer_idx
+        device = hidden.device
+        conv_pool = pool.tensors[(layer, "conv", 0)]
+        state_pool = pool.tensors[(layer, "recurrent", 0)]
+        kernel = self.kernel
+        n = len(rows)
+        firsts = np.array([r[0] for r in rows], dtype=np.int64)
+        lens = np.array([r[1] for r in rows], dtype=np.int64)
+        prev = torch.tensor([r[2] for r in rows], device=device)
+        members = np.concatenate([np.arange(f, f + m) for f, m in zip(firsts, lens)])
+        seq_of = np.repeat(np.arange(n), lens)
+        offset = members - np.repeat(firsts, lens)  # position of each row in its sequence's chunk
+        mixed, z, beta, g = self._project(module, hidden)
+        states = conv_pool.index_select(0, state_slots) * prev[:, None, None]  # [n, C, K]: zeros for fresh ones
+        history = states[:, :, 1:].transpose(1, 2).reshape(n * (kernel - 1), -1)  # [n * (K - 1), C]
+        taps = np.arange(kernel) - (kernel - 1)  # window positions relative to the row
+        position = offset[:, None] + taps[None, :]
+        index = np.where(position >= 0, n * (kernel - 1) + members[:, None] + taps[None, :],
+                         seq_of[:, None] * (kernel - 1) + (kernel - 1) + position)
+        x = mixed
+        conv = varlen_conv(x, module.conv1d.weight[:, 0], module.conv1d.bias, history,
+                           torch.as_tensor(index, device=device))
+        # each sequence's new convolution state: the last K inputs of (its state, its rows)
+        full = torch.cat([states.transpose(1, 2).reshape(n * kernel, -1).to(x.dtype), x])
+        ends = offset + 1 == np.repeat(lens, lens)
+        last = members[ends]  # each sequence's last row
+        position = lens[:, None] - kernel + np.arange(kernel)[None, :]
+        index = np.where(position >= 0, n * kernel + (last[:, None] - (lens[:, None] - 1)) + position,
+                         np.arange(n)[:, None] * kernel + kernel + position)
+        new_conv = full.index_select(0, torch.as_tensor(index.reshape(-1), device=device)).reshape(n, kernel, -1)
+        conv_pool.index_copy_(0, state_slots, new_conv.transpose(1, 2).to(conv_pool.dtype))
+        q, k, v = self._split(module, conv)
+        core = torch.zeros_like(v)
+        decoding = (lens == 1) & np.array([r[2] for r in rows])
+        if decoding.any():
+            pick = torch.as_tensor(members[np.repeat(decoding, lens)], device=device)
+            slots = state_slots[torch.as_tensor(np.flatnonzero(decoding), device=device)]
+            core.index_copy_(0, pick, gdn_decode(q[pick], k[pick], v[pick], g[pick], beta[pick].to(g.dtype),
+                                                 state_pool, slots, self.scale))
+        chunks = np.flatnonzero(~decoding)
+        if len(chunks):
+            self._prefill(q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool)
+        out = self._finish(module, core, z)
+        if len(members) < hidden.shape[0]:
+            out = out.index_fill(0, torch.as_tensor(np.setdiff1d(np.arange(hidden.shape[0]), members), device=device),
+                                 0)
+        return out
+
+    def _prefill(self, q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool) -> None:
+        """The delta rule over the prefill chunks, from each one's state, into `core`; new states into the pool."""
+        device = q.device
+        which = torch.as_tensor(chunks, device=device)
+        slots = state_slots[which]
+        initial = state_pool.index_select(0, slots) * prev[which][:, None, None, None]
+        rows = torch.as_tensor(np.concatenate([np.arange(firsts[i], firsts[i] + lens[i]) for i in chunks]),
+                               device=device)
+        qs, ks, vs, gs, bs = (t.index_select(0, rows)[None] for t in (q, k, v, g, beta))
+        fla = _fla_chunk() if q.is_cuda else None
+        if fla is not None:  # one variable-length call
+            cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lens[chunks])]), device=device)
+            out, final = fla(qs, ks, vs, gs, bs.to(gs.dtype), initial_state=initial.float(), output_final_state=True,
+                             cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            core.index_copy_(0, rows, out[0].to(core.dtype))
+        else:  # transformers' own kernel, chunk by chunk
+            outs, finals, start = [], [], 0
+            for j, i in enumerate(chunks):
+                stop = start + int(lens[i])
+                out, final = self.chunk_reference(
+                    qs[:, start:stop], ks[:, start:stop], vs[:, start:stop], g=gs[:, start:stop],
+                    beta=bs[:, start:stop].to(gs.dtype), initial_state=initial[j : j + 1], output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+                outs.append(out[0])
+                finals.append(final)
+                start = stop
+            core.index_copy_(0, rows, torch.cat(outs).to(core.dtype))
+            final = torch.cat(finals)
+        state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+
+
+def _fla_chunk():
+    """flash-linear-attention's variable-length `chunk_gated_delta_rule`, when it is installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - not installed, or its import fails on this machine: the reference runs
+        return None
+    return chunk_gated_delta_rule
+
+
+def install(module: torch.nn.Module) -> None:
+    """Give `module` its fast path (`module._hf_paged_fast`) when it has Qwen3.5's layout."""
+    if GatedDeltaNetPath.supports(module):
+        module._hf_paged_fast = GatedDeltaNetPath(module)
+
+
+def uninstall(module: torch.nn.Module) -> None:
+    module.__dict__.pop("_hf_paged_fast", None)
+
+
+def applies(module: torch.nn.Module, hidden: torch.Tensor) -> GatedDeltaNetPath | None:
+    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`)."""
+    fast = module.__dict__.get("_hf_paged_fast")
+    return fast if fast is not None and (hidden.is_cuda or FORCE) else None

@@ -1,0 +1,95 @@
+"""The gated delta rule on slotted states (`hf_paged.kernels.gdn_decode`) against transformers' own recurrent
+reference, for both backends (Triton runs under its interpreter without CUDA), and the GPU fast path of Qwen3.5's
+gated DeltaNet layers (`hf_paged.attention.gated_deltanet`) run on the CPU (`FORCE`) against transformers' tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.attention import gated_deltanet
+from hf_paged.kernels.gated_delta import gdn_decode
+
+try:
+    from tests.test_hybrid import assert_no_leaks, greedy, hybrid, references
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from test_hybrid import assert_no_leaks, greedy, hybrid, references
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dims", [(2, 8, 16), (3, 16, 8)])
+def test_decode_matches_transformers_recurrent_rule_in_place(backend, dims, monkeypatch):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    monkeypatch.setenv("HF_PAGED_BACKEND", backend)
+    heads, dk, dv = dims
+    gen = torch.Generator().manual_seed(3)
+    rows, num_slots = 4, 7
+    q, k = (torch.randn(rows, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(rows, heads, dv, generator=gen)
+    g = -torch.rand(rows, heads, generator=gen)
+    beta = torch.rand(rows, heads, generator=gen)
+    state = torch.randn(num_slots, heads, dk, dv, generator=gen)
+    slots = torch.tensor([5, 0, 3, 6])
+    before = state.clone()
+    out = gdn_decode(q, k, v, g, beta, state, slots, scale=dk ** -0.5)
+    for b in range(rows):  # transformers: [batch, time, heads, dim], state [batch, heads, K, V]
+        ref, final = torch_recurrent_gated_delta_rule(
+            q[b : b + 1, None], k[b : b + 1, None], v[b : b + 1, None], g[b : b + 1, None], beta[b : b + 1, None],
+            initial_state=before[slots[b]][None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[b], ref[0, 0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state[slots[b]], final[0], rtol=1e-4, atol=1e-5)
+    untouched = [s for s in range(num_slots) if s not in slots.tolist()]
+    assert torch.equal(state[untouched], before[untouched])  # other slots are never written
+
+
+def test_decode_refuses_bad_shapes():
+    q = torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="shapes"):
+        gdn_decode(q, q, torch.zeros(2, 3, 8), torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(4, 2, 8, 8),
+                   torch.tensor([0, 1]), 1.0)
+    with pytest.raises(ValueError, match="slots"):
+        gdn_decode(q, q, q, torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(4, 2, 8, 8), torch.tensor(0), 1.0)
+
+
+@pytest.mark.parametrize("path", ["eager", "static-chunked", "compiled"])
+def test_fast_path_gives_transformers_tokens(path, monkeypatch):
+    """The fast path (varlen convolution, `gdn_decode`, the chunked rule over all prefill chunks) on every engine
+    path: ragged steps that mix decoding rows with prefill chunks resumed from a state, the static decode buffers,
+    and the compiled decode step (the opaque ops). The torch backend: the Triton kernel is compared above, and the
+    interpreter would run the attention kernels too (minutes)."""
+    monkeypatch.setattr(gated_deltanet, "FORCE", True)
+    calls = {"decode": 0, "ragged": 0}
+    for name in calls:
+        original = getattr(gated_deltanet.GatedDeltaNetPath, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(gated_deltanet.GatedDeltaNetPath, name, counted)
+    model = hybrid("qwen3_5_text")
+    prompts, refs = references("qwen3_5_text")
+    kwargs = dict(num_blocks=96, block_size=4)
+    if path == "static-chunked":
+        kwargs.update(max_num_batched_tokens=7, max_num_seqs=3)
+    if path == "compiled":
+        torch._dynamo.reset()
+        kwargs.update(compile_decode=True, max_num_seqs=8)
+    engine = hf_paged.Engine(model, **kwargs)
+    try:
+        if path == "static-chunked":
+            engine.runner.decode_mode = "static"
+        assert sum("_hf_paged_fast" in m.__dict__ for m in model.modules()) == 3  # qwen3_5's three DeltaNet layers
+        assert greedy(engine, prompts) == refs
+        assert calls["ragged"] > 0 and (calls["decode"] > 0 or path == "eager"), calls
+        if path != "eager":
+            assert engine.runner.graph_steps > 0
+        assert_no_leaks(engine)
+    finally:
+        engine.close()
+        if path == "compiled":
+            torch._dynamo.reset()
