@@ -9,6 +9,8 @@
 # flash-linear-attention (fla-core) is installed from .whl/ when it is there (transformers then runs the gated
 # DeltaNet layers through its Triton kernels, for both systems).
 # Usage there: bash benchmarks/gpu_hybrid.sh "$OUT" [tests] [sharegpt] [prefill] [shared]   (all by default)
+# Environment: TEST_FAMILIES (a pytest -k term, e.g. qwen3_5), SHAREGPT_SYSTEMS, PREFILL_SYSTEMS, SHARED_SYSTEMS
+# (bench_generate --systems lists; eager steps with CUDA graphs, compiled, without prefix caching, transformers).
 set -u
 OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [tests] [sharegpt] [prefill] [shared]}
 shift
@@ -26,13 +28,14 @@ BENCH="$PY benchmarks/bench_generate.py --model qwen3.5-9b --no-progress --out $
 for part in $PARTS; do
   echo "== $(date +%T) $part"
   case "$part" in
-    tests) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k hybrid > "$OUT/tests.log" 2>&1 ;;
+    tests) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "hybrid${TEST_FAMILIES:+ and $TEST_FAMILIES}" \
+        > "$OUT/tests.log" 2>&1 ;;
     sharegpt) timeout 560 $BENCH --workload sharegpt --num-requests 256 --system-timeout 200 \
-        --systems paged_compiled,paged,dynamic,generate_batch_graphs --dynamic-max-batches 1 > "$OUT/sharegpt.log" 2>&1 ;;
-    prefill) timeout 300 $BENCH --workload prefill32k --num-requests 8 --systems paged_compiled \
+        --systems "${SHAREGPT_SYSTEMS:-paged,paged_compiled,dynamic}" --dynamic-max-batches 1 > "$OUT/sharegpt.log" 2>&1 ;;
+    prefill) timeout 300 $BENCH --workload prefill32k --num-requests 8 --systems "${PREFILL_SYSTEMS:-paged}" \
         > "$OUT/prefill.log" 2>&1 ;;
-    shared) timeout 400 $BENCH --workload shared_system --num-requests 200 --systems paged_compiled,paged_compiled_nocache \
-        > "$OUT/shared.log" 2>&1 ;;
+    shared) timeout 400 $BENCH --workload shared_system --num-requests 200 \
+        --systems "${SHARED_SYSTEMS:-paged,paged_nocache}" > "$OUT/shared.log" 2>&1 ;;
     *) echo "unknown part $part (tests, sharegpt, prefill, shared)"; continue ;;
   esac
   echo "exit $?"

@@ -93,3 +93,36 @@ def test_fast_path_gives_transformers_tokens(path, monkeypatch):
         engine.close()
         if path == "compiled":
             torch._dynamo.reset()
+
+
+def test_ragged_step_ignores_padding_rows():
+    """A CUDA ragged step pads its tokens to a bucket (rows of no sequence): the fast path computes the sequences'
+    rows as without the padding, gives the padding zeros and leaves the states as without it."""
+    module = hybrid("qwen3_5_text").model.layers[0].linear_attn
+    path = gated_deltanet.GatedDeltaNetPath(module)
+    gen = torch.Generator().manual_seed(0)
+
+    class Pool:
+        def __init__(self):
+            conv = torch.randn(4, module.conv1d.in_channels, path.kernel, generator=gen)
+            state = torch.randn(4, module.num_v_heads, module.head_k_dim, module.head_v_dim, generator=gen)
+            self.tensors = {(0, "conv", 0): conv, (0, "recurrent", 0): state}
+
+        def clone(self):
+            other = Pool.__new__(Pool)
+            other.tensors = {key: t.clone() for key, t in self.tensors.items()}
+            return other
+
+    hidden = torch.randn(9, module.in_proj_qkv.in_features, generator=gen)
+    rows = [(0, 5, False), (5, 1, True), (6, 3, True)]  # a fresh prompt, a decoding row, a resumed chunk
+    slots = torch.tensor([2, 0, 3])
+    pool = Pool()
+    padded_pool = pool.clone()
+    with torch.no_grad():
+        out = path.ragged(module, hidden, rows, slots, pool)
+        padded = path.ragged(module, torch.cat([hidden, torch.randn(4, hidden.shape[1], generator=gen)]), rows, slots,
+                             padded_pool)
+    torch.testing.assert_close(padded[:9], out)
+    assert not padded[9:].any()
+    for key, t in pool.tensors.items():
+        torch.testing.assert_close(padded_pool.tensors[key], t)

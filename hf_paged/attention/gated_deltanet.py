@@ -124,17 +124,24 @@ class GatedDeltaNetPath:
     def ragged(self, module, hidden: torch.Tensor, rows: list[tuple[int, int, bool]], state_slots: torch.Tensor,
                pool) -> torch.Tensor:
         """All sequences of a ragged step (`hidden` `[T, H]`, `rows` = (first row, tokens, continues a state)); rows
-        of no sequence (a token grid's padding) get zeros. Returns `[T, H]`."""
+        of no sequence (a CUDA step's token grid pads the step) get zeros. Returns `[T, H]`."""
         layer = module.layer_idx
         device = hidden.device
+        firsts = np.array([r[0] for r in rows], dtype=np.int64)
+        lens = np.array([r[1] for r in rows], dtype=np.int64)
+        members = np.concatenate([np.arange(f, f + m) for f, m in zip(firsts, lens)])
+        if len(members) < hidden.shape[0] or (members != np.arange(len(members))).any():
+            # padding rows (a CUDA step's token grid) or rows out of order: run on the sequences' rows, packed
+            packed = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            take = torch.as_tensor(members, device=device)
+            out = self.ragged(module, hidden.index_select(0, take), [(int(f), r[1], r[2]) for f, r in zip(packed, rows)],
+                              state_slots, pool)
+            return out.new_zeros(hidden.shape[0], out.shape[1]).index_copy_(0, take, out)
         conv_pool = pool.tensors[(layer, "conv", 0)]
         state_pool = pool.tensors[(layer, "recurrent", 0)]
         kernel = self.kernel
         n = len(rows)
-        firsts = np.array([r[0] for r in rows], dtype=np.int64)
-        lens = np.array([r[1] for r in rows], dtype=np.int64)
         prev = torch.tensor([r[2] for r in rows], device=device)
-        members = np.concatenate([np.arange(f, f + m) for f, m in zip(firsts, lens)])
         seq_of = np.repeat(np.arange(n), lens)
         offset = members - np.repeat(firsts, lens)  # position of each row in its sequence's chunk
         mixed, z, beta, g = self._project(module, hidden)
@@ -167,11 +174,7 @@ class GatedDeltaNetPath:
         chunks = np.flatnonzero(~decoding)
         if len(chunks):
             self._prefill(q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool)
-        out = self._finish(module, core, z)
-        if len(members) < hidden.shape[0]:
-            out = out.index_fill(0, torch.as_tensor(np.setdiff1d(np.arange(hidden.shape[0]), members), device=device),
-                                 0)
-        return out
+        return self._finish(module, core, z)
 
     def _prefill(self, q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool) -> None:
         """The delta rule over the prefill chunks, from each one's state, into `core`; new states into the pool."""
@@ -184,9 +187,9 @@ class GatedDeltaNetPath:
         qs, ks, vs, gs, bs = (t.index_select(0, rows)[None] for t in (q, k, v, g, beta))
         fla = _fla_chunk() if q.is_cuda else None
         if fla is not None:  # one variable-length call
-            cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lens[chunks])]), device=device)
-            out, final = fla(qs, ks, vs, gs, bs.to(gs.dtype), initial_state=initial.float(), output_final_state=True,
-                             cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens[chunks])]))
+            out, final = fla(qs, ks, vs, gs, bs, initial_state=initial.float(), output_final_state=True,
+                             cu_seqlens=cu.to(device), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)
             core.index_copy_(0, rows, out[0].to(core.dtype))
         else:  # transformers' own kernel, chunk by chunk
             outs, finals, start = [], [], 0
