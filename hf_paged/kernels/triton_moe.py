@@ -13,7 +13,7 @@ Four launches, no host sync (safe under CUDA-graph capture), every buffer sized 
 2. ``_up_kernel``: one program per (block of ``BLOCK_M`` sorted pairs, tile of ``BLOCK_N`` intermediate columns).
    All pairs of a block share one expert, so the block is a plain GEMM tile of that expert's weights: the rows of
    ``hidden`` are gathered (``pair // K``), the gate and up tiles accumulate side by side in float32 (two dots on
-   the same input tile), and the epilogue adds the biases and applies the activation, clamps included, before one
+   the same input tile, or one on interleaved rows), and the epilogue adds the biases and applies the activation, clamps included, before one
    store of ``act(gate) * up`` per pair row. The intermediate never goes to memory unactivated (vLLM's fused_moe
    writes the ``2I`` projections and runs a separate ``silu_and_mul``). Blocks past the padded total return at once.
 3. ``_down_kernel``: the same grouped GEMM over the intermediate rows (by pair) with the down weights; the epilogue
@@ -21,8 +21,9 @@ Four launches, no host sync (safe under CUDA-graph capture), every buffer sized 
 4. ``_combine_kernel``: each token sums its ``K`` weighted rows in float32, in slot order (no atomics: the sum, and
    so the output, are the same bits for the same inputs whatever the block layout or the graph).
 
-Weights are read through their strides, so transformers' transposed layouts (gpt-oss) and the gate/up interleaving
-(``col_step`` 2, up offset 1) need no copy. ``fp32`` uses IEEE dots (no TF32: the float32 path must match
+Weights are read through their strides, so transformers' transposed layouts (gpt-oss) need no copy; interleaved
+gate/up rows (gpt-oss: gate ``2n``, up ``2n + 1``) are read as one contiguous tile of ``2 * BLOCK_N`` columns whose
+accumulator is split in registers (``tl.reshape`` + ``tl.split``), not as two tiles of every other column. ``fp32`` uses IEEE dots (no TF32: the float32 path must match
 transformers); the interpreter computes dots in float32. Block sizes come from :func:`choose_config`, a small table
 keyed by the mean pairs per active expert (decode: 1 to 512 rows times top-k); `benchmarks/bench_moe.py --tune`
 measures the candidates on a GPU. Imported lazily by :mod:`hf_paged.kernels.moe` (needs triton).
@@ -100,7 +101,7 @@ def candidate_configs() -> list[MoeConfig]:
 
 
 # --------------------------------------------------------------------------------------------------------- kernels
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
                   BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
     expert = tl.program_id(0)
@@ -142,7 +143,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT_F32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif IEEE:
-        out = tl.dot(a, b, acc, input_precision="ieee")
+        out = tl.dot(a.to(b.dtype), b, acc, input_precision="ieee")
     else:
         out = tl.dot(a.to(b.dtype), b, acc)
     return out
@@ -162,12 +163,13 @@ def _activation(x, alpha, ACT: tl.constexpr):
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # they change with every step's rows
 def _up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                num_pairs, top_k, n_out, k_dim, num_m_blocks,
                stride_xm, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
-               up_offset, col_step, alpha, gate_limit, act_limit, up_limit, up_shift,
+               up_offset, alpha, gate_limit, act_limit, up_limit, up_shift,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+               INTERLEAVED: tl.constexpr,
                ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
@@ -181,28 +183,45 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_p
     token = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
-    col = offs_n.to(tl.int64) * col_step
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + up_offset * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(k_dim, BLOCK_K)):
-        k_ok = offs_k < k_dim - kk * BLOCK_K
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = _dot(x, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, IEEE, DOT_F32)
-        if GATED:
-            acc_u = _dot(x, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, IEEE, DOT_F32)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        b_ptrs = b_ptr + expert * stride_be + col * stride_bn
-        acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_ptrs + up_offset * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    w_base = w_ptr + expert * stride_we
+    if INTERLEAVED:  # gate 2n, up 2n + 1: one contiguous [BLOCK_K, 2 BLOCK_N] tile, split in registers
+        offs_2n = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        n2_ok = offs_2n < 2 * n_out
+        w_ptrs = w_base + offs_2n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(k_dim, BLOCK_K)):
+            k_ok = offs_k < k_dim - kk * BLOCK_K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(x, tl.load(w_ptrs, mask=k_ok[:, None] & n2_ok[None, :], other=0.0), acc, IEEE, DOT_F32)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + expert * stride_be + offs_2n * stride_bn, mask=n2_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:  # gate rows, then up rows `up_offset` further (or no up rows)
+        col = offs_n.to(tl.int64)
+        g_ptrs = w_base + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + up_offset * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(k_dim, BLOCK_K)):
+            k_ok = offs_k < k_dim - kk * BLOCK_K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            acc_g = _dot(x, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, IEEE, DOT_F32)
+            if GATED:
+                acc_u = _dot(x, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, IEEE, DOT_F32)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            b_ptrs = b_ptr + expert * stride_be + col * stride_bn
+            acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_ptrs + up_offset * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate = acc_g
         if CLAMP:
@@ -219,7 +238,7 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_p
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                  num_pairs, n_out, k_dim, num_m_blocks,
                  stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
@@ -309,8 +328,7 @@ def experts_up(hidden: torch.Tensor, top_k_index: torch.Tensor, w_up: torch.Tens
     routing = routing or align(top_k_index, num_experts, config.block_m)
     out = torch.empty(num_pairs, out_features, dtype=w_up.dtype, device=hidden.device)
     gated = activation.gated
-    half = up_rows // 2
-    col_step, up_offset = (2, 1) if gated and activation.interleaved else (1, half if gated else 0)
+    interleaved = gated and activation.interleaved
     block_n, block_k, warps, stages = config.up
     grid = (routing.num_m_blocks * triton.cdiv(out_features, block_n),)
     bias = up_bias if up_bias is not None else w_up
@@ -319,9 +337,10 @@ def experts_up(hidden: torch.Tensor, top_k_index: torch.Tensor, w_up: torch.Tens
         num_pairs, top_k, out_features, k_dim, routing.num_m_blocks,
         hidden.stride(0), w_up.stride(0), w_up.stride(1), w_up.stride(2),
         bias.stride(0), bias.stride(-1), out.stride(0),
-        up_offset, col_step, float(activation.alpha), float(activation.gate_limit), float(activation.act_limit),
+        up_rows // 2 if gated else 0, float(activation.alpha), float(activation.gate_limit), float(activation.act_limit),
         float(activation.up_limit), float(activation.up_shift),
-        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, ACT=_ACT[activation.kind],
+        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, INTERLEAVED=interleaved,
+        ACT=_ACT[activation.kind],
         CLAMP=gated and activation.clamped, HAS_BIAS=up_bias is not None, **_dot_flags(w_up),
         num_warps=warps, num_stages=stages)
     return out
