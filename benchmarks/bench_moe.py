@@ -159,9 +159,12 @@ def tune(module, x, index, weights, device, reps, flush) -> dict:
     w_up, up_bias, w_down, down_bias = spec.weights(module)
     ids, w = index.contiguous(), weights.contiguous()
     inter = w_down.shape[2]
-    best = {}
+    best, seen = {}, set()
     for config in triton_moe.candidate_configs():
         fitted = triton_moe.fitted(config, w_up.shape[2], inter, inter, w_up.element_size())
+        if fitted in seen:  # several candidates fit down to one config
+            continue
+        seen.add(fitted)
         routing_ = triton_moe.align(ids, w_up.shape[0], fitted.block_m)
         mid = triton_moe.experts_up(x, ids, w_up, up_bias, spec.activation, inter, fitted, routing_)
         for half, fn in (("up", partial(triton_moe.experts_up, x, ids, w_up, up_bias, spec.activation, inter, fitted,

@@ -58,26 +58,39 @@ class MoeConfig(NamedTuple):
 #: (largest mean pairs per active expert, config). Decode rows read few pairs of each expert: a 16-row block and wide
 #: K tiles (long contiguous weight reads, several stages in flight) while the GEMMs are bound by the weights' bytes;
 #: taller blocks once an expert's run fills them. Seeded from the shapes of vLLM's tuned H100/H200 tables for
-#: 64-128 experts; `bench_moe.py --tune` re-measures them.
+#: 64-128 experts (their first GEMM reads one tile where the fused gate/up reads two: half its BLOCK_N here);
+#: `bench_moe.py --tune` re-measures them.
 CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (12, MoeConfig(16, (64, 128, 4, 3), (64, 128, 4, 3))),
-    (24, MoeConfig(16, (128, 128, 4, 3), (128, 128, 4, 3))),
-    (48, MoeConfig(32, (128, 128, 4, 3), (128, 128, 4, 3))),
-    (96, MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))),
+    (24, MoeConfig(16, (64, 128, 4, 3), (128, 128, 4, 3))),
+    (48, MoeConfig(32, (64, 128, 4, 3), (128, 64, 4, 3))),
+    (96, MoeConfig(64, (64, 64, 4, 3), (128, 64, 4, 3))),
     (math.inf, MoeConfig(64, (128, 64, 8, 3), (128, 64, 8, 3))),
 )
+#: shared memory a config may take (its stages of input and weight tiles): what an A100 gives a block (164 KiB),
+#: less what Triton keeps for itself. A wider config loses stages first, then K width (`_fit`).
+SHARED_MEMORY = 160 * 1024
 
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(1, n)))
 
 
-def _fit(tile: tuple[int, int, int, int], n: int, k: int, elem: int) -> tuple[int, int, int, int]:
-    """A GEMM tile no wider than its (power-of-two rounded) dims; 4-byte weights halve the K tile (shared memory)."""
+def _fit(tile: tuple[int, int, int, int], n: int, k: int, elem: int, block_m: int, weight_tiles: int
+         ) -> tuple[int, int, int, int]:
+    """A GEMM tile no wider than its (power-of-two rounded) dims, within `SHARED_MEMORY`: every stage holds a
+    ``[block_m, BLOCK_K]`` input tile and `weight_tiles` ``[BLOCK_K, BLOCK_N]`` weight tiles."""
     block_n, block_k, warps, stages = tile
-    if elem >= 4:
-        block_k = max(16, block_k // 2)
-    return min(block_n, _pow2_at_least_16(n)), min(block_k, _pow2_at_least_16(k)), warps, stages
+    block_n, block_k = min(block_n, _pow2_at_least_16(n)), min(block_k, _pow2_at_least_16(k))
+
+    def size() -> int:
+        return stages * (block_m * block_k + weight_tiles * block_k * block_n) * elem
+
+    while size() > SHARED_MEMORY and stages > 2:
+        stages -= 1
+    while size() > SHARED_MEMORY and block_k > 16:
+        block_k //= 2
+    return block_n, block_k, warps, stages
 
 
 def choose_config(num_pairs: int, num_experts: int, hidden: int, up_out: int, down_in: int, elem: int) -> MoeConfig:
@@ -89,8 +102,10 @@ def choose_config(num_pairs: int, num_experts: int, hidden: int, up_out: int, do
 
 
 def fitted(config: MoeConfig, hidden: int, up_out: int, down_in: int, elem: int) -> MoeConfig:
-    """``config`` with its tiles fitted to the GEMM dims (see `choose_config`)."""
-    return MoeConfig(config.block_m, _fit(config.up, up_out, hidden, elem), _fit(config.down, hidden, down_in, elem))
+    """``config`` with its tiles fitted to the GEMM dims and the shared memory (see `choose_config`; the up GEMM
+    reads two weight tiles, gate and up)."""
+    return MoeConfig(config.block_m, _fit(config.up, up_out, hidden, elem, config.block_m, 2),
+                     _fit(config.down, hidden, down_in, elem, config.block_m, 1))
 
 
 def candidate_configs() -> list[MoeConfig]:
