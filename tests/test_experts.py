@@ -36,6 +36,7 @@ from hf_paged.kernels.moe import Activation  # noqa: E402
 from hf_paged.model_zoo import tiny_inputs, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton cases: on the GPU, else the interpreter
 _SWEEP = json.loads((ROOT / "docs" / "architectures.json").read_text())["architectures"]
 MOE_PASSING = [r["model_type"] for r in _SWEEP if "mixture_of_experts" in r["features"] and r["verdict"] == "pass"]
 # recurrent hybrids: seconds per generate on the CPU (their recurrent layers, not the experts)
@@ -174,10 +175,10 @@ def _routing(tokens=9, num_experts=4, top_k=2, hidden=32, seed=1):
     not kernels.triton_available(), reason="triton not installed"))])
 def test_a_gate_function_no_activation_spells_runs_unfused_between_the_gemms(cls, backend, monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
-    module = _module(cls)
+    module = _module(cls).to(DEVICE if backend == "triton" else "cpu")
     spec = experts.experts_spec(module)
     assert spec is not None and spec.activation is None and spec.gated == (cls is _SigmoidGateExperts)
-    x, index, weights = _routing()
+    x, index, weights = (t.to(module.down_proj.device) for t in _routing())
     expected = module(x, index, weights)
     torch.testing.assert_close(experts.experts_forward(module, x, index, weights), expected, atol=2e-5, rtol=2e-5)
 
@@ -238,8 +239,8 @@ def test_enable_engine_and_disable_switch_and_restore_the_experts():
 @pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
 @pytest.mark.parametrize("arch", ["olmoe", "gpt_oss"])
 def test_the_triton_kernels_behind_the_registered_function_match_eager_experts(arch, monkeypatch):
-    model = tiny_model(arch)
-    input_ids, _ = tiny_inputs((5,))
+    model = tiny_model(arch).to(DEVICE)
+    input_ids = tiny_inputs((5,))[0].to(DEVICE)
     model.set_experts_implementation("eager")
     with torch.no_grad():
         expected = model(input_ids=input_ids, use_cache=False).logits
