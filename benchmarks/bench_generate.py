@@ -181,8 +181,10 @@ def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096,
         model_type = shape.pop("model_type", "llama")
         config = AutoConfig.for_model(model_type, max_position_embeddings=max_len, **shape)
         config.eos_token_id = None
+        # sdpa for the baselines where the family has it (gpt-oss has not: eager); hf_paged switches to its own
+        attn = "sdpa" if getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True) else "eager"
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device)
     model.generation_config.eos_token_id = None

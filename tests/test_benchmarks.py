@@ -271,6 +271,16 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
 
 
 
+@pytest.mark.parametrize("name,experts,top", [("olmoe-1b-7b", 64, 8), ("qwen3-moe-30b-a3b", 128, 8),
+                                             ("gpt-oss-20b", 32, 4), ("mixtral-8x7b", 8, 2)])
+def test_moe_shapes_build_with_their_experts(name, experts, top):
+    """The MoE shapes of bench_generate build (on the meta device: no memory) with the experts the bound counts."""
+    roofline = pytest.importorskip("roofline")
+    model = bench_generate.build_model(name, "meta", torch.bfloat16)
+    expert_bytes, num, k = roofline.expert_weights(model)
+    assert (num, k) == (experts, top) and expert_bytes > 0.5 * roofline.model_bytes(model)
+
+
 def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
     """bench_moe's CPU smoke run: the table's record, the bound's bytes, and each system checked against eager."""
     bench_moe = pytest.importorskip("bench_moe")
