@@ -78,6 +78,17 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                        linear_value_head_dim=128, tie_word_embeddings=False),
+    # the other MoE shapes of issue 55 (bf16: 61, 42 and 93 GB of weights; GPU only, initialised on the device)
+    "qwen3-moe-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                              moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                              norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128, vocab_size=201088, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         sliding_window=None, vocab_size=32000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
     "tiny-hybrid": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -190,8 +201,10 @@ def build_model(name: str, device: str, dtype: torch.dtype, max_len: int = 4096,
         model_type = shape.pop("model_type", "llama")
         config = AutoConfig.for_model(model_type, max_position_embeddings=max_len, **shape)
         config.eos_token_id = None
+        # sdpa for the baselines where the family has it (gpt-oss has not: eager); hf_paged switches to its own
+        attn = "sdpa" if getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True) else "eager"
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device)
     model.generation_config.eos_token_id = None
@@ -367,7 +380,10 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
     import hf_paged
 
     setup_start = time.perf_counter()
+    experts = getattr(args, "experts_implementation", "hf_paged")
+    experts = None if experts == "model" else experts
     engine = hf_paged.Engine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                             experts_implementation=experts,
                              use_cuda_graph=False if args.no_cuda_graph else (True if args.cuda_graph else None),
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
@@ -483,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (with --top-p/--top-k)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--experts-implementation", default="hf_paged",
+                        help="mixture-of-experts layers of the paged systems: hf_paged (the fused Triton experts), "
+                             "grouped_mm, batched_mm, eager, or model (as transformers loaded them)")
     return parser
 
 

@@ -270,6 +270,32 @@ def test_prefill_flops_count_the_products_a_prompt_runs():
     assert roofline.prefill_flops([([1] * 5, 1)], gemma, 0) == pytest.approx(per_pair * ((1 + 2 + 3 + 4 + 5) + 9))
 
 
+
+@pytest.mark.parametrize("name,experts,top", [("olmoe-1b-7b", 64, 8), ("qwen3-moe-30b-a3b", 128, 8),
+                                             ("gpt-oss-20b", 32, 4), ("mixtral-8x7b", 8, 2)])
+def test_moe_shapes_build_with_their_experts(name, experts, top):
+    """The MoE shapes of bench_generate build (on the meta device: no memory) with the experts the bound counts."""
+    roofline = pytest.importorskip("roofline")
+    model = bench_generate.build_model(name, "meta", torch.bfloat16)
+    expert_bytes, num, k = roofline.expert_weights(model)
+    assert (num, k) == (experts, top) and expert_bytes > 0.5 * roofline.model_bytes(model)
+
+
+def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
+    """bench_moe's CPU smoke run: the table's record, the bound's bytes, and each system checked against eager."""
+    bench_moe = pytest.importorskip("bench_moe")
+    bench_moe.main(["--device", "cpu", "--tiny", "--shapes", "gpt-oss", "--rows", "3", "--reps", "1",
+                    "--systems", "hf_paged,grouped_mm", "--out", str(tmp_path)])
+    import json
+
+    record = json.loads((tmp_path / "moe.json").read_text())["records"][0]
+    assert record["shape"] == "gpt-oss" and record["rows"] == 3 and 1 <= record["experts_hit"] <= 3 * 4
+    module, top_k = bench_moe.build_experts("gpt-oss", "cpu", torch.float32, tiny=True)
+    per_expert = sum(p[0].numel() * 4 for p in module.parameters())
+    assert record["bytes"] == record["experts_hit"] * per_expert + 2 * 3 * 64 * 4
+    for system in ("hf_paged", "grouped_mm"):
+        assert record[system]["us"] > 0 and record[system]["error"] < 1e-4
+
 # ------------------------------------------------------------------------------------------------ command lines
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -291,7 +317,9 @@ COMMAND_LINES = {
                          "--no-progress", "--out", "r"],
                         {"num_requests": 256, "system_timeout": 260, "no_progress": True, "temperature": 0.0}),
                        (["--workload", "uniform", "--temperature", "0.6", "--top-p", "0.95"],
-                        {"workload": "uniform", "temperature": 0.6, "top_p": 0.95})],
+                        {"workload": "uniform", "temperature": 0.6, "top_p": 0.95, "experts_implementation": "hf_paged"}),
+                       (["--model", "olmoe-1b-7b", "--systems", "paged_compiled", "--experts-implementation",
+                         "grouped_mm"], {"model": "olmoe-1b-7b", "experts_implementation": "grouped_mm"})],
     "bench_grpo_rollouts": [(["--model", "llama-1b", "--dtype", "bfloat16", "--prompts", "64", "--generations", "8",
                               "--new-tokens", "256", "--steps", "1", "--out", "o"],
                              {"prompts": 64, "generations": 8, "steps": 1, "prompt_len": "64,256"})],
@@ -299,6 +327,10 @@ COMMAND_LINES = {
                          {"running": "256", "steps": 400, "sampled": True, "finishing": False})],
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
                        {"tokenizer": "t", "requests": 400, "batch_size": 64})],
+    "bench_moe": [(["--out", "r"], {"shapes": "olmoe,qwen3-moe,gpt-oss,mixtral", "rows": "1,2,4,8,16,32,64,128,256,512",
+                                     "tune": False, "tiny": False}),
+                  (["--device", "cpu", "--tiny", "--shapes", "gpt-oss", "--rows", "1,3", "--tune"],
+                   {"device": "cpu", "tiny": True, "shapes": "gpt-oss", "rows": "1,3", "tune": True})],
     "bench_prefix": [(["--task-len", "4", "8"], {"task_len": [4, 8], "output_len": (8, 32), "device": "cpu"})],
     "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False})],
     "bench_serving": [(["--model", "llama-1b", "--model-dir", "/tmp/m", "--tokenizer", "t", "--systems", "hf_paged",

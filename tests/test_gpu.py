@@ -155,10 +155,12 @@ def test_prompt_logprobs_on_cuda(caching, budget):
 
 @pytest.mark.parametrize("family", ["gemma3n_text", "mixtral"])
 def test_model_that_cannot_be_captured_decodes_without_graphs(family):
-    """Gemma3n's decoder copies a CPU tensor in its forward, and float32 mixture-of-experts layers copy their
-    expert offsets through the host: both run eagerly but fail a CUDA graph capture. The engine must warn, decode on
-    the static path without graphs (pipelined), and give the tokens of an engine without graphs; it used to fail
-    every request with the capture's error. (Compiled, Gemma3n's step can be recorded: Inductor keeps no host copy.)"""
+    """Gemma3n's decoder copies a CPU tensor in its forward, and float32 mixture-of-experts layers on transformers'
+    `grouped_mm` experts copy their expert offsets through the host: both run eagerly but fail a CUDA graph capture.
+    The engine must warn, decode on the static path without graphs (pipelined), and give the tokens of an engine
+    without graphs; it used to fail every request with the capture's error. (Compiled, Gemma3n's step can be
+    recorded: Inductor keeps no host copy. hf_paged's own experts, the default, sync nothing: see
+    `test_moe_model_on_hf_paged_experts_is_captured`.)"""
     import warnings
 
     from hf_paged import model_zoo
@@ -169,7 +171,7 @@ def test_model_that_cannot_be_captured_decodes_without_graphs(family):
     results = []
     for graphs, compiled in ((False, False), (True, False), (True, True)):
         engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=8, use_cuda_graph=graphs,
-                                 compile_decode=compiled)
+                                 compile_decode=compiled, experts_implementation="grouped_mm")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine.warm_up()
@@ -185,6 +187,32 @@ def test_model_that_cannot_be_captured_decodes_without_graphs(family):
         if graphs:
             assert engine.pipelined_steps > 0 and engine.runner.graph_steps > 0
         engine.close()
+    assert all(r == results[0] for r in results[1:])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_moe_model_on_hf_paged_experts_is_captured(family):
+    """With hf_paged's experts (the default) a float32 MoE model records its decode steps in CUDA graphs, eager and
+    compiled, and decodes the greedy tokens of transformers' `eager` experts."""
+    from hf_paged import model_zoo
+
+    model = model_zoo.tiny_model(family, seed=0).cuda().eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in torch.randint(3, 40, (6,), generator=gen)]
+    results = []
+    for experts, compiled in (("eager", False), ("hf_paged", False), ("hf_paged", True)):
+        engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=8, use_cuda_graph=True,
+                                 compile_decode=compiled, experts_implementation=experts)
+        engine.warm_up()
+        if experts == "hf_paged":
+            assert engine.runner.graph_failure is None and model.get_experts_implementation()[""] == "hf_paged"
+        outs = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)
+        assert all(o.error is None and o.finished for o in outs)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if experts == "hf_paged":
+            assert engine.runner.graph_steps > 0
+        engine.close()
+        hf_paged.disable(model)
     assert all(r == results[0] for r in results[1:])
 
 

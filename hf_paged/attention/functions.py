@@ -63,6 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .. import kernels
 from ..kernels.reference import masked_attention
+from . import experts
 from .compiled_op import active_deferred_cache, fused_decode_attention
 from .support import UNSUPPORTED_ATTENTION_KWARGS
 
@@ -285,10 +286,12 @@ _registered = False
 
 
 def register() -> str:
-    """Register the attention and mask functions (idempotent); returns the implementation name."""
+    """Register the attention and mask functions, and the experts function (`hf_paged.attention.experts`), all
+    under one name (idempotent); returns the name."""
     global _registered
     if not _registered:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+        experts.register()
         _registered = True
     return ATTENTION_NAME

@@ -1,4 +1,5 @@
-"""`prepare_model(model)`: make a model's attention run through hf_paged (support check, registration, switch).
+"""`prepare_model(model)`: make a model's attention run through hf_paged (support check, registration, switch), and
+its mixture-of-experts layers through hf_paged's fused experts (`hf_paged.attention.experts`) unless told otherwise.
 
 Every entry point calls it (the engine, `hf_paged.enable`, the drop-in helpers). Layers above may add what they need
 done to every prepared model with `on_prepare` (the generate integration installs its `generate()` override there),
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import recurrent
+from . import experts, recurrent
 from .functions import ATTENTION_NAME, register
 from .support import check_supported
 
@@ -25,9 +26,11 @@ def on_prepare(hook: Callable) -> Callable:
     return hook
 
 
-def prepare_model(model):
+def prepare_model(model, experts_implementation: str | None = experts.EXPERTS_NAME):
     """Check the model is supported (ValueError naming the feature otherwise), register the attention and mask
-    functions, switch the model to them, and run the `on_prepare` hooks. Returns the model."""
+    functions, switch the model to them, switch its experts to `experts_implementation` (None: leave them; see
+    `experts.select`), and run the `on_prepare` hooks. Returns the model."""
+    experts.check_implementation(experts_implementation)
     check_supported(model)
     register()
     text_config = model.config.get_text_config(decoder=True)
@@ -39,6 +42,7 @@ def prepare_model(model):
         raise ValueError(
             f"{type(model).__name__}: switching the attention implementation to {ATTENTION_NAME!r} did not reach its "
             f"text model (it runs {text_config._attn_implementation!r}); hf-paged cannot route its attention")
+    experts.select(model, experts_implementation)
     recurrent.install(model)  # hybrid models: each recurrent mixer's state in a slot of the paged cache
     for hook in _HOOKS:
         hook(model)

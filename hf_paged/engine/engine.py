@@ -103,6 +103,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             (at the last full block of prompts, and where a prompt's cached K/V of an earlier prompt ends: a shared
             system prompt), least recently used evicted first. Default `max(8, max_num_seqs // 8)`; 0 turns
             prefix hits off for hybrid models.
+        experts_implementation: mixture-of-experts layers run hf_paged's fused Triton experts (`"hf_paged"`, the
+            default; `hf_paged.attention.experts`), one of transformers' (`"grouped_mm"`, `"eager"`, ...), or as the
+            model has them (None). `hf_paged.disable` gives the model back its own.
         weak_model_ref: hold the model by weak reference (what `generate(cache_implementation="paged")` and
             `hf_paged.pipeline` use, where the model owns its engine: no model <-> engine cycle, so dropping the model
             frees both and the KV pool by reference counting). Default False: the engine keeps its model alive.
@@ -147,6 +150,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         weak_model_ref: bool = False,
         release_window_blocks: bool = True,
         state_checkpoints: int | None = None,
+        experts_implementation: str | None = "hf_paged",
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -166,7 +170,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                                               or isinstance(state_checkpoints, bool) or state_checkpoints < 0):
             raise ValueError(f"state_checkpoints must be a non-negative int, got {state_checkpoints!r}")
         self.tp = TensorParallel.of(model)
-        prepare_model(model)
+        prepare_model(model, experts_implementation)
         if compile_modules:
             compile_submodules(model)
         self._model_ref = ModelRef(model, weak=weak_model_ref)

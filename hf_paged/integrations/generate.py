@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
-from ..attention import on_prepare, prepare_model
+from ..attention import EXPERTS_NAME, experts, on_prepare, prepare_model
 from ..engine import Engine, SamplingParams
 from ..engine.params import CONSTRAINT_FIELDS
 from ..runner import uncompile_submodules
@@ -385,11 +385,13 @@ def enable(model, **engine_kwargs):
     """Make `model` paged-aware in place and return it.
 
     Checks the family is supported (raises ValueError listing the supported ones otherwise), registers the attention
-    and mask functions, switches the model to them, and installs the generate mixin. `engine_kwargs` (block_size,
-    num_blocks, kv_cache_memory, max_num_seqs, preemption_mode, swap_space, ...) configure the engine behind
+    and mask functions, switches the model to them (and its mixture-of-experts layers to hf_paged's fused experts:
+    `experts_implementation="eager"`, `"grouped_mm"`, ... picks one of transformers', None keeps the model's), and
+    installs the generate mixin. `engine_kwargs` (block_size, num_blocks, kv_cache_memory, max_num_seqs,
+    preemption_mode, swap_space, experts_implementation, ...) configure the engine behind
     `generate(cache_implementation="paged")`.
     """
-    prepare_model(model)
+    prepare_model(model, engine_kwargs.get("experts_implementation", EXPERTS_NAME))
     if engine_kwargs:
         model._hf_paged_engine_kwargs = dict(engine_kwargs)
         model._hf_paged_engine = None
@@ -397,8 +399,8 @@ def enable(model, **engine_kwargs):
 
 
 def disable(model, attn_implementation: str | None = None):
-    """Undo `enable`: original class, the attention implementation it had before (or `attn_implementation`), engine
-    released, compiled submodules uncompiled."""
+    """Undo `enable`: original class, the attention implementation it had before (or `attn_implementation`), the
+    experts implementations it had before, engine released, compiled submodules uncompiled."""
     if attn_implementation is None:
         attn_implementation = getattr(model, "_hf_paged_previous_attn", None) or "sdpa"
     base = getattr(type(model), "_hf_paged_base", None)
@@ -406,6 +408,7 @@ def disable(model, attn_implementation: str | None = None):
         model.__class__ = base
     uncompile_submodules(model)
     model.set_attn_implementation(attn_implementation)
+    experts.restore(model)
     engine = getattr(model, "_hf_paged_engine", None)
     if engine is not None:
         # its pool and CUDA graphs go now, not whenever the last reference does: under tensor parallelism the graphs

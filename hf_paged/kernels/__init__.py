@@ -39,6 +39,9 @@ The contract (each function's docstring has its details):
   ``argmax(dim=-1)``, bit for bit; a Triton kernel on CUDA while the rows are no more than the SMs);
   ``greedy_picker(device)`` resolves backend, SM count and scratch once, for the engine's picker, which calls it
   every all-greedy step.
+* :mod:`hf_paged.kernels.moe`: ``fused_experts`` (a mixture-of-experts layer: routing slots sorted by expert, two
+  grouped GEMMs with the activation and the routing weights fused, a top-k combine; :mod:`~.triton_moe`) and its two
+  halves ``experts_up`` / ``experts_down``, with the same backend choice (:mod:`~.reference_moe` elsewhere).
 
 Backend: Triton when the tensors are on CUDA and triton imports, the plain-torch
 reference (:mod:`hf_paged.kernels.reference`) otherwise. The environment variable
