@@ -1,4 +1,4 @@
-"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, Dv != Dk,
+"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, ALiBi, Dv != Dk,
 head dims that are no power of two.
 
 Each case checks Triton (interpreter on CPU, tiny shapes) == torch reference == a dense float64 oracle
@@ -74,6 +74,9 @@ CASES = [
     dict(sliding_window=1),
     dict(dk=24),  # head dims that are no power of two: computed in padded tiles, the lanes past them masked
     dict(dk=24, dv=40, sliding_window=9, sinks=True),
+    dict(alibi=True),
+    dict(alibi=True, sliding_window=9, softcap=3.0, sinks=True),
+    dict(alibi=True, chunk_size=8, dk=24),
 ]
 
 
@@ -81,6 +84,8 @@ def _opts(case):
     opts = {k: v for k, v in case.items() if k in ("sliding_window", "softcap", "chunk_size")}
     if case.get("sinks"):
         opts["sinks"] = torch.linspace(-1.0, 2.0, HKV * G, device=DEVICE)
+    if case.get("alibi"):  # BLOOM's slopes for 4 heads, and one of 0.5 that makes 150 keys span 75 logits
+        opts["alibi_slopes"] = torch.tensor([0.5, 2 ** -4, 2 ** -6, 2 ** -8], device=DEVICE)[: HKV * G]
     return opts
 
 
@@ -144,6 +149,8 @@ WHOLE_TILE_CASES = [
     dict(sliding_window=70, softcap=3.0, sinks=True),
     dict(chunk_size=64),  # a chunked layer keeps every tile masked
     dict(dk=24, dv=40, sliding_window=130),
+    dict(alibi=True),
+    dict(alibi=True, softcap=3.0, sliding_window=100),
 ]
 
 
@@ -207,6 +214,11 @@ def test_bad_options_named():
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        kernels.paged_decode(q, kc, vc, bt, sl, 1.0, alibi_slopes=torch.zeros(3, device=DEVICE))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        kernels.paged_prefill(q, kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), sl, 1.0, 1,
+                              alibi_slopes=torch.zeros(HKV * G, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.gpu
