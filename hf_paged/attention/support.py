@@ -273,7 +273,8 @@ def _model_features(model) -> dict[str, str]:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
         decoder = model
-    decoder = decoder if hasattr(decoder, "named_modules") else model
+    # (a leaf is no decoder stack: BERT-style heads call their output projection `decoder`, ModernBERT-decoder's too)
+    decoder = decoder if hasattr(decoder, "named_modules") and next(decoder.children(), None) is not None else model
     holds_mixer = {id(m) for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)
                    and is_mixer_class(type(m))}
     for name, module in decoder.named_modules():
