@@ -8,7 +8,7 @@ the engine and the integrations.
 from .compiled_op import active_cache, fused_decode_attention, write_and_decode
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
 from .recurrent import profile_state_specs
-from .setup import on_prepare, prepare_model
+from .setup import on_prepare, prepare_model, release_model
 from .support import HANDLED_FEATURES, check_supported, describe_support, model_features
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "prepare_model",
     "profile_state_specs",
     "register",
+    "release_model",
     "write_and_decode",
 ]
