@@ -225,7 +225,8 @@ def test_bad_options_named():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("opts", [dict(sliding_window=100), dict(softcap=20.0, sliding_window=300),
-                                  dict(sinks=True, sliding_window=64), dict(chunk_size=256)], ids=str)
+                                  dict(sinks=True, sliding_window=64), dict(chunk_size=256), dict(alibi=True)],
+                         ids=str)
 def test_cuda_features_realistic(opts, dtype, monkeypatch):
     """Compiled Triton on CUDA, GQA 8, D 128, 1000-token contexts, split-K on: == the float64 oracle."""
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
@@ -234,6 +235,8 @@ def test_cuda_features_realistic(opts, dtype, monkeypatch):
     hkv, hq, d, bs, n = 2, 16, 128, 16, 1000
     if opts.pop("sinks", False):
         opts["sinks"] = torch.randn(hq, device="cuda", generator=g)
+    if opts.pop("alibi", False):  # BLOOM's slopes for 16 heads
+        opts["alibi_slopes"] = 2.0 ** -(0.5 * torch.arange(1, hq + 1, device="cuda"))
     nb = 3 * (-(-n // bs))
     kc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)
     vc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)
