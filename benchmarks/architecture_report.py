@@ -44,6 +44,7 @@ def summary(data: dict) -> dict:
         "architectures": len(records),
         "runs_under_transformers": len(runs),
         "interface_routed": sum(bool(r["interface_routed"]) for r in runs),
+        "adapted": sum("attention_adapter" in r["features"] for r in runs),
         "pass": verdicts["pass"],
         "refused": verdicts["refused"],
         "not_runnable": verdicts["not_runnable"],
@@ -67,7 +68,8 @@ def _summary_lines(data: dict) -> list[str]:
         + ", ".join(f"`{f}`" for f in data["handled_features"]) + ".",
         "",
         f"- run under transformers: **{runs}** (not runnable: {s['not_runnable']})",
-        f"- attention routed through `AttentionInterface` with a `Cache`: {s['interface_routed']}",
+        f"- attention routed through `AttentionInterface` with a `Cache` (by the model, or by a per-family adapter: "
+        f"{s['adapted']}): {s['interface_routed']}",
         f"- accepted and token-identical (`generate(cache_implementation=\"paged\")` and `PagedCache`): "
         f"**{s['pass']}** ({_pct(s['pass'], runs)} of those that run)",
         f"- refused up front, feature named: {s['refused']}; failures (crash / mismatch / gate missed): "

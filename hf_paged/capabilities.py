@@ -5,7 +5,7 @@ it runs on every `enable`). This module checks that decision against the truth: 
 *recording* attention function and mask function in transformers' `AttentionInterface` / `AttentionMaskInterface`,
 runs one 4-token forward with a recording `DynamicCache`, and reports what arrived: whether attention is routed
 through the interface at all, whether the K/V the function gets are exactly what `Cache.update()` returned, the
-per-layer `sliding_window`, `softcap`, `s_aux` (sinks), `scaling`, head sizes (K vs V), and layers that keep a
+per-layer `sliding_window`, `softcap`, `s_aux` (sinks), `alibi_slopes`, `scaling`, head sizes (K vs V), and layers that keep a
 recurrent state (Mamba / linear attention) or read K/V they did not write (shared-KV layers). The architecture sweep
 (`tests/test_architectures.py`) asserts, for every architecture of transformers, that the static gate refuses a
 model whenever the observed features include one outside :data:`~hf_paged.attention.support.HANDLED_FEATURES`.
@@ -23,13 +23,15 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention import adapters
 from .attention.support import HANDLED_FEATURES, KNOWN_ATTENTION_KWARGS, model_features, refusal
 
 __all__ = ["Capabilities", "AttentionCall", "inspect_model", "check_supported", "PROBE_NAME"]
 
 PROBE_NAME = "hf_paged_probe"
 # kwargs every interface-routed family may pass and that carry no attention semantics of their own
-_BENIGN_KWARGS = KNOWN_ATTENTION_KWARGS - {"sliding_window", "softcap", "s_aux"}
+_OPTION_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "alibi_slopes"})  # recorded one by one
+_BENIGN_KWARGS = KNOWN_ATTENTION_KWARGS - _OPTION_KWARGS
 
 
 @dataclass
@@ -45,6 +47,7 @@ class AttentionCall:
     sliding_window: int | None
     softcap: float | None
     has_sinks: bool
+    has_alibi: bool
     causal: bool  # neither `is_causal=False` passed nor the module's `is_causal` attribute False
     from_cache_update: bool  # the key tensor is the one `Cache.update()` returned
     other_kwargs: tuple[str, ...]
@@ -95,16 +98,18 @@ def _recording_attention(module, query, key, value, attention_mask, dropout=0.0,
         sliding_window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         has_sinks=sinks is not None,
+        has_alibi=kwargs.get("alibi_slopes") is not None,
         causal=kwargs.get("is_causal") is not False and getattr(module, "is_causal", True) is not False,
         from_cache_update=False,
         other_kwargs=tuple(sorted(k for k, v in kwargs.items()
-                                  if k not in _BENIGN_KWARGS | {"sliding_window", "softcap", "s_aux"}
+                                  if k not in _BENIGN_KWARGS | _OPTION_KWARGS
                                   and v is not None)),
     )
     _CALLS.append((call, id(key)))
-    # compute with transformers' own eager-equivalent path so the forward goes on (sinks / softcap dropped: the
-    # numbers do not matter here, only what arrived)
-    if value.shape[-1] != query.shape[-1] or key.shape[1] != value.shape[1]:
+    # compute with transformers' own eager-equivalent path so the forward goes on (sinks / softcap / ALiBi dropped:
+    # the numbers do not matter here, only what arrived)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if value.shape[-1] != query.shape[-1] or key.shape[1] != value.shape[1] or key.shape[1] * groups != query.shape[1]:
         return _plain_attention(query, key, value, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
                                   is_causal=kwargs.get("is_causal"))
@@ -118,22 +123,35 @@ def _plain_attention(query, key, value, scaling):
     return (weights @ value).transpose(1, 2).contiguous(), None
 
 
+def _probe_mask(*args, **kwargs):
+    """transformers' SDPA mask, always as a tensor (some families' code uses it as one: MPT)."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 def _register_probe() -> None:
     AttentionInterface.register(PROBE_NAME, _recording_attention)
-    AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
+    AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
+    adapters.route_through(PROBE_NAME)
 
 
 @contextlib.contextmanager
 def _probe_attention(model):
+    """The probe's attention and mask functions in place for one forward; a family that computes attention itself
+    gets its attention adapters (`hf_paged.attention.adapters`) for it, so the probe sees what they pass."""
     before = model.config._attn_implementation
     sub_before = {id(m.config): m.config._attn_implementation for m in model.modules()
                   if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
     _register_probe()
-    model.set_attn_implementation(PROBE_NAME)
+    had_adapters = any("_hf_paged_adapter" in m.__dict__ for m in model.modules())
+    adapters.install(model)
+    adapters.switch_implementation(model, PROBE_NAME)
     try:
         yield
     finally:
-        model.set_attn_implementation(before)
+        adapters.switch_implementation(model, before)
+        if not had_adapters:
+            adapters.uninstall(model)
         for module in model.modules():  # sub-models the top-level switch did not reach back
             config = getattr(module, "config", None)
             if config is not None and id(config) in sub_before:
@@ -159,6 +177,8 @@ def _observed_features(caps: Capabilities, text_config) -> dict[str, str]:
         features["non_causal"] = "is_causal=False (bidirectional attention)"
     if any(c.has_sinks for c in calls):
         features["sinks"] = "s_aux passed (per-head attention sink logits)"
+    if any(c.has_alibi for c in calls):
+        features["alibi"] = "alibi_slopes passed (ALiBi position biases)"
     if any(c.value_shape[-1] != c.query_shape[-1] for c in calls):
         c = next(c for c in calls if c.value_shape[-1] != c.query_shape[-1])
         features["value_head_dim"] = f"K head dim {c.key_shape[-1]} != V head dim {c.value_shape[-1]}"

@@ -296,7 +296,7 @@ def _greedy(model, input_ids, attention_mask, **kwargs) -> torch.Tensor:
     return out[:, input_ids.shape[1]:]
 
 
-def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = True) -> dict:
+def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = True, **overrides) -> dict:
     """Run `model_type` through the sweep and return its record (the rows of docs/architectures.json):
 
     * ``runs_under_transformers`` (and ``reason`` when not): the tiny model's greedy `generate()` with transformers'
@@ -307,6 +307,9 @@ def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = Tru
       `PagedCache` equal transformers'), ``refused`` (`enable` raised a ValueError naming every unhandled feature),
       ``not_runnable`` (transformers itself fails), or a failure: ``mismatch``, ``crash``, ``gate_missed`` (the probe saw
       an unhandled feature the gate let through), ``bad_refusal``.
+
+    `overrides` go to :func:`tiny_config` (a variant of the family's tiny model, e.g. Falcon's
+    ``new_decoder_architecture=True``).
     """
     record: dict = {"model_type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
                     "runs_under_transformers": False, "interface_routed": None, "features": {}, "observed": {},
@@ -315,7 +318,7 @@ def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = Tru
     torch.set_num_threads(1)  # tiny matmuls: worker threads only spin, and slow down badly on a loaded machine
     try:
         with time_limit(timeout_s):
-            _check(model_type, record, compare)
+            _check(model_type, record, compare, overrides)
     except TimeLimitExceeded as error:  # a hang under transformers: not runnable; under hf-paged: a failure
         record["verdict"] = "crash" if record["runs_under_transformers"] else "not_runnable"
         record["reason"] = f"timed out ({error}) at stage {record.get('stage', '?')}"
@@ -325,10 +328,10 @@ def check_architecture(model_type: str, timeout_s: int = 60, compare: bool = Tru
     return record
 
 
-def _check(model_type: str, record: dict, compare: bool) -> None:
+def _check(model_type: str, record: dict, compare: bool, overrides: dict) -> None:
     record["stage"] = "build"
     try:
-        model = tiny_model(model_type)
+        model = tiny_model(model_type, **overrides)
     except Exception as error:  # noqa: BLE001 - recorded
         record["reason"] = f"the tiny config does not build: {_short(error)}"
         return

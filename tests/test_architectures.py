@@ -34,6 +34,10 @@ architecture_report = pytest.importorskip("architecture_report")
 # plain except for MoE MLPs / norms / biases / positions: accepted with today's kernels
 MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "olmo2", "cohere", "gpt_neox",
              "phi", "smollm3", "starcoder2", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
+# families that compute attention themselves, routed by a per-family adapter (issue 54: hf_paged.attention.adapters),
+# and ModernBERT-decoder (interface-routed; its LM head is called `decoder`, which the gate once took for the stack)
+ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese",
+           "modernbert-decoder")
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
           "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid")
@@ -82,6 +86,14 @@ def test_architecture(arch):
 def test_plain_attention_families_pass():
     failing = {a: _records()[a]["reason"] for a in MUST_PASS if _records()[a]["verdict"] != "pass"}
     assert not failing
+
+
+def test_adapted_families_pass():
+    failing = {a: _records()[a]["reason"] for a in ADAPTED if _records()[a]["verdict"] != "pass"}
+    assert not failing
+    adapted = [a for a in ADAPTED if "attention_adapter" in _records()[a]["features"]]
+    assert adapted == list(ADAPTED[:-1])
+    assert all("alibi" in _records()[a]["observed"] for a in ("bloom", "mpt"))  # the slopes reached the kernels
 
 
 def test_hybrid_models_pass():

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 import hf_paged
+from hf_paged import model_zoo as zoo
 from hf_paged.engine import BeamSearch
 from hf_paged.testing import FAMILIES, tiny_batch, tiny_model
 
@@ -129,6 +131,19 @@ def test_beam_search_matches_transformers_in_small_pool_and_blocks(monkeypatch):
                                              eos_token_id=None)
     assert engine.scheduler.num_preemptions["recompute"] > 0
     assert deferred  # a recomputed beam finished its prefill before its siblings and waited for them
+
+
+@pytest.mark.parametrize("family, options", [
+    ("falcon", dict(num_beams=3, num_return_sequences=2)),
+    ("gptj", dict(num_beams=4, num_return_sequences=3, length_penalty=0.5)),
+    ("bloom", dict(num_beams=3, early_stopping=True)),  # ALiBi in the kernels
+])
+def test_beam_search_matches_transformers_on_adapted_families(family, options):
+    """Families that compute attention themselves, routed by their adapters (`hf_paged.attention.adapters`)."""
+    model = zoo.tiny_model(family)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    batch = tiny_batch(model, lengths=(5, 11, 2, 8), seed=3)
+    compare_with_transformers(model, batch, max_new_tokens=10, eos_token_id=None, **options)
 
 
 @pytest.mark.slow

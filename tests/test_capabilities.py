@@ -58,11 +58,21 @@ def test_latent_attention_is_refused_naming_why():
 
 
 def test_attention_computed_by_the_model_is_refused():
-    model = tiny_model("bloom")
+    model = tiny_model("megatron-bert")  # a BERT-style self-attention, and no adapter for it
     assert "not_interface_routed" in support.model_features(model)
     assert not capabilities.inspect_model(model).calls
     with pytest.raises(ValueError, match="not_interface_routed"):
         hf_paged.enable(model)
+
+
+def test_attention_computed_by_the_model_is_routed_by_its_adapter():
+    model = tiny_model("bloom")  # computes attention itself; `hf_paged.attention.adapters.alibi` routes it
+    assert "attention_adapter" in support.model_features(model)
+    caps = capabilities.inspect_model(model)
+    assert caps.interface_routed and len(caps.calls) == model.config.n_layer and "alibi" in caps.features
+    assert not any("_hf_paged_adapter" in m.__dict__ for m in model.modules())  # the probe took them off again
+    hf_paged.enable(model)
+    hf_paged.disable(model)
 
 
 def test_hybrid_model_is_accepted_for_its_slotted_recurrent_state():

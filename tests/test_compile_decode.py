@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged import model_zoo as zoo
 from hf_paged.runner import sibling_linears
 from hf_paged.runner.regional import CompiledLayers, layer_kind, regional_layers, repeated_layers
 from hf_paged.testing import FAMILIES, tiny_model
@@ -62,6 +63,25 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     assert counters["stats"]["unique_graphs"] <= compiled.max_graphs
     # the two requests admitted after the first decode step were prefilled by the same compiled layers
     assert engine.runner.compiled_prefill_steps > 1  # the warm-up's dummy step is one
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["gptj", "bloom"])
+def test_compiled_decode_of_adapted_families_is_one_graph_and_matches_transformers(family):
+    """Families whose attention an adapter routes (`hf_paged.attention.adapters`): the adapter's code is traced with
+    the rest of the layer, no graph break; BLOOM's ALiBi slopes reach the fused op."""
+    model = zoo.tiny_model(family, seed=1)
+    prompts = random_prompts((1, 19, 7, 12, 3), seed=3, vocab=zoo.VOCAB)
+    new = [4, 6, 3, 5, 7]
+    references = [greedy_reference(model, p, n, pad_token_id=zoo.PAD_ID, eos_token_id=None)
+                  for p, n in zip(prompts, new)]
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    engine.warm_up(freeze_gc=False)
+    results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new])
+    assert [r.outputs[0].token_ids for r in results] == references
+    assert engine.runner.graph_steps > 0 and isinstance(engine.runner._compiled, CompiledLayers)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= engine.runner._compiled.max_graphs
     engine.close()
 
 

@@ -71,7 +71,7 @@ def _both(q, k, v, kc, vc, slots, bt, lens, counters=None, **opts):
 
 
 CASES = [dict(), dict(sliding_window=5), dict(softcap=2.0, sinks=True), dict(chunk_size=8), dict(dv=32),
-         dict(kv_start=True), dict(d=24, dv=40)]  # the last: head dims that are no power of two (padded, masked)
+         dict(kv_start=True), dict(alibi=True), dict(d=24, dv=40)]  # the last: head dims that are no power of two (padded, masked)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -93,6 +93,8 @@ def test_fused_equals_write_then_decode(backend, case, splits, counters, monkeyp
     opts = {name: case[name] for name in ("sliding_window", "softcap", "chunk_size") if name in case}
     if case.get("sinks"):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], device=DEVICE)
+    if case.get("alibi"):
+        opts["alibi_slopes"] = torch.linspace(0.5, 0.01, q.shape[1], device=DEVICE)
     if case.get("kv_start"):
         # row 3 starts past its only key: no program reads the new position, split 0 must still write it
         opts["kv_start"] = torch.tensor([3, 0, 100, 1], dtype=torch.int32, device=DEVICE)

@@ -1,4 +1,4 @@
-"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, Dv != Dk,
+"""Attention options of the paged kernels: sliding window, soft-capping, sinks, chunked attention, ALiBi, Dv != Dk,
 head dims that are no power of two.
 
 Each case checks Triton (interpreter on CPU, tiny shapes) == torch reference == a dense float64 oracle
@@ -74,6 +74,9 @@ CASES = [
     dict(sliding_window=1),
     dict(dk=24),  # head dims that are no power of two: computed in padded tiles, the lanes past them masked
     dict(dk=24, dv=40, sliding_window=9, sinks=True),
+    dict(alibi=True),
+    dict(alibi=True, sliding_window=9, softcap=3.0, sinks=True),
+    dict(alibi=True, chunk_size=8, dk=24),
 ]
 
 
@@ -81,6 +84,8 @@ def _opts(case):
     opts = {k: v for k, v in case.items() if k in ("sliding_window", "softcap", "chunk_size")}
     if case.get("sinks"):
         opts["sinks"] = torch.linspace(-1.0, 2.0, HKV * G, device=DEVICE)
+    if case.get("alibi"):  # BLOOM's slopes for 4 heads, and one of 0.5 that makes 150 keys span 75 logits
+        opts["alibi_slopes"] = torch.tensor([0.5, 2 ** -4, 2 ** -6, 2 ** -8], device=DEVICE)[: HKV * G]
     return opts
 
 
@@ -144,6 +149,8 @@ WHOLE_TILE_CASES = [
     dict(sliding_window=70, softcap=3.0, sinks=True),
     dict(chunk_size=64),  # a chunked layer keeps every tile masked
     dict(dk=24, dv=40, sliding_window=130),
+    dict(alibi=True),
+    dict(alibi=True, softcap=3.0, sliding_window=100),
 ]
 
 
@@ -207,13 +214,19 @@ def test_bad_options_named():
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         kernels.paged_decode(q, kc, vc, bt, sl, 1.0, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        kernels.paged_decode(q, kc, vc, bt, sl, 1.0, alibi_slopes=torch.zeros(3, device=DEVICE))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        kernels.paged_prefill(q, kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), sl, 1.0, 1,
+                              alibi_slopes=torch.zeros(HKV * G, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("opts", [dict(sliding_window=100), dict(softcap=20.0, sliding_window=300),
-                                  dict(sinks=True, sliding_window=64), dict(chunk_size=256)], ids=str)
+                                  dict(sinks=True, sliding_window=64), dict(chunk_size=256), dict(alibi=True)],
+                         ids=str)
 def test_cuda_features_realistic(opts, dtype, monkeypatch):
     """Compiled Triton on CUDA, GQA 8, D 128, 1000-token contexts, split-K on: == the float64 oracle."""
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
@@ -222,6 +235,8 @@ def test_cuda_features_realistic(opts, dtype, monkeypatch):
     hkv, hq, d, bs, n = 2, 16, 128, 16, 1000
     if opts.pop("sinks", False):
         opts["sinks"] = torch.randn(hq, device="cuda", generator=g)
+    if opts.pop("alibi", False):  # BLOOM's slopes for 16 heads
+        opts["alibi_slopes"] = 2.0 ** -(0.5 * torch.arange(1, hq + 1, device="cuda"))
     nb = 3 * (-(-n // bs))
     kc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)
     vc = torch.randn(nb, hkv, bs, d, device="cuda", generator=g).to(dtype)

@@ -10,7 +10,7 @@ from .compiled_op import active_cache, fused_decode_attention, write_and_decode
 from .experts import EXPERTS_NAME, experts_forward, experts_spec
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
 from .recurrent import profile_state_specs
-from .setup import on_prepare, prepare_model
+from .setup import on_prepare, prepare_model, release_model
 from .support import HANDLED_FEATURES, check_supported, describe_support, model_features
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "prepare_model",
     "profile_state_specs",
     "register",
+    "release_model",
     "write_and_decode",
 ]

@@ -11,7 +11,8 @@ left padding into a per-row `kv_start`. Any other padding pattern, and calls wit
 
 Per-layer attention options reach the kernels from what transformers' attention modules pass (see
 `layer_options`): `sliding_window` (kwarg: Mistral, Phi-3, Qwen2, Starcoder2, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3),
-`softcap` (kwarg: Gemma 2), `s_aux` (kwarg: gpt-oss sinks), `scaling`, and chunked attention from the module's
+`softcap` (kwarg: Gemma 2), `s_aux` (kwarg: gpt-oss sinks), `alibi_slopes` (kwarg: passed by the ALiBi families'
+attention adapters, `hf_paged.attention.adapters`), `scaling`, and chunked attention from the module's
 config (`layer_types[layer_idx] == "chunked_attention"` with `attention_chunk_size`: Llama 4). Since the mask
 function builds no 4D mask, the kernels apply windows and chunks themselves on every path.
 
@@ -64,6 +65,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from .. import kernels
 from ..kernels.reference import masked_attention
 from . import experts
+from .adapters import needs_mask_tensor, route_through
 from .compiled_op import active_deferred_cache, fused_decode_attention
 from .support import UNSUPPORTED_ATTENTION_KWARGS
 
@@ -73,11 +75,12 @@ __all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask"
 
 _UNSUPPORTED_KWARGS = tuple(sorted(UNSUPPORTED_ATTENTION_KWARGS))
 # attention kwargs (besides `scaling` / `dropout`) the kernels handle, and the config-driven chunked layers
-HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux")
+HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux", "alibi_slopes")
 
 
 def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
-    """Kernel options of this layer: `sliding_window`, `softcap`, `sinks`, `chunk_size` (None when unused).
+    """Kernel options of this layer: `sliding_window`, `softcap`, `sinks`, `chunk_size`, `alibi_slopes` (None when
+    unused).
 
     `sliding_window` / `softcap` / `s_aux` come as kwargs (transformers passes them per layer, None on full
     layers); chunked attention is not a kwarg: Llama 4 builds a chunked mask for the layers whose
@@ -103,9 +106,11 @@ def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
         if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
             raise ValueError(f"hf_paged attention: {type(module).__name__} passed softcap={softcap!r}, expected a float")
         softcap = float(softcap) if softcap > 0 else None  # 0 / negative means "off" in some configs
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"hf_paged attention: {type(module).__name__} passed s_aux of type {type(sinks).__name__}")
-    return dict(sliding_window=window, softcap=softcap, sinks=sinks, chunk_size=chunk)
+    alibi = kwargs.get("alibi_slopes")
+    for name, val in (("s_aux", sinks), ("alibi_slopes", alibi)):
+        if val is not None and not isinstance(val, torch.Tensor):
+            raise ValueError(f"hf_paged attention: {type(module).__name__} passed {name} of type {type(val).__name__}")
+    return dict(sliding_window=window, softcap=softcap, sinks=sinks, chunk_size=chunk, alibi_slopes=alibi)
 
 
 def paged_mask(
@@ -118,8 +123,13 @@ def paged_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """Mask function: pass the 2D padding mask (cut to the key length) through; never materialise `[B,1,q,kv]`."""
+    """Mask function: pass the 2D padding mask (cut to the key length) through; never materialise `[B,1,q,kv]`.
+
+    No padding mask gives None, except to a model whose code needs a tensor (an adapted family,
+    `adapters.needs_mask_tensor`), which gets an all-true `[B, kv]` one."""
     if attention_mask is None:
+        if needs_mask_tensor(kwargs.get("config")):
+            return torch.ones((batch_size, kv_length), dtype=torch.bool, device=kwargs.get("device"))
         return None
     if attention_mask.dim() != 2:
         return attention_mask
@@ -130,8 +140,8 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
     """Exact dense attention with the layer's options: `query [B, Hq, q, D]`, keys/values `[B, Hkv, kv, D]`.
 
     Fallback for calls without a paged cache or with non-left padding: causal AND padding AND window AND chunk
-    (chunks counted from the row's first non-padding key, as transformers' `chunked_overlay`). Returns
-    `[B, q, Hq, Dv]`.
+    (chunks counted from the row's first non-padding key, as transformers' `chunked_overlay`), ALiBi as
+    `slope * (key - query)`. Returns `[B, q, Hq, Dv]`.
     """
     B, Hq, q_len, _ = query.shape
     kv_len = keys.shape[2]
@@ -154,7 +164,11 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
     values = values.repeat_interleave(groups, dim=1)
     mask = mask[:, None]
     sink_col = opts["sinks"].reshape(1, Hq, 1, 1) if opts["sinks"] is not None else None
-    out = masked_attention(query, keys.to(query.dtype), values.to(query.dtype), mask, scale, opts["softcap"], sink_col)
+    bias = None
+    if opts["alibi_slopes"] is not None:
+        bias = opts["alibi_slopes"].float().reshape(1, Hq, 1, 1) * (k_pos - q_pos).float()[:, None]
+    out = masked_attention(query, keys.to(query.dtype), values.to(query.dtype), mask, scale, opts["softcap"], sink_col,
+                           bias)
     out = torch.where(mask.any(-1, keepdim=True), out, 0)
     return out.transpose(1, 2)
 
@@ -228,13 +242,14 @@ def paged_attention_forward(
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
-        # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact dense attention.
-        if has_opts:
+        # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact dense attention. (Grouped K/V
+        # of a module that does not say its grouping, as adapted ones: the dense path groups by shape.)
+        if has_opts or key.shape[1] * getattr(module, "num_key_value_groups", 1) != query.shape[1]:
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
             mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
             if attention_mask is not None and attention_mask.dim() != 2:
                 raise ValueError("hf_paged attention: a 4D attention mask with sliding_window / softcap / s_aux / "
-                                 "chunked attention is not supported (pass a 2D padding mask)")
+                                 "chunked attention / ALiBi is not supported (pass a 2D padding mask)")
             return _dense_feature_attention(query, key, value, mask, scale, opts), None
         mask = attention_mask
         if mask is not None and mask.dim() == 2:
@@ -293,5 +308,6 @@ def register() -> str:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
         experts.register()
+        route_through(ATTENTION_NAME)  # installed attention adapters route their modules here
         _registered = True
     return ATTENTION_NAME

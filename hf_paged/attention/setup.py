@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import experts, recurrent
+from . import adapters, experts, recurrent
 from .functions import ATTENTION_NAME, register
 from .support import check_supported
 
-__all__ = ["prepare_model", "on_prepare"]
+__all__ = ["prepare_model", "on_prepare", "release_model"]
 
 _HOOKS: list[Callable] = []
 
@@ -36,14 +36,24 @@ def prepare_model(model, experts_implementation: str | None = experts.EXPERTS_NA
     text_config = model.config.get_text_config(decoder=True)
     if ATTENTION_NAME not in (model.config._attn_implementation, text_config._attn_implementation):
         model._hf_paged_previous_attn = model.config._attn_implementation  # what `hf_paged.disable` restores
-        model.set_attn_implementation(ATTENTION_NAME)
+        adapters.switch_implementation(model, ATTENTION_NAME)
     if text_config._attn_implementation != ATTENTION_NAME:
         # composite models: the switch must reach the decoder (a vision tower may keep its own implementation)
         raise ValueError(
             f"{type(model).__name__}: switching the attention implementation to {ATTENTION_NAME!r} did not reach its "
             f"text model (it runs {text_config._attn_implementation!r}); hf-paged cannot route its attention")
     experts.select(model, experts_implementation)
+    adapters.install(model)  # families that compute attention themselves: their attention routed per instance
     recurrent.install(model)  # hybrid models: each recurrent mixer's state in a slot of the paged cache
     for hook in _HOOKS:
         hook(model)
     return model
+
+
+def release_model(model, attn_implementation: str) -> None:
+    """Undo what `prepare_model` changed on the model's modules: the attention adapters come off, the attention
+    implementation becomes `attn_implementation` and the experts implementations are those it had before
+    (`hf_paged.disable`)."""
+    adapters.uninstall(model)
+    experts.restore(model)
+    adapters.switch_implementation(model, attn_implementation)

@@ -20,6 +20,7 @@ import inspect
 import textwrap
 
 from ..cache import attention_shape
+from . import adapters
 from .recurrent import is_mixer_class
 
 __all__ = [
@@ -62,6 +63,8 @@ FEATURES: dict[str, str] = {
     "cross_attention": "cross-attention to encoder states",
     "non_causal": "bidirectional (non-causal) attention",
     "not_interface_routed": "attention that does not go through transformers' AttentionInterface with a Cache",
+    "attention_adapter": ("attention the model computes itself, routed to the paged attention by a per-family adapter "
+                          "(hf_paged.attention.adapters)"),
     "unknown_attention_kwargs": "arguments to the attention function whose meaning hf-paged does not know",
     "cache_shape": "K/V shapes that differ from what the config says (layers, KV heads, head size)",
     "remote_code": "a trust_remote_code model class",
@@ -72,13 +75,14 @@ FEATURES: dict[str, str] = {
 # the only change needed for the gate, the sweep and the generated docs.
 HANDLED_FEATURES: frozenset[str] = frozenset({
     "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
-    "sliding_window", "softcap", "sinks", "chunked_attention",  # hf_paged.kernels: per-call options
+    "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
+    "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
 })
 
 # Attention features the kernels can be taught (issue 15): the report estimates what would pass with them handled.
 KERNEL_FEATURES: frozenset[str] = frozenset({
-    "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim",
+    "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim", "alibi",
 })
 
 # keyword arguments that change what attention computes and that the kernels do not take (a relative position bias):
@@ -90,7 +94,7 @@ KNOWN_ATTENTION_KWARGS = frozenset({
     "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type", "return_dict",
     "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
     "output_router_logits", "logits_to_keep", "dropout", "scaling", "attention_mask", "sliding_window", "softcap",
-    "s_aux",
+    "s_aux", "alibi_slopes",
 })
 
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")
@@ -267,13 +271,15 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
 def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
-    attention_classes, recurrent_classes, not_routed, unslotted = set(), set(), set(), set()
+    attention_classes, recurrent_classes, not_routed, unslotted, adapted = set(), set(), set(), set(), set()
+    adapter_handles: set[str] = set()
     attention_types: set[type] = set()
     try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
         decoder = model
-    decoder = decoder if hasattr(decoder, "named_modules") else model
+    # (a leaf is no decoder stack: BERT-style heads call their output projection `decoder`, ModernBERT-decoder's too)
+    decoder = decoder if hasattr(decoder, "named_modules") and next(decoder.children(), None) is not None else model
     holds_mixer = {id(m) for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)
                    and is_mixer_class(type(m))}
     for name, module in decoder.named_modules():
@@ -293,13 +299,23 @@ def _model_features(model) -> dict[str, str]:
             found["sinks"] = f"{cls_name}.sinks (attention sink logits, passed as s_aux)"
         if "Attention" in cls_name and getattr(module, "is_causal", True) is False:
             found["non_causal"] = f"{cls_name}.is_causal=False (bidirectional attention)"
-        if "Attention" in cls_name and hasattr(module, "layer_idx") and cls_name not in recurrent_classes:
+        adapter = adapters.adapter_for(cls)
+        if "Attention" in cls_name and (hasattr(module, "layer_idx") or adapter) and cls_name not in recurrent_classes:
             attention_classes.add(cls_name)
+            reason = adapters.refusal(module) if adapter is not None else None
+            if adapter is not None and reason is None:  # routed by its adapter, which passes windows itself
+                adapted.add(cls_name)
+                adapter_handles.update(adapter.handles)
+                continue
             attention_types.add(cls)
-            if _routes_through_interface(cls) is False:
+            if reason is not None:
+                not_routed.add(f"{cls_name} ({adapter.family} adapter: {reason})")
+            elif _routes_through_interface(cls) is False:
                 not_routed.add(cls_name)
             for name, detail in _dataflow_features(cls):
                 found.setdefault(name, detail)
+    if adapted:
+        found["attention_adapter"] = f"{sorted(adapted)} routed by hf_paged.attention.adapters"
     if attention_types and not any("sliding_window" in (_forward_source(c) or "") for c in attention_types):
         text = _text_config(_get_config(model))
         if "sliding_window" in _config_features(text):
@@ -317,7 +333,7 @@ def _model_features(model) -> dict[str, str]:
         takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
         takes_positions = True
-    if not takes_positions:
+    if not takes_positions and not (adapted and not attention_types and "no_position_ids" in adapter_handles):
         found["no_position_ids"] = (f"{type(model).__name__}.forward takes no position_ids: positions come from the "
                                     "cache length, which a ragged continuous batch cannot give per sequence")
     remote = [c for c in type(model).__mro__ if (c.__module__ or "").startswith("transformers_modules")]

@@ -69,7 +69,9 @@ def attention_heads(config) -> tuple[int, int]:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     if getattr(text, "decoder_attention_heads", None):  # multi-head decoders; num_key_value_heads maps to the encoder
         num_kv_heads = num_heads
-    if getattr(text, "multi_query", False) is True:  # GPT-BigCode: one KV head whatever num_key_value_heads says
+    if getattr(text, "new_decoder_architecture", False) is True:  # Falcon-40B/180B: grouped K/V, multi_query ignored
+        num_kv_heads = getattr(text, "num_kv_heads", None) or num_kv_heads
+    elif getattr(text, "multi_query", False) is True:  # GPT-BigCode, Falcon-7B: one KV head
         num_kv_heads = 1
     return int(num_heads), int(num_kv_heads)
 

@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
-from ..attention import EXPERTS_NAME, experts, on_prepare, prepare_model
+from ..attention import EXPERTS_NAME, on_prepare, prepare_model, release_model
 from ..engine import Engine, SamplingParams
 from ..engine.params import CONSTRAINT_FIELDS
 from ..runner import uncompile_submodules
@@ -399,16 +399,16 @@ def enable(model, **engine_kwargs):
 
 
 def disable(model, attn_implementation: str | None = None):
-    """Undo `enable`: original class, the attention implementation it had before (or `attn_implementation`), the
-    experts implementations it had before, engine released, compiled submodules uncompiled."""
+    """Undo `enable`: original class, the attention implementation it had before (or `attn_implementation`), attention
+    adapters uninstalled, the experts implementations it had before, engine released, compiled submodules
+    uncompiled."""
     if attn_implementation is None:
         attn_implementation = getattr(model, "_hf_paged_previous_attn", None) or "sdpa"
     base = getattr(type(model), "_hf_paged_base", None)
     if base is not None:
         model.__class__ = base
     uncompile_submodules(model)
-    model.set_attn_implementation(attn_implementation)
-    experts.restore(model)
+    release_model(model, attn_implementation)  # attention adapters off, the implementation and experts back
     engine = getattr(model, "_hf_paged_engine", None)
     if engine is not None:
         # its pool and CUDA graphs go now, not whenever the last reference does: under tensor parallelism the graphs

@@ -34,7 +34,8 @@ The contract (each function's docstring has its details):
   sees whole run without masks (``triton_prefill._whole_tiles``).
 * :func:`copy_blocks` ``(pool, src [N], dst [N])``: ``pool[..., dst[i], :, :, :] = pool[..., src[i], :, :, :]`` for
   every leading index (the block dim is ``pool.dim() - 4``), one launch for all layers; copy-on-write and swap use it.
-* Per-call attention options on both attention kernels: ``sliding_window``, ``softcap``, ``sinks``, ``chunk_size``.
+* Per-call attention options on both attention kernels: ``sliding_window``, ``softcap``, ``sinks``, ``chunk_size``,
+  ``alibi_slopes``.
 * :mod:`hf_paged.kernels.sampling`: ``sample_tokens`` (the device sampler) and ``argmax_rows`` (torch's
   ``argmax(dim=-1)``, bit for bit; a Triton kernel on CUDA while the rows are no more than the SMs);
   ``greedy_picker(device)`` resolves backend, SM count and scratch once, for the engine's picker, which calls it
@@ -170,8 +171,9 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_options(hq: int, device, sliding_window, softcap, sinks, chunk_size) -> None:
-    """Per-call attention options: positive ints / floats, ``sinks`` a ``[Hq]`` float tensor on the query's device."""
+def _check_options(hq: int, device, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None) -> None:
+    """Per-call attention options: positive ints / floats, ``sinks`` and ``alibi_slopes`` ``[Hq]`` float tensors on the
+    query's device."""
     for name, val in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
         if val is None:
             continue
@@ -184,10 +186,11 @@ def _check_options(hq: int, device, sliding_window, softcap, sinks, chunk_size) 
             raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
         if not softcap > 0:
             raise ValueError(f"softcap must be > 0, got {softcap}")
-    if sinks is not None:
-        _check_tensor("sinks", sinks, 1, _FLOAT_DTYPES, device)
-        if sinks.shape[0] != hq:
-            raise ValueError(f"sinks must have shape [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
+    for name, val in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if val is not None:
+            _check_tensor(name, val, 1, _FLOAT_DTYPES, device)
+            if val.shape[0] != hq:
+                raise ValueError(f"{name} must have shape [{hq}] (one per query head), got {tuple(val.shape)}")
 
 
 def _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, n_seq_name):
@@ -265,6 +268,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     split_counters: torch.Tensor | None = None,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -281,6 +285,8 @@ def paged_decode(
     * ``chunk_size`` C: keys in the query's chunk, ``(k - kv_start) // C == (q - kv_start) // C`` (Llama 4).
     * ``softcap``: logits ``softcap * tanh(scale * q.k / softcap)`` before masking (Gemma 2/3).
     * ``sinks [Hq]``: one learned logit per head added to the softmax denominator only (gpt-oss ``s_aux``).
+    * ``alibi_slopes [Hq]``: ALiBi, ``slope[h] * (k - q)`` added to the scaled (capped) logits of head ``h`` (BLOOM,
+      MPT, Falcon-RW; a family's bias ``slope * k`` differs from it by a constant per row, which softmax ignores).
 
     ``value_cache`` may have a head dim ``Dv`` different from the key's (MLA-style); the output has ``Dv``.
 
@@ -288,7 +294,8 @@ def paged_decode(
     Triton path, the last split of a sequence to finish combines the splits, instead of a second kernel over every
     split; the launch leaves them at zero. Same result, bit for bit.
     """
-    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts, num_splits=_num_splits,
                    split_counters=split_counters)
 
@@ -317,8 +324,7 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
         if split_counters.numel() < batch * key_cache.shape[1]:
             raise ValueError(f"split_counters must hold at least batch * KV heads = {batch * key_cache.shape[1]} "
                              f"counters, got {split_counters.numel()}")
-    _check_options(query.shape[1], query.device, opts["sliding_window"], opts["softcap"], opts["sinks"],
-                   opts["chunk_size"])
+    _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
         _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)
@@ -359,6 +365,7 @@ def write_and_paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_kv(key, value, ..., slot_mapping)` then `paged_decode(query, ...)`, in one launch on the Triton path.
 
@@ -368,7 +375,8 @@ def write_and_paged_decode(
     step). `split_counters` (int32 zeros, at least ``B * Hkv``, private to the caller's stream of launches) lets the
     kernel also combine its KV splits itself, saving the combine kernel; the launch leaves them at zero.
     Same result as the two calls, bit for bit."""
-    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts,
                    new_kv=(key, value, slot_mapping), split_counters=split_counters)
 
@@ -388,6 +396,7 @@ def paged_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, Dv]``.
 
@@ -408,8 +417,9 @@ def paged_prefill(
         raise TypeError(f"max_seqlen_q must be a Python int, got {type(max_seqlen_q).__name__}")
     if max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
-    _check_options(query.shape[1], query.device, sliding_window, softcap, sinks, chunk_size)
-    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+    opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)
+    _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
         _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)

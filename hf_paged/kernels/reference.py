@@ -106,17 +106,22 @@ def _feature_mask(q_pos, key_pos, lo: int, sliding_window, chunk_size) -> torch.
     return mask
 
 
-def masked_attention(q, k, v, mask, scale, softcap=None, sink_col=None):
+def masked_attention(q, k, v, mask, scale, softcap=None, sink_col=None, bias=None):
     """Masked attention ``q [.., M, D] @ k [.., L, D] -> [.., M, Dv]``; SDPA unless softcap / sinks need explicit math.
 
     ``sink_col`` (broadcastable to ``[.., M, 1]``) is one extra logit per row that only joins the denominator
-    (gpt-oss ``s_aux``). Rows with no key give zeros (the caller masks them).
+    (gpt-oss ``s_aux``). ``bias`` (broadcastable to ``[.., M, L]``, float32) is added to the scaled (and capped)
+    logits: ALiBi. Rows with no key give zeros (the caller masks them).
     """
     if softcap is None and sink_col is None:
+        if bias is not None:  # one additive float mask: the bias where a key is visible, -inf elsewhere
+            mask = torch.where(mask, bias.to(q.dtype), float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
     s = s.masked_fill(~mask, float("-inf"))
     mx = s.amax(-1, keepdim=True)
     if sink_col is not None:
@@ -143,12 +148,14 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending keys ``[kv_start[b], seq_lens[b])``.
 
     Options (see :func:`hf_paged.kernels.paged_decode`): ``sliding_window`` W keeps keys with ``q - k < W``,
     ``chunk_size`` C keeps keys in the query's chunk (counted from ``kv_start``), ``softcap`` caps the scaled
-    logits with ``softcap * tanh(x / softcap)``, ``sinks [Hq]`` adds ``exp(sink)`` to each head's denominator.
+    logits with ``softcap * tanh(x / softcap)``, ``sinks [Hq]`` adds ``exp(sink)`` to each head's denominator,
+    ``alibi_slopes [Hq]`` adds ``slope[h] * (k - q)`` to each logit.
     """
     B, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
@@ -188,7 +195,11 @@ def paged_decode(
         v = torch.where(vm, v, 0)
         # pack the G query heads of a KV head into the "query length" dim: no K/V expansion
         q = query[b0:b1].reshape(b1 - b0, Hkv, G, D)
-        o = masked_attention(q, k, v, valid[:, None, None, :], scale, softcap, sink_col)
+        bias = None
+        if alibi_slopes is not None:  # slope * (key - query), the query at seq_len - 1: [b, Hkv, G, L]
+            rel = (pos[None, :] - seq_lens[b0:b1, None] + 1).float()
+            bias = alibi_slopes.float().reshape(1, Hkv, G, 1) * rel[:, None, None, :]
+        o = masked_attention(q, k, v, valid[:, None, None, :], scale, softcap, sink_col, bias)
         o = torch.where(valid.any(-1)[:, None, None, None], o, 0)
         out[b0:b1] = o.reshape(b1 - b0, Hq, Dv)
     return out
@@ -209,6 +220,7 @@ def paged_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefix and themselves (options as in decode)."""
     T, Hq, D = query.shape
@@ -243,7 +255,11 @@ def paged_prefill(
         sink_col = None
         if sinks is not None:
             sink_col = sinks.reshape(Hkv, G, 1).expand(Hkv, G, q_len).reshape(1, Hkv, G * q_len, 1)
-        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), m, scale, softcap, sink_col)
+        bias = None
+        if alibi_slopes is not None:  # slope * (key - query): [1, Hkv, G * q_len, Lk]
+            rel = (key_pos[None, :] - q_pos[:, None]).float()
+            bias = (alibi_slopes.float().reshape(Hkv, G, 1, 1) * rel).reshape(1, Hkv, G * q_len, -1)
+        o = masked_attention(q, k.unsqueeze(0), v.unsqueeze(0), m, scale, softcap, sink_col, bias)
         o = torch.where(m.any(-1, keepdim=True), o, 0)
         out[q0:q1] = o.reshape(Hkv, G, q_len, Dv).permute(2, 0, 1, 3).reshape(q_len, Hq, Dv)
     return out
@@ -265,6 +281,7 @@ def naive_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit-softmax attention of one sequence.
 
@@ -272,7 +289,8 @@ def naive_attention(
     row ``i`` attends keys ``kv_start <= j <= q_positions[i]``. Empty rows give zeros.
     Computed in ``dtype`` (float64 by default) and returned in ``dtype``. The options mirror
     transformers' masks: window ``kv > q - W``, chunk ``(kv - start) // C == (q - start) // C``,
-    softcap on the scaled logits before masking, sinks as an extra softmax column that is dropped.
+    softcap on the scaled logits before masking, sinks as an extra softmax column that is dropped, ALiBi as
+    ``slope[h] * (k - q)`` added to the (capped) logits.
     """
     Lq, Hq, D = query.shape
     Lk, Hkv, _ = key.shape
@@ -292,6 +310,8 @@ def naive_attention(
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.to(dtype).reshape(Hq, 1, 1) * (kp - qp).to(dtype)[None]
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.to(dtype).reshape(Hq, 1, 1).expand(Hq, Lq, 1)], dim=-1)

@@ -173,6 +173,7 @@ def _paged_decode_kernel(
     PM,
     PL,
     SINK,
+    ALIBI,
     KNEW,
     VNEW,
     SLOT,
@@ -215,6 +216,7 @@ def _paged_decode_kernel(
     HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     SPLIT: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -255,23 +257,23 @@ def _paged_decode_kernel(
     if not FUSE_REDUCE:
         active = sp >= 0
     if active:
-        _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale, softcap,
-                        stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale,
+                        softcap, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                         stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                         stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
                         G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS,
-                        SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE)
+                        HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE)
 
 
 @triton.jit
-def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale, softcap,
-                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale,
+                    softcap, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                     stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                     stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
                     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                    DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+                    IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
                     PREFETCH_TABLE: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
     offs_g = tl.arange(0, G_PAD)
@@ -288,6 +290,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
+    if HAS_ALIBI:  # ALiBi slopes in base 2: the logits are scaled by log2(e) below
+        slope = tl.load(ALIBI + head, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
 
     bt_row = BT + b64 * stride_btb
     k_base = KC + kvh.to(tl.int64) * stride_kh
@@ -343,6 +347,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, KNEW, VNEW, SLOT, CN
             s = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
         else:
             s = s * qk_scale
+        if HAS_ALIBI:  # slope * (key - query), the query at seq_len - 1
+            s += slope[:, None] * (tok - seq_len + 1).to(tl.float32)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -410,6 +416,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -471,6 +478,7 @@ def paged_decode(
         pm,
         pl,
         sinks if sinks is not None else out,
+        alibi_slopes if alibi_slopes is not None else out,
         k_new,
         v_new,
         slots,
@@ -506,6 +514,7 @@ def paged_decode(
         HAS_CHUNK=chunk_size is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_ALIBI=alibi_slopes is not None,
         SPLIT=num_splits > 1,
         MIN_SPLIT=min_split,
         IEEE=ieee,

@@ -45,6 +45,7 @@ def _paged_prefill_kernel(
     KVS,
     OUT,
     SINK,
+    ALIBI,
     qk_scale,
     sm_scale,
     softcap,
@@ -75,6 +76,7 @@ def _paged_prefill_kernel(
     HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
     WHOLE: tl.constexpr,
@@ -113,6 +115,9 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        slope = l_i  # ALiBi: each row's head's slope, in base 2 (the logits are scaled by log2(e))
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
         # last key any row of this tile may see (+1)
         hi = tl.minimum(ctx + tl.minimum((qt + 1) * BLOCK_Q, q_len), seq_len)
@@ -139,29 +144,29 @@ def _paged_prefill_kernel(
             u_hi = tl.maximum(tl.minimum(((pos0 + 1) // BLOCK_N) * BLOCK_N, hi), u_lo)
             for t0 in range(start, u_lo, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
-                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
-                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
-                                              IEEE, DOT_F32)
+                                              window, chunk, qk_scale, sm_scale, softcap, slope, stride_kb,
+                                              stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM,
+                                              HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK,
+                                              HAS_SOFTCAP, HAS_ALIBI, IEEE, DOT_F32)
             for t0 in range(u_lo, u_hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
-                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
-                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-                                              D_PAD, DV_PAD, BLOCK_SIZE, False, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
-                                              IEEE, DOT_F32)
+                                              window, chunk, qk_scale, sm_scale, softcap, slope, stride_kb,
+                                              stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM,
+                                              HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, False, HAS_WINDOW, HAS_CHUNK,
+                                              HAS_SOFTCAP, HAS_ALIBI, IEEE, DOT_F32)
             for t0 in range(u_hi, hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
-                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
-                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
-                                              IEEE, DOT_F32)
+                                              window, chunk, qk_scale, sm_scale, softcap, slope, stride_kb,
+                                              stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM,
+                                              HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK,
+                                              HAS_SOFTCAP, HAS_ALIBI, IEEE, DOT_F32)
         else:
             for t0 in range(start, hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo,
-                                              window, chunk, qk_scale, sm_scale, softcap, stride_kb, stride_kt,
-                                              stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-                                              D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP,
-                                              IEEE, DOT_F32)
+                                              window, chunk, qk_scale, sm_scale, softcap, slope, stride_kb,
+                                              stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv, HEAD_DIM,
+                                              HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK,
+                                              HAS_SOFTCAP, HAS_ALIBI, IEEE, DOT_F32)
 
         o = _normalise(acc, m_i, l_i, SINK, head, row_ok, HAS_SINKS)
         tl.store(
@@ -173,16 +178,16 @@ def _paged_prefill_kernel(
 
 @triton.jit
 def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi, kv_lo, window, chunk, qk_scale,
-                  sm_scale, softcap, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv,
+                  sm_scale, softcap, slope, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_dv,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     """Keys ``[t0, t0 + BLOCK_N)`` of one query tile: the online-softmax state `(m_i, l_i, acc)` updated.
 
     `MASKED`: keys outside ``[lo_tile, hi)`` are not loaded and, with the causal / window / chunk rule, score -inf.
     Unmasked (a tile every row sees whole: see the kernel) the tile loads without bounds and skips those tests; its
-    scores are all finite, so no row's maximum can be -inf, and (without a softcap) the scale joins the exponent's
-    subtraction."""
+    scores are all finite, so no row's maximum can be -inf, and (without a softcap or ALiBi) the scale joins the
+    exponent's subtraction. ALiBi adds `slope * (key - query)` to the scaled (capped) logits."""
     tok = t0 + offs_n
     if MASKED:
         valid = (tok >= lo_tile) & (tok < hi)
@@ -206,8 +211,10 @@ def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi
     if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
         x = sc * sm_scale / softcap
         sc = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
-    elif MASKED:
+    elif MASKED or HAS_ALIBI:
         sc = sc * qk_scale
+    if HAS_ALIBI:
+        sc += slope[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
     if MASKED:
         keep = valid[None, :] & (tok[None, :] <= pos[:, None])
         if HAS_WINDOW:  # transformers: kv > q - W
@@ -218,7 +225,7 @@ def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(sc - m_use[:, None])
-    elif HAS_SOFTCAP:
+    elif HAS_SOFTCAP or HAS_ALIBI:
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = m_new
         p = tl.math.exp2(sc - m_use[:, None])
@@ -318,6 +325,7 @@ def paged_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel. Inputs are assumed validated (see ``hf_paged.kernels``)."""
     T, Hq, D = query.shape
@@ -346,6 +354,7 @@ def paged_prefill(
         kv_start if has_kv_start else seq_lens,
         out,
         sinks if sinks is not None else out,
+        alibi_slopes if alibi_slopes is not None else out,
         float(scale) * _LOG2E,
         float(scale),
         float(softcap) if softcap is not None else 1.0,
@@ -376,6 +385,7 @@ def paged_prefill(
         HAS_CHUNK=chunk_size is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_ALIBI=alibi_slopes is not None,
         IEEE=query.dtype == torch.float32,
         DOT_F32=not query.is_cuda,
         WHOLE=_whole_tiles(D, T / S, chunk_size is not None),

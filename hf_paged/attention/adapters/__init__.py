@@ -1,0 +1,40 @@
+"""Per-family attention adapters: models whose attention does not go through transformers' `AttentionInterface`.
+
+Most of transformers' families compute attention through `AttentionInterface`, and hf-paged reaches them by
+registering its attention function there. A few older or unusual ones (Falcon, GPT-J, GPT-Neo, CodeGen, JetMoE,
+BLOOM, MPT, XGLM, GPT-NeoX-Japanese) compute it in their own attention module. For those, `prepare_model` installs an adapter on each
+attention module *instance* (`registry.install`; `hf_paged.disable` uninstalls it): the module's own projections,
+norms, rotary code and cache calls run as written, and only where the module computes attention from the K/V that
+`Cache.update()` returned does the adapter call the registered attention function instead, as an interface-routed
+module does. Nothing of a modeling file is copied; each adapter names what its family does differently and why the
+replacement computes the same thing (one module per family or shared pattern):
+
+* `inner`: GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese (their inner `_attn` method replaced);
+* `falcon`: Falcon (multi-query, grouped new decoder architecture, rotary or ALiBi);
+* `jetmoe`: JetMoE (K/V tiled over the attention experts after the cache);
+* `xglm`: XGLM (fairseq-style attention, query pre-scaled);
+* `alibi`: BLOOM and MPT, and the slopes the kernels' `alibi_slopes` option takes (Falcon-RW's too).
+
+The static gate (`hf_paged.attention.support`) counts an adapted class as routed, and the run-time probe
+(`hf_paged.capabilities`) installs the adapters for its forward, so the architecture sweep checks adapted families
+exactly as the others: what the probe sees arrive at the attention function, and tokens equal to transformers'.
+"""
+
+from . import alibi, falcon, inner, jetmoe, xglm  # noqa: F401 - each registers its adapters
+from .registry import (
+    Adapter,
+    adapted_modules,
+    adapter_for,
+    attend,
+    family_module,
+    install,
+    needs_mask_tensor,
+    refusal,
+    register,
+    route_through,
+    switch_implementation,
+    uninstall,
+)
+
+__all__ = ["Adapter", "adapted_modules", "adapter_for", "attend", "family_module", "install", "needs_mask_tensor",
+           "refusal", "register", "route_through", "switch_implementation", "uninstall"]
