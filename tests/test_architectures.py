@@ -31,6 +31,9 @@ from hf_paged.model_zoo import ARCHITECTURES, check_architecture
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 architecture_report = pytest.importorskip("architecture_report")
 
+# the sweep runs once per process (`_records`), for every test of the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("architectures")
+
 # plain except for MoE MLPs / norms / biases / positions: accepted with today's kernels
 MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "olmo2", "cohere", "gpt_neox",
              "phi", "smollm3", "starcoder2", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")

@@ -23,6 +23,9 @@ from lm_eval.utils import get_rolling_token_windows  # noqa: E402
 from hf_paged.integrations.lm_eval import HFPagedLM, sampling_params  # noqa: E402
 from hf_paged.testing import smollm2_checkpoint  # noqa: E402
 
+# the SmolLM2 evaluators are built once for the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("lm_eval")
+
 QA = [
     ("The capital of France is", "Paris"),
     ("Two plus two equals", "four"),

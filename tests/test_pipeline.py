@@ -10,6 +10,9 @@ import hf_paged
 from hf_paged.integrations.pipeline import PagedTextGenerationPipeline
 from hf_paged.testing import load_smollm2
 
+# one SmolLM2 for the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 
 @pytest.fixture(scope="module")
 def smollm2():
