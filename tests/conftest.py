@@ -6,6 +6,8 @@
   intra-op pool: one thread each on the 2-core CI machine. Two workers with two OpenMP threads each oversubscribe the
   cores, and then every parallel region waits for a descheduled thread: a SmolLM2 decode step went from 0.1 s to
   2.5 s that way on a busy machine. Set `HF_PAGED_TEST_THREADS` to override the share.
+* Triton's interpreter skips re-patching `triton.language` on every helper call (tests/interpreter_speedup.py; set
+  `HF_PAGED_TEST_INTERPRETER_SPEEDUP=0` to run it unchanged).
 * `--module-coverage` (used by `make test-fast`) fails the run when an hf_paged module was not exercised
   (tests/module_coverage.py says how that is measured).
 
@@ -51,9 +53,13 @@ if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
-    from tests import module_coverage
+    from tests import interpreter_speedup, module_coverage
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    import interpreter_speedup
     import module_coverage
+
+if not _has_cuda and os.environ.get("HF_PAGED_TEST_INTERPRETER_SPEEDUP", "1") != "0":
+    interpreter_speedup.install()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,3 +73,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--module-coverage"):
         config.pluginmanager.register(module_coverage.ModuleCoverage(config), "hf_paged_module_coverage")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` (pytest-xdist 3.8) tags the node id of a test marked `xdist_group` with `@<group>`, and the
+    scheduler keeps one tag's tests on one worker; it writes the tag to `item._nodeid`, which pytest 9 no longer reads
+    (node ids live in `item._id`), so the groups were silently ignored. Tag them where pytest 9 reads the id."""
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9: xdist's own tag works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
