@@ -77,10 +77,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`--dist loadgroup` (pytest-xdist 3.8) tags the node id of a test marked `xdist_group` with `@<group>`, and the
+    """Under pytest-xdist: the slow tests first, and `xdist_group` honoured.
+
+    The workers take tests in collection order, so a long test collected last (the scheduler's long state machine,
+    the soak run, the tensor-parallel launches sit late in the alphabet) would run alone at the end while the other
+    worker idles; started first, the short tests fill in around them. The order within the slow tests and within the
+    others stays the collection order (a stable sort).
+
+    `--dist loadgroup` (pytest-xdist 3.8) tags the node id of a test marked `xdist_group` with `@<group>`, and the
     scheduler keeps one tag's tests on one worker; it writes the tag to `item._nodeid`, which pytest 9 no longer reads
     (node ids live in `item._id`), so the groups were silently ignored. Tag them where pytest 9 reads the id."""
-    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+    if not hasattr(config, "workerinput"):
+        return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not config.getvalue("loadgroup"):
         return
     try:
         from _pytest.nodeid import NodeId

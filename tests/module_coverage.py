@@ -6,18 +6,25 @@ without functions, such as a package `__init__` that only re-exports, counts onc
 coverage.py's C tracer, limited to the hf_paged package, in the process that runs the tests: each pytest-xdist worker
 reports what it saw and the controller takes the union. Code that only runs in a subprocess a test starts (a server,
 `torchrun` ranks) does not count.
+
+Tracing every line of the engine made the quick suite 40% slower, and one line per module is all the check needs: every
+few seconds (between tests) the modules already exercised stop being traced (their entries in coverage's
+should-trace cache are turned off), so after the first minutes almost nothing is traced.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import pathlib
+import time
 
 import pytest
 
 PACKAGE = "hf_paged"
 _OUTPUT_KEY = "hf_paged_exercised_modules"
+_PRUNE_EVERY_S = 5.0
 
 
 def package_root() -> pathlib.Path:
@@ -39,7 +46,8 @@ def package_modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
     return modules
 
 
-def function_body_lines(path: pathlib.Path) -> set[int]:
+@functools.cache
+def function_body_lines(path: pathlib.Path) -> frozenset[int]:
     """Line numbers of the statements inside the module's functions and methods (nested ones included)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     lines: set[int] = set()
@@ -49,7 +57,7 @@ def function_body_lines(path: pathlib.Path) -> set[int]:
                 for inner in ast.walk(statement):
                     if isinstance(inner, ast.stmt):
                         lines.add(inner.lineno)
-    return lines
+    return frozenset(lines)
 
 
 def exercised(path: pathlib.Path, executed: set[int]) -> bool:
@@ -68,6 +76,8 @@ class ModuleCoverage:
         self.seen: set[str] = set()
         self.coverage = None
         self.missing: list[str] | None = None
+        self.by_path = {str(path.resolve()): name for name, path in self.modules.items()}
+        self.last_prune = time.monotonic()
 
     # ------------------------------------------------------------------ recording (a worker, or a run without xdist)
     @pytest.hookimpl(tryfirst=True)
@@ -79,16 +89,38 @@ class ModuleCoverage:
         self.coverage = coverage.Coverage(data_file=None, source=[str(self.root)], branch=False, config_file=False)
         self.coverage.start()
 
+    def _collect(self) -> set[str]:
+        """Add the modules exercised so far to `seen`; returns the source files of the ones new to it."""
+        data = self.coverage.get_data()
+        new = set()
+        for filename in data.measured_files():
+            name = self.by_path.get(str(pathlib.Path(filename).resolve()))
+            if name is None or name in self.seen:
+                continue
+            if exercised(self.modules[name], set(data.lines(filename) or ())):
+                self.seen.add(name)
+                new.add(str(self.modules[name]))
+        return new
+
+    def pytest_runtest_logfinish(self) -> None:
+        if self.coverage is None or time.monotonic() - self.last_prune < _PRUNE_EVERY_S:
+            return
+        done = self._collect()
+        # coverage.py's tracers look each new frame's file up in this cache (shared by every thread's tracer) and
+        # trace it only while the entry's `trace` is true; without the cache (another coverage.py) nothing is pruned
+        cache = getattr(getattr(self.coverage, "_collector", None), "should_trace_cache", None) or {}
+        for disposition in list(cache.values()):
+            if disposition is not None and getattr(disposition, "trace", False):
+                source = disposition.source_filename or disposition.canonical_filename
+                if str(pathlib.Path(source).resolve()) in done:
+                    disposition.trace = False
+        self.last_prune = time.monotonic()
+
     def _record(self) -> None:
         if self.coverage is None:
             return
         self.coverage.stop()
-        data = self.coverage.get_data()
-        by_path = {str(path.resolve()): name for name, path in self.modules.items()}
-        for filename in data.measured_files():
-            name = by_path.get(str(pathlib.Path(filename).resolve()))
-            if name is not None and exercised(self.modules[name], set(data.lines(filename) or ())):
-                self.seen.add(name)
+        self._collect()
         self.coverage = None
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)

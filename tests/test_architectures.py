@@ -58,6 +58,7 @@ def _recorded() -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.slow
 def test_architecture(arch):
     record = _records()[arch]
     verdict = record["verdict"]
@@ -75,11 +76,13 @@ def test_architecture(arch):
         assert record["reason"], f"{arch} is not runnable without a reason"
 
 
+@pytest.mark.slow
 def test_plain_attention_families_pass():
     failing = {a: _records()[a]["reason"] for a in MUST_PASS if _records()[a]["verdict"] != "pass"}
     assert not failing
 
 
+@pytest.mark.slow
 def test_hybrid_models_are_refused_naming_the_recurrent_state():
     for arch in HYBRID:
         record = _records()[arch]
@@ -87,6 +90,7 @@ def test_hybrid_models_are_refused_naming_the_recurrent_state():
             assert record["verdict"] == "refused" and "recurrent_state" in record["unhandled"], (arch, record)
 
 
+@pytest.mark.slow
 def test_sweep_matches_docs_architectures_json():
     """docs/architectures.json is this sweep's output (regenerate: python benchmarks/probe_architectures.py)."""
     recorded = _recorded()

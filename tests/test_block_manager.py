@@ -1142,7 +1142,7 @@ BlockManagerMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine = pytest.mark.slow(BlockManagerMachine.TestCase)
 
 
 class _LongRun(BlockManagerMachine):
@@ -1295,6 +1295,7 @@ PREFIX_MACHINE_SETTINGS = settings(
 )
 
 
+@pytest.mark.slow
 def test_prefix_caching_machine_really_hits() -> None:
     """The machine's runs, then what they did: admissions through real hits, and runs under a colliding hash (one
     test, so the check never depends on which process or in which order the tests ran)."""

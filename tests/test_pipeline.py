@@ -23,6 +23,7 @@ def smollm2():
         pytest.skip(f"SmolLM2 weights unavailable: {error}")
 
 
+@pytest.mark.slow
 def test_pipeline_matches_transformers_on_chats_and_strings(smollm2):
     model, tokenizer = smollm2
     hf_paged.disable(model)
@@ -49,6 +50,7 @@ def test_pipeline_matches_transformers_on_chats_and_strings(smollm2):
     hf_paged.disable(model)
 
 
+@pytest.mark.slow
 def test_pipeline_rejects_other_tasks(smollm2):
     model, tokenizer = smollm2
     with pytest.raises(ValueError, match="text-generation"):

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 from hf_paged.testing import load_smollm2, smollm2_checkpoint  # noqa: E402
 
 # one server (and one reference SmolLM2) for the file, shut down by its last test: the file runs on one worker
-pytestmark = pytest.mark.xdist_group("serve")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 
 KEY = "test-key"
 NAME = "smollm2"
