@@ -110,6 +110,7 @@ def test_prefill_steps_run_the_compiled_layers_and_compile_nothing_more(family, 
     engine.close()
 
 
+@pytest.mark.slow
 def test_prefill_that_would_keep_compiling_stays_on_the_models_code():
     """If the first routed prefill step compiles more graphs than a decode step may, prefill steps run the model's
     own code from then on (the step itself already ran right)."""

@@ -44,7 +44,7 @@ def _mixed(rows, vocab, device="cpu", dtype=torch.float32, gen_seed=0):
     return logits.to(device), _params(rows, temps[:rows], ks[:rows], ps[:rows], mps[:rows], seeds, offs, device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_triton_matches_reference(monkeypatch, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter only runs without a GPU)
     logits, params = _mixed(8, 700, dtype=dtype, device=device)
