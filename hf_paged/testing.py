@@ -31,6 +31,7 @@ from .integrations.gguf import load_gguf
 __all__ = [
     "FAMILIES",
     "SMOLLM2_GGUF",
+    "byte_tokenizer",
     "load_smollm2",
     "smollm2_cache_dir",
     "smollm2_checkpoint",
@@ -338,3 +339,23 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLik
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True)
     model.eval()
     return model, tokenizer
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges: ids 0-2 are <pad>, <s>, </s>, then one token per byte, so any text
+    round-trips. With a chat template (``<role>content`` lines). For tiny models in server and grammar tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<s>", "</s>"])}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    out.add_special_tokens({"additional_special_tokens": []})
+    out.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return out

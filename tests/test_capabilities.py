@@ -65,12 +65,18 @@ def test_attention_computed_by_the_model_is_refused():
         hf_paged.enable(model)
 
 
-def test_hybrid_model_is_refused_for_its_recurrent_state():
+def test_hybrid_model_is_accepted_for_its_slotted_recurrent_state():
     model = tiny_model("jamba")
     caps = capabilities.inspect_model(model)
     assert caps.recurrent_layers == (0,) and "recurrent_state" in caps.features
-    with pytest.raises(ValueError, match="recurrent_state"):
-        hf_paged.enable(model)
+    assert "recurrent_state" in support.model_features(model)
+    hf_paged.enable(model)
+    hf_paged.disable(model)
+
+
+def test_recurrent_state_outside_the_cache_api_is_refused():
+    with pytest.raises(ValueError, match="unslotted_state"):
+        hf_paged.enable(tiny_model("minimax"))
 
 
 def test_forward_without_position_ids_is_refused():

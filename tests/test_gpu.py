@@ -206,3 +206,29 @@ def test_default_engine_compiles_the_decode_step_on_cuda():
     out = model.generate(ids, max_new_tokens=16, do_sample=False, cache_implementation="paged")
     assert out[0, ids.shape[1]:].tolist() == compiled[0]
     assert model._hf_paged_engine.runner.compile_decode
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "falcon_h1"])
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_hybrid_models_on_cuda(family, compile_decode):
+    """Hybrid models on the GPU (with flash-linear-attention's kernels where transformers finds them): the engine's
+    eager or compiled step, recorded in CUDA graphs, with chunked prefill, preemption and a prefix hit, gives
+    transformers' greedy tokens (float32); every block and state slot comes back."""
+    from transformers import GenerationConfig
+
+    from hf_paged.model_zoo import tiny_model as zoo_model
+
+    model = zoo_model(family).cuda()
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    prompts = [[t % 200 for t in p] for p in _prompts(12, seed=5)]  # (the zoo's vocabulary)
+    prompts += [prompts[0][:20] + [t % 200 for t in p] for p in _prompts(3, seed=6)]  # prompts sharing a prefix
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=48, block_size=16, max_num_batched_tokens=64,
+                             compile_decode=compile_decode)
+    assert engine.runner.use_cuda_graph
+    outs = engine.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.graph_failure is None
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0 and stats.state_slots_used == 0

@@ -49,10 +49,11 @@ def _load_pure_modules():
         package.__path__ = [str(PACKAGE_DIR)]
         sys.modules[PURE_PACKAGE] = package
     return tuple(importlib.import_module(f"{PURE_PACKAGE}.core.{name}")
-                 for name in ("block_manager", "sequence", "scheduler"))
+                 for name in ("block_manager", "sequence", "scheduler", "state_slots"))
 
 
-block_manager, sequence, scheduler = _load_pure_modules()
+block_manager, sequence, scheduler, state_slots = _load_pure_modules()
+StateSlots = state_slots.StateSlots
 BlockManager = block_manager.BlockManager
 Scheduler = scheduler.Scheduler
 Sequence = sequence.Sequence
@@ -96,11 +97,19 @@ class Sim:
     """Block manager + scheduler, stepped the way `hf_paged.Engine` steps them, with a shadow KV pool."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, mode,
-                 prefix_caching=False):
+                 prefix_caching=False, slots=False):
+        # a hybrid model's recurrent-state slots: one per running sequence, checkpoints with prefix caching
+        state = None
+        if slots:
+            state = StateSlots(max_num_seqs, num_cpu_slots=max_num_seqs if num_cpu_blocks else 0,
+                               num_checkpoints=2 if prefix_caching else 0)
         if prefix_caching:
-            self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=True)
+            self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=True, state=state)
         else:
-            self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks)
+            self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks, state=state)
+        # shadow recurrent states: slot -> the tokens the state has seen (a sequence's state at position p must be
+        # the state of its first p tokens, however it got there: zeros, forks, swaps, checkpoint restores)
+        self.states: dict[str, dict[int, tuple]] = {"gpu": {}, "cpu": {}}
         self.sched = Scheduler(
             self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, preemption_mode=mode
         )
@@ -197,6 +206,13 @@ class Sim:
         self._copy(out.swap_in, "cpu", "gpu")
         self._copy(out.copies, "gpu", "gpu")
         self.counts["cow_copies"] += len(out.copies)
+        if bm.state is not None:  # the runner's state slot operations, then each row's state read and advanced
+            self._apply_state_ops(bm.state.take_ops())
+            for item in out.scheduled:
+                slot = bm.state.slot(item.seq.seq_id)
+                assert self.states["gpu"].get(slot) == tuple(item.seq.token_ids[: item.start]), "wrong state"
+                self.states["gpu"][slot] = tuple(item.seq.token_ids[: item.start + item.num_tokens])
+            self.counts["state_checkpoint_hits"] = bm.state.checkpoint_hits
         for item in out.scheduled:
             table = bm.block_table(item.seq.seq_id)
             for position, slot in zip(range(item.start, item.start + item.num_tokens), item.slots, strict=True):
@@ -206,7 +222,21 @@ class Sim:
                 assert not bm.gpu.is_cached(block), "a write would change a prefix-cached block"
                 self.memory["gpu"][slot] = item.seq.token_ids[position]
         self.counts["tokens"] += out.num_batched_tokens
+        sched.commit_launched(out)  # as the engine, once the forward is launched (hybrid models: state checkpoints)
         self._sample_and_update(out, rng)
+
+    def _apply_state_ops(self, ops) -> None:
+        """`StatePool.apply` on the shadow states: reads (swap-outs, copies' sources), then writes."""
+        gpu, cpu = self.states["gpu"], self.states["cpu"]
+        for src, dst in ops.swap_out:
+            cpu[dst] = gpu.get(src) if src >= 0 else ()
+        gathered = [gpu.get(src) for src, _ in ops.copies]
+        for (_, dst), value in zip(ops.copies, gathered):
+            gpu[dst] = value
+        for dst in ops.zeros:
+            gpu[dst] = ()
+        for src, dst in ops.swap_in:
+            gpu[dst] = cpu.get(src)
 
     def _copy(self, pairs, src: str, dst: str) -> None:
         bs = self.bm.block_size
@@ -269,6 +299,7 @@ class Sim:
         bm, spec = self.bm, group.params
         live = group.live_seqs()
         if rows != {s.seq_id for s in live}:  # BeamSearch._defer: some beams still prefill after a recompute
+            assert bm.state is None, "a hybrid model's beam was deferred (its state cannot give a token back)"
             for seq in group.seqs:
                 if seq.seq_id in rows:
                     seq.num_computed -= 1
@@ -291,6 +322,12 @@ class Sim:
             group.seqs = hyps
             return
         parents = [rng.choice(seqs) for _ in range(spec.width)]
+        continued = {parent.seq_id for parent in parents}
+        for seq in seqs:  # BeamSearch: dropped beams first, their blocks and state slots go to the forks
+            if seq.seq_id not in continued:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.sched.free_seq(seq)
+                self.counts["beams_dropped"] += 1
         used: set[int] = set()
         new_seqs = []
         for parent in parents:
@@ -304,11 +341,6 @@ class Sim:
             else:
                 used.add(parent.seq_id)
                 new_seqs.append(parent)
-        for seq in seqs:
-            if seq.seq_id not in used:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self.sched.free_seq(seq)
-                self.counts["beams_dropped"] += 1
         for seq in new_seqs:
             seq.token_ids.append(self._tokens(1)[0])
         group.seqs = new_seqs
@@ -362,6 +394,10 @@ class Sim:
                     read = [self.memory[device].get(table[p // bs] * bs + p % bs) for p in range(seq.num_computed)]
                     assert read == seq.token_ids[: seq.num_computed], f"seq {seq.seq_id} reads back wrong K/V"
         assert set(bm.seq_ids()) == live_ids, "block tables of sequences that are not live (a leak)"
+        if bm.state is not None:  # every resident live sequence holds one state slot, every swapped one a CPU slot
+            swapped = sum(1 for g in sched.swapped for s in g.live_seqs())
+            assert bm.state.num_used == len(live_ids) - swapped <= bm.state.num_slots
+            assert bm.state.num_cpu_slots - bm.state.num_cpu_free - len(bm.state._cpu_released) == swapped
 
         for device, allocator, size in (("gpu", bm.gpu, bm.num_blocks), ("cpu", bm.cpu, bm.num_cpu_blocks)):
             free = allocator.free_blocks()
@@ -409,6 +445,8 @@ class Sim:
         assert set(self.finished) == set(self.groups)
         assert self.bm.gpu.num_free == self.bm.num_blocks and self.bm.cpu.num_free == self.bm.num_cpu_blocks
         assert self.bm.seq_ids() == []
+        if self.bm.state is not None:
+            assert self.bm.state.num_used == 0 and self.bm.state.num_free == self.bm.state.num_slots
 
 
 def _cached_blocks(allocator) -> set[int]:
@@ -450,12 +488,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_caching=st.booleans() if HAS_PREFIX_CACHE else st.just(False),
         admission_batch=st.integers(1, 4),
         admission_max_wait=st.integers(0, 4),
+        slots=st.booleans(),
     )
     def setup(self, num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, swap,
-              prefix_caching, admission_batch, admission_max_wait):
+              prefix_caching, admission_batch, admission_max_wait, slots):
         mode = "swap" if swap and num_cpu_blocks > 0 else "recompute"
         self.sim = Sim(
-            num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, mode, prefix_caching
+            num_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens, mode, prefix_caching, slots
         )
         if HAS_ADMISSION_BATCH:  # batched admissions (the engine's default with CUDA graphs) keep every invariant
             self.sim.sched.admission_batch = admission_batch

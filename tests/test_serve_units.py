@@ -12,31 +12,13 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.serve.stops import TextTracker, find_stop, held_back  # noqa: E402
-from hf_paged.testing import tiny_model  # noqa: E402
-
-SPECIAL = ["<pad>", "<s>", "</s>"]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Ids 0-2 special, then one token per byte (no merges): any text round-trips."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    out.add_special_tokens({"additional_special_tokens": []})
-    out.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    return out
+from hf_paged.testing import byte_tokenizer, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +183,7 @@ def test_stream_n_logprobs_and_metrics(served):
     metrics = call(app, "GET", "/metrics", key=None).text
     assert "hf_paged_time_to_first_token_seconds_count" in metrics
     assert "hf_paged_kv_blocks_used 0.0" in metrics  # everything finished: no block held
+    assert "hf_paged_num_requests_queued 0.0" in metrics and "hf_paged_requests_refused_total 0.0" in metrics
 
 
 def test_chat_logprobs(served):
@@ -280,3 +263,29 @@ def test_console_script_prints_its_usage_and_refuses_unknown_commands(monkeypatc
         assert err.startswith("usage: hf-paged serve MODEL") and not out
     monkeypatch.setattr(cli, "serve_main", lambda argv: ("served", argv))
     assert cli.main(["serve", "m", "--port", "9"]) == ("served", ["m", "--port", "9"])
+
+
+def test_echo_streamed_and_scoring_only(served):
+    """echo in a stream: the first chunk of each choice starts with the prompt (and its logprob entries, the first
+    one null); max_tokens=0 only scores; prompt_logprobs without echo; the same scores as the whole response."""
+    app, engine, tok = served
+    body = {"prompt": "abcd", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "stream": True}
+    r = call(app, "POST", "/v1/completions", body)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    entries = [lp for c in chunks for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    whole = call(app, "POST", "/v1/completions", {**body, "stream": False}).json()["choices"][0]
+    assert text == whole["text"] and text.startswith("abcd") and len(text) > 4
+    assert entries == whole["logprobs"]["token_logprobs"] and entries[0] is None and len(entries) == 4 + 3
+    scored = call(app, "POST", "/v1/completions", {"prompt": "abcd", "max_tokens": 0, "echo": True, "logprobs": 2,
+                                                  "prompt_logprobs": 1}).json()["choices"][0]
+    assert scored["text"] == "abcd" and scored["finish_reason"] == "length"
+    assert scored["logprobs"]["token_logprobs"][0] is None  # (a prefill of 3 tokens, not 4: float noise only)
+    assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:4], abs=1e-5)
+    assert scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == 4
+    ids = tok("abcd")["input_ids"]
+    for entry, token, lp in zip(scored["prompt_logprobs"][1:], ids[1:], scored["logprobs"]["token_logprobs"][1:]):
+        assert entry[str(token)]["logprob"] == lp
+    r = call(app, "POST", "/v1/completions", {"prompt": "abcd", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert engine.kv_stats().used_blocks == 0

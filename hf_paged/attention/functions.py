@@ -64,12 +64,13 @@ from transformers.masking_utils import AttentionMaskInterface
 from .. import kernels
 from ..kernels.reference import masked_attention
 from .compiled_op import active_deferred_cache, fused_decode_attention
+from .support import UNSUPPORTED_ATTENTION_KWARGS
 
 ATTENTION_NAME = "hf_paged"
 
 __all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask", "layer_options", "HANDLED_KWARGS"]
 
-_UNSUPPORTED_KWARGS = ("position_bias",)
+_UNSUPPORTED_KWARGS = tuple(sorted(UNSUPPORTED_ATTENTION_KWARGS))
 # attention kwargs (besides `scaling` / `dropout`) the kernels handle, and the config-driven chunked layers
 HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux")
 

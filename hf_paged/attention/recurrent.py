@@ -127,6 +127,9 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
     if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
         view = _StateView(layer, pool, step.state_slots[:tokens], True, compiled)
         return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
+    if compiled is not None:
+        raise RuntimeError("hf-paged: a hybrid model's ragged step ran through the compiled layers (they compile its "
+                           "decode steps only)")
     decode = [i for i, (_, n, prev) in enumerate(rows) if n == 1 and prev]
     if len(decode) == len(rows) == tokens:  # (an eager decode step: rows are the sequences, in order)
         view = _StateView(layer, pool, step.state_slots, True)

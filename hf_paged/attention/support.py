@@ -81,6 +81,9 @@ KERNEL_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "value_head_dim",
 })
 
+# keyword arguments that change what attention computes and that the kernels do not take (a relative position bias):
+# refused when a model's attention call passes them (other arguments are checked at run time: `capabilities`)
+UNSUPPORTED_ATTENTION_KWARGS = frozenset({"position_bias"})
 # keyword arguments of an attention call that change nothing the kernels compute, or that they take per call
 KNOWN_ATTENTION_KWARGS = frozenset({
     "position_ids", "use_cache", "cache_position", "output_attentions", "position_embeddings", "is_causal",
@@ -254,7 +257,7 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
         mask_name = ast.unparse(mask) if mask is not None else None
         if mask_name not in (None, "None", "attention_mask"):
             found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
-        extra = sorted(kw.arg for kw in call.keywords if kw.arg is not None and kw.arg not in KNOWN_ATTENTION_KWARGS
+        extra = sorted(kw.arg for kw in call.keywords if kw.arg in UNSUPPORTED_ATTENTION_KWARGS
                        and not (isinstance(kw.value, ast.Constant) and kw.value.value is None))
         if extra:
             found["unknown_attention_kwargs"] = f"{cls.__name__} passes {extra} to the attention function"

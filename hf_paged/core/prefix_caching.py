@@ -126,7 +126,6 @@ class PrefixCaching:
             while mapped and not self.state.has_checkpoint(entries[mapped - 1]):
                 mapped -= 1
             state_key = entries[mapped - 1] if mapped else None
-            pending = False  # the block being computed would bring no checkpoint with it
         return PrefixMatch(
             num_tokens=n,
             num_cached_tokens=mapped << self._shift,

@@ -41,6 +41,7 @@ from .block_manager import BlockManager
 from .decode_batch import DecodeBatch
 from .schedule import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .state_policy import CheckpointPlanner, free_state_slots
 
 __all__ = ["Scheduler"]
 
@@ -267,7 +268,7 @@ class Scheduler(AdmissionPolicy):
                 needed = bm.blocks_needed_to_swap_in_and_append((s.seq_id, n) for s, n in plan)
                 if needed + (self.watermark_blocks if self.running else 0) > bm.gpu.num_free:
                     break
-                if bm.state is not None and group.max_running_seqs() > self._free_state_slots():
+                if bm.state is not None and group.max_running_seqs() > free_state_slots(bm, self.running):
                     break
                 out.swap_in.extend(bm.swap_in([s.seq_id for s in seqs]))
                 self.swapped.pop(0)
@@ -277,7 +278,11 @@ class Scheduler(AdmissionPolicy):
                 self._reserve(group, plan, out, budget)
 
         if not out.preempted and not self.swapped and admit:
-            free_slots = self._free_state_slots() if bm.state is not None else None
+            free_slots = free_state_slots(bm, self.running) if bm.state is not None else None
+            planner = None
+            if caching and bm.state is not None:  # (hybrid models: prompts hashed now if no launch did it ahead)
+                self.prepare_admissions()
+                planner = CheckpointPlanner(self.waiting, bm.block_size)
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
                 if free_slots is not None:  # hybrid models: a state slot for every sequence it will run
@@ -285,7 +290,7 @@ class Scheduler(AdmissionPolicy):
                         break
                     free_slots -= group.max_running_seqs()
                 if caching:
-                    plan, matches = self._plan_admission(group, budget)
+                    plan, matches = self._plan_admission(group, budget, planner)
                     if plan is None:
                         break
                 else:
@@ -308,7 +313,7 @@ class Scheduler(AdmissionPolicy):
                         bm.allocate(seq.seq_id, 0)
                     seq.status = SequenceStatus.RUNNING
                 if caching and bm.state is not None:
-                    self._plan_state_saves(plan, matches)
+                    planner.plan_saves(group, plan, matches)
                     plan = self._plan(group, budget)  # chunks now end at the checkpoints
                 self._insert(self.running, group)
                 self._reserve(group, plan, out, budget)
@@ -432,19 +437,20 @@ class Scheduler(AdmissionPolicy):
         budget[1] -= seq_budget
         return True
 
-    def _plan_admission(self, group: SequenceGroup, budget: list[int]):
+    def _plan_admission(self, group: SequenceGroup, budget: list[int], planner: CheckpointPlanner | None = None):
         """With prefix caching: `(plan, matches)` to admit a waiting group now, or `(None, None)`.
 
         Each sequence's `num_computed` is moved past its cached prefix (reset to 0 when the group is not admitted).
         Cached blocks taken from the evictable pool count against the free blocks. The group waits (one step) when
-        the block after a sequence's cached prefix is being computed by a running sequence right now.
+        the block after a sequence's cached prefix is being computed by a running sequence right now, or (hybrid
+        models, `planner`) when a sequence admitted before it in this pass checkpoints the state it could resume from.
         """
         bm = self.block_manager
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
             match = bm.match_prefix(seq.token_ids, group.max_cached_prefix, known_keys=seq.prompt_keys or ())
-            if match.pending and self.running:
+            if (match.pending or (planner is not None and planner.waits(match))) and self.running:
                 return None, None
             matches[seq.seq_id] = match
         for seq in seqs:
@@ -476,8 +482,11 @@ class Scheduler(AdmissionPolicy):
         for index, seq in enumerate(seqs):
             # share the budget so every sequence of the group gets at least one token (gang scheduling)
             n = min(seq.num_uncomputed, tokens_left - (len(seqs) - index - 1))
-            if seq.state_saves:
-                n = min(n, seq.state_saves[0] - seq.num_computed)
+            saves = seq.state_saves
+            while saves and saves[0] <= seq.num_computed:  # passed in a one-token step of the decode fast path
+                saves.pop(0)
+            if saves:
+                n = min(n, saves[0] - seq.num_computed)
             plan.append((seq, n))
             tokens_left -= n
         if len(plan) > 1 and self.block_manager.state is not None:
@@ -497,25 +506,6 @@ class Scheduler(AdmissionPolicy):
             if saves and saves[0] == start + n:  # the chunk ends at a checkpoint: kept once the forward is launched
                 out.state_saves.append((seq, saves.pop(0)))
         budget[1] -= max(len(plan), group.max_running_seqs())
-
-    def _free_state_slots(self) -> int:
-        """Free state slots left for admissions: those the running groups about to fork will take are not."""
-        forks = sum(group.width - 1 for group in self.running if len(group.seqs) == 1 and group.width > 1)
-        return self.block_manager.state.num_free - forks
-
-    def _plan_state_saves(self, plan, matches) -> None:
-        """Where an admitted sequence of a hybrid model checkpoints its recurrent state (prefix caching on).
-
-        A prefix-cache hit needs the state at the hit's end as well as the K/V blocks before it. Two block-aligned
-        positions are kept: where the cached K/V of an earlier prompt ends beyond the checkpoint found (that prefix
-        is known to be shared, e.g. a system prompt: the next prompt that shares it resumes from here), and the last
-        full block of the prompt (a conversation's next turn starts with this prompt)."""
-        shift = self.block_manager.block_size.bit_length() - 1
-        for seq, _ in plan:
-            match = matches[seq.seq_id]
-            start = seq.num_computed
-            points = {match.num_hit_blocks << shift, (seq.prompt_len >> shift) << shift}
-            seq.state_saves = sorted(p for p in points if start < p <= seq.num_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager

@@ -17,7 +17,9 @@ before the next forward, in this order: (1) reads: swap-outs copy GPU slots to t
 gathered; (2) writes: the copies are scattered, fresh slots zeroed, swap-ins written. For that to equal applying the
 operations one by one, a copy never reads a slot that another pending operation writes: a copy from a slot whose own
 content is still pending (a fork of a fork, a checkpoint of a just-restored sequence) takes that pending source
-instead. A checkpoint that a pending restore reads is pinned until the operations are taken.
+instead. A checkpoint that a pending restore reads is pinned, and a CPU slot that a pending swap-in reads stays
+taken, until the operations are taken. A swapped-in state is read (forked, checkpointed, swapped out) only after
+its swap-in ran: the engine swaps in while it schedules, after the forks and checkpoints of the step before.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class StateSlots:
         self._writes: dict[int, int] = {}  # GPU slot -> pending source (a slot, or _ZERO)
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: dict[int, int] = {}  # GPU slot -> CPU slot
+        self._cpu_released: list[int] = []  # CPU slots a pending swap-in reads: free again once it has run
         self.checkpoint_hits = 0
         self.checkpoints_saved = 0
         self.checkpoint_evictions = 0
@@ -151,6 +154,8 @@ class StateSlots:
         self._writes = {}
         self._swap_in = {}
         self._pinned.clear()
+        self._cpu_free.extend(self._cpu_released)
+        self._cpu_released = []
         return ops
 
     @property
@@ -221,7 +226,7 @@ class StateSlots:
         return sum(1 for s in seq_ids if s in self._slot) <= len(self._cpu_free)
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> None:
-        """Move the sequences' states to CPU slots (all or nothing)."""
+        """Move the sequences' states to CPU slots (all or nothing; `num_cpu_free` of them must be free)."""
         ids = [s for s in seq_ids if s in self._slot]
         if len(ids) > len(self._cpu_free):
             raise NoFreeSlotsError(f"swap-out of {len(ids)} states needs as many free CPU slots, "
@@ -246,7 +251,7 @@ class StateSlots:
             self._slot[seq_id] = slot
             self._writes.pop(slot, None)
             self._swap_in[slot] = cpu
-            self._cpu_free.append(cpu)
+            self._cpu_released.append(cpu)
 
     # ------------------------------------------------------------------ checkpoints (prefix caching)
     def has_checkpoint(self, key: Hashable) -> bool:

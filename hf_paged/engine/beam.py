@@ -114,6 +114,9 @@ class BeamSearch:
 
     def _defer(self, group: SequenceGroup, rows: dict[int, int]) -> None:
         bm = self.engine.block_manager
+        if bm.state is not None:  # a recurrent state cannot give a token back: the scheduler never asks it to
+            raise RuntimeError("beam search deferred a hybrid model's beam (its scheduler plans beams to finish "
+                               "their prompts together)")
         for seq in group.seqs:
             if seq.seq_id in rows:
                 seq.num_computed -= 1
@@ -263,6 +266,12 @@ class BeamSearch:
 
         # new running beams: slot j continues candidate next_indices[j]
         chosen = [(parent_of(c), tokens[c]) for c in next_indices]
+        continued = {parent.seq_id for parent, _ in chosen}
+        for seq in seqs:  # dropped beams first: their blocks (and a hybrid model's state slots) go to the forks
+            if seq.seq_id not in continued:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = "beam_dropped"
+                scheduler.free_seq(seq)
         used: set[int] = set()
         new_seqs: list[Sequence] = []
         for parent, _ in chosen:
@@ -271,11 +280,6 @@ class BeamSearch:
             else:
                 used.add(parent.seq_id)
                 new_seqs.append(parent)
-        for seq in seqs:
-            if seq.seq_id not in used:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = "beam_dropped"
-                scheduler.free_seq(seq)
         for seq, (_, token) in zip(new_seqs, chosen):
             seq.token_ids.append(token)
         group.seqs = new_seqs

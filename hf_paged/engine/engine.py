@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..attention import prepare_model, profile_state_specs
-from ..cache import PagedCache, StatePool, parse_memory
+from ..attention import prepare_model
+from ..cache import PagedCache
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
@@ -26,11 +26,12 @@ from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
 from .faults import FaultHandling
+from .grammar import StructuredOutputs
 from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
 from .params import SamplingParams
 from .pipelined import PipelinedDecode, _InFlight
-from .pool_sizing import engine_pool_blocks, state_memory
+from .pool_sizing import build_engine_cache
 from .prompt_logprobs import PromptLogprobs
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
@@ -190,43 +191,11 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         compile_auto = compile_decode is None
         if compile_auto:
             compile_decode = default_compile_decode(self.device, use_cuda_graph, compile_modules)
-        probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
-        per_block = probe.bytes_per_block(self.dtype)
-        # hybrid models: every recurrent state (shape, dtype), learnt from one call of each mixer; {} otherwise
-        self.state_specs = profile_state_specs(model)
-        per_slot = StatePool.spec_bytes(self.state_specs)
-        num_checkpoints = 0
-        if self.state_specs and enable_prefix_caching:
-            num_checkpoints = max(8, max_num_seqs // 8) if state_checkpoints is None else state_checkpoints
-        reserved = state_memory(per_slot, max_num_seqs, num_checkpoints) if self.state_specs else 0
-        swap_bytes = int(swap_space * 1024**3)
-        num_cpu_state_slots = max_num_seqs if self.state_specs and swap_bytes else 0
-        num_cpu_blocks = (swap_bytes - num_cpu_state_slots * per_slot) // per_block
-        if preemption_mode == "swap" and num_cpu_blocks <= 0:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks"
-                             + (f"; the recurrent states of max_num_seqs sequences take "
-                                f"{num_cpu_state_slots * per_slot / 2**30:.2f} GiB of it" if num_cpu_state_slots else "")
-                             + ")")
-        num_cpu_blocks = max(num_cpu_blocks, 0)
-        kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
-        num_blocks = engine_pool_blocks(model, probe, self.tp, self.device, self.dtype, per_block, num_blocks, kv_bytes,
-                                        max_num_batched_tokens, gpu_memory_utilization, reserved)
-        self.cache = PagedCache(
-            config=model.config,
-            num_kv_heads=kv_heads,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            device=self.device,
-            dtype=self.dtype,
-            kv_cache_memory=kv_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_cpu_blocks=num_cpu_blocks,
-            grow=False,  # the engine sizes its pool up front (vLLM-style) and preempts when it is full
-            num_state_slots=max_num_seqs if self.state_specs else None,
-            num_state_checkpoints=num_checkpoints,
-            state_specs=self.state_specs,
-            num_cpu_state_slots=num_cpu_state_slots,
-        )
+        self.cache, self.state_specs = build_engine_cache(
+            model, self.tp, self.device, self.dtype, block_size=block_size, kv_heads=kv_heads, num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+            preemption_mode=preemption_mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints)
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -265,6 +234,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         self.release_window_blocks = release_window_blocks
         self._window_known = not release_window_blocks  # nothing to learn when releasing is off
         self._weights = WeightWatch(self._model_ref)
+        # grammar-constrained requests (hf_paged.engine.grammar): xgrammar is imported by the first one
+        self.structured = StructuredOutputs(self.device, lambda: self.tokenizer, self.logits_width, self.stop_token_ids)
 
     @property
     def model(self):
@@ -344,11 +315,31 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     def _warm_up_sampler(self) -> None:
         """Compile the device sampler for this model's logits rows (width and dtype), so the first sampled step does
         not wait for it."""
+        weight = self._head_weight()
+        self.picker.warm_up(self.logits_width(), weight.dtype if weight is not None else self.dtype)
+
+    def _head_weight(self) -> torch.Tensor | None:
         model = self._model_ref()
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         weight = getattr(head, "weight", None)
-        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else self.vocab_size
-        self.picker.warm_up(vocab, weight.dtype if isinstance(weight, torch.Tensor) else self.dtype)
+        return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+    def logits_width(self) -> int:
+        """Columns of the model's logits: its output projection's rows (may exceed the tokenizer's vocabulary)."""
+        width = getattr(self, "_logits_width", None)
+        if width is None:
+            weight = self._head_weight()
+            width = self._logits_width = int(weight.shape[0]) if weight is not None else self.vocab_size
+        return width
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence ids (generation config and tokenizer): what ends a grammar's output."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = [eos] if isinstance(eos, int) else list(eos or ())
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in ids:
+            ids.append(tok_eos)
+        return tuple(ids)
 
     # ------------------------------------------------------------------ stepping
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -386,6 +377,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                         phase = "sample"
                         self.scheduler.commit_launched(sched)  # host work while the GPU runs the forward
                         self.scheduler.prepare_admissions()
+                        if self.structured.active:  # grammar bitmasks: filled on the host, applied on the device
+                            masks = self.structured.fill(sched)
+                            if masks is not None:
+                                self.structured.apply(logits, masks)
                         scored: list[SequenceGroup] = []
                         rest = sched
                         if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)

@@ -44,6 +44,9 @@ class RequestOutput:
     # `SamplingParams.prompt_logprobs_start`: per prompt token from that index on, (its log-probability given the
     # tokens before it, whether it is the most likely token there), float32 log-softmax of the raw logits
     prompt_logprobs: list[tuple[float, bool]] | None = None
+    # `SamplingParams.prompt_top_logprobs`: per scored prompt token, (its rank, [(token id, log-probability)] of the
+    # most likely tokens there)
+    prompt_top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
 
 
 class Outputs:
@@ -73,6 +76,7 @@ class Outputs:
         if finished:
             self._groups.pop(group.request_id, None)
             self.sampler.forget(group.request_id)
+            self.structured.finished(group)
         outputs = []
         for index, seq in enumerate(group.seqs):
             reason = seq.stop_reason if seq.status.is_finished else None
@@ -94,4 +98,5 @@ class Outputs:
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.perf_counter()
         return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error,
-                             dict(group.metrics), None if scoring is None else list(scoring.values))
+                             dict(group.metrics), None if scoring is None else list(scoring.values),
+                             list(scoring.tops) if scoring is not None and scoring.top else None)

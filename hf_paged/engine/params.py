@@ -6,6 +6,7 @@ transformers' `GenerationConfig` into it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field, fields
@@ -14,7 +15,10 @@ import torch
 
 from .criteria import as_criteria
 
-__all__ = ["SamplingParams", "validate_beam_params", "validate_prompt_logprobs"]
+__all__ = ["SamplingParams", "CONSTRAINT_FIELDS", "validate_beam_params", "validate_prompt_logprobs"]
+
+# the structured-output fields of `SamplingParams` (at most one per request; hf_paged.engine.grammar)
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "json_object", "grammar", "structural_tag")
 
 
 def _as_token_list(value, name: str) -> tuple[int, ...]:
@@ -58,7 +62,12 @@ def validate_beam_params(p) -> None:
 
 def validate_prompt_logprobs(p) -> None:
     """Check `prompt_logprobs_start` (its upper bound, the prompt length, is checked by `Engine.add_request`)."""
+    top = p.prompt_top_logprobs
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+        raise ValueError(f"prompt_top_logprobs must be an int in [0, 20], got {top!r}")
     start = p.prompt_logprobs_start
+    if top and start is None:
+        raise ValueError("prompt_top_logprobs needs prompt_logprobs_start (the first prompt token to score)")
     if start is None:
         return
     if not isinstance(start, int) or isinstance(start, bool) or start < 1:
@@ -99,6 +108,19 @@ class SamplingParams:
     # prompt token from this index on (index >= 1: token 0 has no context). With max_new_tokens=0 the request only
     # scores: the last prompt token is not computed, nothing is generated (hf_paged.engine.prompt_logprobs)
     prompt_logprobs_start: int | None = None
+    # with prompt_logprobs_start: also record, per scored prompt token, its rank and this many top alternatives
+    # (`RequestOutput.prompt_top_logprobs`; what a server's echo with logprobs reports)
+    prompt_top_logprobs: int = 0
+    # structured outputs (hf_paged.engine.grammar, needs xgrammar: `pip install "hf-paged[structured]"`); at most one:
+    # a JSON schema (dict, JSON text or pydantic model class), a regular expression, a list of allowed strings, any
+    # JSON object, an EBNF grammar (xgrammar's dialect) or an xgrammar structural tag (dict or JSON text). The request
+    # finishes with reason "stop" once the grammar is complete and the model ends it (its EOS)
+    json_schema: object = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+    grammar: str | None = None
+    structural_tag: object = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,6 +129,7 @@ class SamplingParams:
             self.stop_strings = (self.stop_strings,)
         self.stop_strings = tuple(self.stop_strings or ())
         self.stopping_criteria = as_criteria(self.stopping_criteria)
+        _normalize_constraint(self)
         self.validate()
 
     @classmethod
@@ -152,7 +175,80 @@ class SamplingParams:
         validate_prompt_logprobs(self)
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TypeError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        validate_constraint(self)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None: the key its compiled grammar is cached by."""
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice), ensure_ascii=False))
+        if self.json_object:
+            return ("json_object", "")
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
+        return None
 
     @property
     def needs_processing(self) -> bool:
         return self.repetition_penalty != 1.0 or self.logits_processor is not None or self.min_new_tokens > 0
+
+
+def _normalize_constraint(p) -> None:
+    """Bring the structured-output fields to their canonical form: JSON text for schemas and structural tags (a dict,
+    or a pydantic model class for `json_schema`), a tuple for `choice`. Malformed values raise naming the field."""
+    schema = p.json_schema
+    if schema is not None:
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+            schema = schema.model_json_schema()
+        p.json_schema = _json_text(schema, "json_schema", allow=(dict, bool))
+    if p.structural_tag is not None:
+        p.structural_tag = _json_text(p.structural_tag, "structural_tag", allow=(dict,))
+    if p.choice is not None:
+        if isinstance(p.choice, str) or not isinstance(p.choice, SequenceABC):
+            raise TypeError(f"choice must be a list of strings, got {p.choice!r}")
+        p.choice = tuple(p.choice)
+
+
+def _json_text(value, name: str, allow: tuple) -> str:
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+        if not isinstance(parsed, allow):
+            raise ValueError(f"{name} must be a JSON object, got {value[:80]!r}")
+        return value
+    if isinstance(value, allow) and not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    raise TypeError(f"{name} must be a dict or its JSON text, got {type(value).__name__}")
+
+
+def validate_constraint(p) -> None:
+    """Check the structured-output fields (their grammar itself is checked when the engine compiles it)."""
+    given = [name for name in CONSTRAINT_FIELDS if getattr(p, name) not in (None, False)]
+    if len(given) > 1:
+        raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
+    if not isinstance(p.json_object, bool):
+        raise TypeError(f"json_object must be a bool, got {p.json_object!r}")
+    for name in ("regex", "grammar"):
+        value = getattr(p, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TypeError(f"{name} must be a non-empty string, got {value!r}")
+    if p.choice is not None and (not p.choice or not all(isinstance(c, str) and c for c in p.choice)):
+        raise ValueError(f"choice must be a non-empty list of non-empty strings, got {list(p.choice)!r}")
+    if not given:
+        return
+    if p.num_beams > 1:
+        raise ValueError(f"{given[0]} (structured output) is not supported with num_beams > 1")
+    if p.max_new_tokens == 0:
+        raise ValueError(f"{given[0]} (structured output) needs max_new_tokens > 0: a scoring-only request "
+                         f"generates nothing")
+    if p.min_new_tokens > 0:  # its EOS mask could leave a complete grammar no token at all
+        raise ValueError(f"min_new_tokens is not supported with {given[0]} (structured output): the grammar says "
+                         f"when the output may end")

@@ -17,10 +17,50 @@ import os
 
 import torch
 
-from ..cache import memory_fraction
+from ..attention import profile_state_specs
+from ..cache import PagedCache, StatePool, memory_fraction, parse_memory
 from ..runner import recording
 
 _GIB = 2**30
+
+
+def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                       kv_heads: int | None, num_blocks: int | None, kv_cache_memory, gpu_memory_utilization: float,
+                       swap_space: float, preemption_mode: str, max_num_seqs: int, max_num_batched_tokens: int,
+                       enable_prefix_caching: bool, state_checkpoints: int | None) -> tuple[PagedCache, dict]:
+    """The engine's `PagedCache`, sized up front, and the model's recurrent-state specs (`{}` for attention-only
+    models).
+
+    One memory budget holds the KV blocks and, for a hybrid model, one recurrent-state slot per sequence
+    (`max_num_seqs`), the prefix-cache checkpoints (`state_checkpoints`, default `max(8, max_num_seqs // 8)` with
+    prefix caching) and a scratch slot (`state_memory`); `swap_space` holds the swapped blocks and the states of
+    the sequences swapped with them."""
+    probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
+    per_block = probe.bytes_per_block(dtype)
+    specs = profile_state_specs(model)  # every recurrent state (shape, dtype), from one call of each mixer
+    per_slot = StatePool.spec_bytes(specs)
+    checkpoints = 0
+    if specs and enable_prefix_caching:
+        checkpoints = max(8, max_num_seqs // 8) if state_checkpoints is None else state_checkpoints
+    reserved = state_memory(per_slot, max_num_seqs, checkpoints) if specs else 0
+    swap_bytes = int(swap_space * 1024**3)
+    cpu_slots = max_num_seqs if specs and swap_bytes else 0
+    num_cpu_blocks = (swap_bytes - cpu_slots * per_slot) // per_block
+    if preemption_mode == "swap" and num_cpu_blocks <= 0:
+        raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks"
+                         + (f"; the recurrent states of max_num_seqs sequences take "
+                            f"{cpu_slots * per_slot / 2**30:.2f} GiB of it" if cpu_slots else "") + ")")
+    kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
+    num_blocks = engine_pool_blocks(model, probe, tp, device, dtype, per_block, num_blocks, kv_bytes,
+                                    max_num_batched_tokens, gpu_memory_utilization, reserved)
+    cache = PagedCache(
+        config=model.config, num_kv_heads=kv_heads, num_blocks=num_blocks, block_size=block_size, device=device,
+        dtype=dtype, kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        num_cpu_blocks=max(num_cpu_blocks, 0),
+        grow=False,  # the engine sizes its pool up front (vLLM-style) and preempts when it is full
+        num_state_slots=max_num_seqs if specs else None, num_state_checkpoints=checkpoints, state_specs=specs,
+        num_cpu_state_slots=cpu_slots)
+    return cache, specs
 
 
 def engine_pool_blocks(model, probe, tp, device: torch.device, dtype: torch.dtype, per_block: int,

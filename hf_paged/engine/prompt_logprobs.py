@@ -53,6 +53,8 @@ class PromptScoring:
     prompt: list[int]
     start: int
     values: list[tuple[float, bool]] = field(default_factory=list)
+    top: int = 0  # alternatives wanted per scored token (`SamplingParams.prompt_top_logprobs`)
+    tops: list[tuple[int, list[tuple[int, float]]]] = field(default_factory=list)  # (rank, top alternatives) each
 
     @property
     def next_position(self) -> int:
@@ -73,9 +75,9 @@ class PromptScoring:
         return first - start, max(0, last - first)
 
 
-def start_scoring(group: SequenceGroup, prompt: list[int], start: int) -> None:
+def start_scoring(group: SequenceGroup, prompt: list[int], start: int, top: int = 0) -> None:
     """Attach a `PromptScoring` to a new group and keep the prefix cache off the positions it needs."""
-    group.data[PROMPT_SCORING] = PromptScoring(list(prompt), start)
+    group.data[PROMPT_SCORING] = PromptScoring(list(prompt), start, top=top)
     group.max_cached_prefix = start - 1
 
 
@@ -104,12 +106,17 @@ class PromptLogprobs:
             item = sched.scheduled[k]
             first = item.start + offset + 1
             targets.extend(item.group.data[PROMPT_SCORING].prompt[first : first + count])
-        values = _score(extra, torch.tensor(targets, dtype=torch.long, device=extra.device))
+        target_ids = torch.tensor(targets, dtype=torch.long, device=extra.device)
+        values = _score(extra, target_ids)
+        top = max(sched.scheduled[k].group.data[PROMPT_SCORING].top for k, _, _ in rows)
+        tops = _top(extra, target_ids, top) if top else None
         at = 0
         for k, _, count in rows:
             group = sched.scheduled[k].group
             scoring = group.data[PROMPT_SCORING]
             scoring.values.extend(values[at : at + count])
+            if scoring.top:
+                scoring.tops.extend((rank, alternatives[: scoring.top]) for rank, alternatives in tops[at : at + count])
             at += count
             group.max_cached_prefix = None if scoring.done else scoring.next_position
         return logits[:num_sampling]
@@ -151,3 +158,18 @@ def _score(rows: torch.Tensor, targets: torch.Tensor) -> list[tuple[float, bool]
     if not logprobs:
         return []
     return list(zip(torch.cat(logprobs).tolist(), torch.cat(greedy).tolist()))
+
+
+def _top(rows: torch.Tensor, targets: torch.Tensor, k: int) -> list[tuple[int, list[tuple[int, float]]]]:
+    """Per row: the rank of `targets[i]` (1: the most likely) and the `k` most likely tokens with their
+    log-probabilities (float32 log-softmax, as `_score`)."""
+    out = []
+    for begin in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        chunk = rows[begin : begin + _ROWS_PER_CHUNK].float().log_softmax(-1)
+        target = targets[begin : begin + _ROWS_PER_CHUNK]
+        chosen = chunk.gather(1, target[:, None])
+        ranks = (chunk > chosen).sum(1) + 1
+        values, ids = chunk.topk(k, dim=-1)
+        for rank, v, i in zip(ranks.tolist(), values.tolist(), ids.tolist()):
+            out.append((rank, list(zip(i, v))))
+    return out

@@ -79,6 +79,8 @@ class Requests:
             eos = getattr(self.model.generation_config, "eos_token_id", None)
             params.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos or ())
         token_ids = self._normalize_prompt(prompt)
+        # the grammar is compiled (or found in the cache) before the lock: a compilation never holds a step
+        compiled = self.structured.compiled(params) if params.constraint is not None else None
         scored_prompt = token_ids
         if params.prompt_logprobs_start is not None:
             token_ids = _prompt_to_compute(token_ids, params)
@@ -112,10 +114,12 @@ class Requests:
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
             spec = device_params(params, self.picker.request_seed(params.seed))
             group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width,
-                                  plain=spec is not None and params.num_return_sequences == 1)
+                                  plain=spec is not None and params.num_return_sequences == 1 and compiled is None)
             group.data["device_params"] = spec
+            if compiled is not None:
+                self.structured.start(group, compiled)
             if params.prompt_logprobs_start is not None:
-                start_scoring(group, scored_prompt, params.prompt_logprobs_start)
+                start_scoring(group, scored_prompt, params.prompt_logprobs_start, params.prompt_top_logprobs)
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)

@@ -9,11 +9,14 @@ fast path of `_update_plain`. Beam groups go to `hf_paged.engine.beam.BeamSearch
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..core import SchedulerOutput, Sequence, SequenceGroup, SequenceStatus
 from .criteria import criteria_hit
 from .device_sampling import offset
+from .grammar import GRAMMAR
 from .params import SamplingParams
 
 __all__ = ["TokenUpdates", "unique_groups"]
@@ -109,6 +112,12 @@ class TokenUpdates:
         `logits`: the rows the tokens were picked from (one per pick); requests asking for `logprobs` record theirs.
         """
         forks: dict[int, int] = {}
+        constrained = self.structured.active
+        if constrained:  # parallel samples drawn from one row: one grammar matcher each, from the row's state
+            picks = Counter(id(item) for item in owners)
+            for item in {id(item): item for item in owners}.values():
+                if picks[id(item)] > 1:
+                    self.structured.fork_samples(item.group, picks[id(item)])
         for j, (item, token) in enumerate(zip(owners, tokens)):
             seq = item.seq
             if forks.get(id(item), 0) > 0:
@@ -120,11 +129,14 @@ class TokenUpdates:
             if logits is not None and item.group.params.logprobs is not None:
                 item.group.data.setdefault(("logprobs", seq.seq_id), []).append(
                     _token_logprobs(logits[j], int(token), item.group.params.logprobs))
+            grammar_end = self.structured.accept(item.group, seq, int(token)) if constrained else None
             self._check_stop(seq, item.group.params)
+            if grammar_end is not None and not seq.status.is_finished:
+                self._finish_by_grammar(item.group, seq, grammar_end, int(token))
             advanced.setdefault(id(item.group), item.group)
         for item in owners:
             group = item.group
-            if len(group.seqs) > 1 and group.data.get("device_params") is not None:
+            if len(group.seqs) > 1 and group.data.get("device_params") is not None and GRAMMAR not in group.data:
                 group.plain = True  # forked: each sample now draws alone, on the device
 
     def _update_plain(self, scheduled, logits: torch.Tensor) -> list[SequenceGroup]:
@@ -142,6 +154,16 @@ class TokenUpdates:
         if finished:
             self.scheduler.remove_finished(finished)
         return unique_groups([item.group for item in scheduled])
+
+    @staticmethod
+    def _finish_by_grammar(group: SequenceGroup, seq: Sequence, end: str, token: int) -> None:
+        """The grammar ended the sequence (complete and closed: stop reason "grammar"), or refused its token (every
+        token was masked, or the mask and the matcher disagree: the request fails, naming the token)."""
+        if end == "grammar":
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, "grammar"
+            return
+        seq.status = SequenceStatus.FINISHED_ERROR
+        group.error = RuntimeError(f"the grammar refused token {token} (request {group.request_id!r})")
 
     def _fork(self, item) -> Sequence:
         """Parallel sampling: a new sample shares every block of the prompt (ref counts, copy-on-write later)."""

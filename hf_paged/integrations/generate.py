@@ -11,6 +11,7 @@ falls back to exact SDPA whenever no `PagedCache` is in use.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -19,6 +20,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, Generat
 
 from ..attention import on_prepare, prepare_model
 from ..engine import Engine, SamplingParams
+from ..engine.params import CONSTRAINT_FIELDS
 from ..runner import uncompile_submodules
 from .criteria import per_row_criteria
 
@@ -190,6 +192,9 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         kwargs.pop(name, None)
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
+    # structured outputs: `json_schema=`, `regex=`, `choice=`, `json_object=`, `grammar=`, `structural_tag=` (the
+    # `SamplingParams` fields; transformers has no such options), applied to every row
+    constraint = {name: kwargs.pop(name) for name in CONSTRAINT_FIELDS if name in kwargs}
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     kwargs.pop("input_ids", None)
     if input_ids is None:
@@ -217,6 +222,8 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
         config, width, logits_processor, default_max_length=default_max_length,
         max_position_embeddings=getattr(model.config, "max_position_embeddings", None),
     )
+    if constraint:
+        params = dataclasses.replace(params, **constraint)  # validated again, with the constraint
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, pad if config.pad_token_id is not None else None,
                                                params.eos_token_id)
@@ -247,6 +254,8 @@ def paged_generate(model, inputs=None, generation_config=None, logits_processor=
     engine = get_engine(model, tokenizer=tokenizer)
     if params.stop_strings and engine.tokenizer is None:
         raise ValueError("stop_strings needs tokenizer=... in generate() (as in transformers)")
+    if constraint and engine.tokenizer is None:
+        raise ValueError(f"{next(iter(constraint))} (structured output) needs tokenizer=... in generate()")
     if streamer is not None:
         streamer.put(input_ids.cpu())
         request = engine.add_request(rows[0], params=row_params if isinstance(row_params, SamplingParams)

@@ -53,8 +53,10 @@ def uniform_bits(k1: torch.Tensor, k2: torch.Tensor, index: torch.Tensor) -> tor
 
 
 def gumbel(k1: torch.Tensor, k2: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise ``-log(-log(u))``, ``u = (bits >> 8 + 0.5) / 2**24`` in (0, 1) exactly representable."""
-    u = ((uniform_bits(k1, k2, index) >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    """Gumbel noise ``-log(-log(u))``, ``u = (bits >> 9 + 0.5) / 2**23``: 24 significant bits, so every value is exact
+    in float32 and ``u`` stays in (0, 1). (With 24 random bits, ``2**24 - 0.5`` rounded to ``2**24``: ``u = 1`` gave
+    ``G = inf``, and one draw in ``2**24 / V`` took a token at random whatever its probability, or a masked one.)"""
+    u = ((uniform_bits(k1, k2, index) >> 9).float() + 0.5) * (1.0 / 8388608.0)
     return -torch.log(-torch.log(u))
 
 

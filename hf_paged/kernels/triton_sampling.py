@@ -335,7 +335,7 @@ def _draw(ptr, idx_ptr, n, scale, m, lo, log_min_p, k1, k2, vocab, INDEXED: tl.c
         else:
             idx = pos
         bits = _h(_h(idx.to(tl.int64) ^ k1) ^ k2)
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see reference_sampling.gumbel
         g = -tl.log(-tl.log(u))
         keep = valid & (_key(x) >= lo) & ((x - m) >= log_min_p)
         score = tl.where(keep, x + g, float("-inf"))

@@ -303,8 +303,10 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         return self._compiled_prefill(self._compiled, tokens)
 
     def _prefill_routable(self) -> bool:
-        """Prefill may run through compiled layers: asked for, regional, and compiled for a symbolic batch already."""
-        return self.compile_prefill and isinstance(self._compiled, CompiledLayers) and True in self._compiled_kinds
+        """Prefill may run through compiled layers: asked for, regional, compiled for a symbolic batch already, and
+        not a hybrid model (whatever `compile_prefill` says: its ragged steps call each recurrent layer per chunk)."""
+        return (self.compile_prefill and not self.hybrid and isinstance(self._compiled, CompiledLayers)
+                and True in self._compiled_kinds)
 
     @contextmanager
     def _compiled_prefill(self, compiled: CompiledLayers, tokens: int) -> Iterator[None]:

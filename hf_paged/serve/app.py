@@ -19,21 +19,36 @@ from starlette.exceptions import HTTPException
 
 from ..engine import Engine
 from .bridge import EngineBridge, RequestFailed
-from .generation import Generation
+from .generation import ChoiceDelta, Generation, PromptEcho
+from .limits import AdmissionLimits, RequestTimedOut
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
-from .stream import DONE, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs, sse
+from .stream import (
+    DONE,
+    chat_chunk,
+    chat_logprobs,
+    completion_chunk,
+    completion_logprobs,
+    echo_entries,
+    prompt_logprobs_list,
+    sse,
+)
+from .structured import constraint_of, warm_up_grammars
+from .tools import ToolStream, check_template, forced_calls, guess_parser, marker_ids, tool_parser
 
 __all__ = ["build_app"]
 
 
 def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, api_key: str | None = None,
-              shutdown_grace: float = 5.0) -> FastAPI:
+              shutdown_grace: float = 5.0, max_queue_len: int | None = None, request_timeout: float | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (its tokenizer unless `tokenizer` is given).
 
     `model_name`: the id clients pass as `model` (default: the model's `name_or_path`). `api_key`: when set, every
     `/v1` route needs `Authorization: Bearer <api_key>` (401 otherwise). `shutdown_grace`: seconds in-flight requests
-    may still run when the app shuts down before they are aborted.
+    may still run when the app shuts down before they are aborted. `max_queue_len`, `request_timeout`: admission
+    limits (`hf_paged.serve.limits`: 429 past the queue bound, 504 past the deadline). `tool_call_parser`: the
+    model's tool-call format (`hf_paged.serve.tools`; default: guessed from the chat template).
     """
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
     if tokenizer is None:
@@ -43,18 +58,25 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     name = model_name or str(getattr(engine.model, "name_or_path", "") or "hf-paged")
     bridge = EngineBridge(engine)
     metrics = ServerMetrics()
+    limits = AdmissionLimits(max_queue_len, request_timeout)
+    parser = tool_parser(tool_call_parser or guess_parser(tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        # the grammar compiler's view of the tokenizer (a second or two for a 150k vocabulary) is built now, in a
+        # thread, not when the first structured request arrives
+        warming = asyncio.ensure_future(asyncio.to_thread(warm_up_grammars, engine))
         yield
+        warming.cancel()
         await asyncio.to_thread(bridge.shutdown, shutdown_grace)
 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
     app.state.bridge, app.state.metrics, app.state.model_name = bridge, metrics, name
+    app.state.limits, app.state.tool_parser = limits, parser
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, error: RequestValidationError):
@@ -86,11 +108,21 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
             raise ApiError(f"the model {requested!r} does not exist; this server serves {name!r}", status=404,
                            param="model", code="model_not_found")
 
-    def new_generation(body, prompts: list[list[int]], logprobs: int | None) -> Generation:
-        gen = Generation(bridge, tokenizer, metrics, prompts, n=body.n, temperature=body.temperature,
-                         top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop or [], seed=body.seed,
-                         logprobs=logprobs, ignore_eos=body.ignore_eos)
-        gen.start()
+    async def new_generation(body, prompts: list[list[int]], logprobs: int | None, *, constraint=(None, {}),
+                             **kwargs) -> Generation:
+        """Admit the request (429 when the queue is full), compile its grammar (off the event loop) and start it."""
+        param, fields = constraint
+        ticket = limits.admit()
+        try:
+            gen = Generation(bridge, tokenizer, metrics, prompts, n=body.n, temperature=body.temperature,
+                             top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop or [], seed=body.seed,
+                             logprobs=logprobs, ignore_eos=body.ignore_eos, constraint=fields, constraint_param=param,
+                             ticket=ticket, **kwargs)
+            await gen.compile_grammar()
+            gen.start()
+        except BaseException:
+            ticket.release()
+            raise
         return gen
 
     @app.get("/health")
@@ -102,6 +134,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     @app.get("/metrics")
     async def prometheus():
         stats = await asyncio.to_thread(engine.queue_stats)
+        stats.update(queued=limits.queued, refused=limits.refused, timed_out=limits.timed_out)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -112,16 +145,25 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
-                   for p in body.prompts()]
-        gen = new_generation(body, prompts, body.logprobs)
+        body.check_scoring()
+        given = body.prompts()
+        prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p) for p in given]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
+        gen = await new_generation(body, prompts, body.logprobs, constraint=constraint_of(body), echo=body.echo,
+                                   prompt_texts=texts, prompt_top=body.scores_prompt,
+                                   prompt_logprobs=body.prompt_logprobs)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=False)
-        entries = await _run_whole(gen, request)
         choices = []
-        for index, (text, logprobs, reason) in enumerate(entries):
+        for index, (text, logprobs, reason, prompt) in enumerate(await _run_whole(gen, request)):
+            extra = {}
+            if prompt is not None and body.echo:
+                text = prompt.text + text
+                logprobs = (echo_entries(prompt) if body.logprobs is not None else []) + logprobs
+            if prompt is not None and body.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = prompt_logprobs_list(tokenizer, prompt)
             lp = completion_logprobs(tokenizer, logprobs, 0) if body.logprobs is not None else None
-            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
+            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **extra})
         return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": name,
                 "choices": choices, "usage": gen.usage}
 
@@ -130,33 +172,49 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
         check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
+        use_tools = bool(body.tools) and body.tool_choice != "none"
+        if use_tools:
+            check_template(tokenizer, body.tools)
         try:
             messages = [m.for_template() for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # noqa: BLE001 - a template that refuses these messages
             raise ApiError(f"the chat template refused the messages: {error}", param="messages") from None
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        gen = new_generation(body, [prompt], body.num_logprobs)
+        constraint = constraint_of(body)
+        forced = forced_calls(parser, body, tokenizer) if use_tools else None
+        if forced is not None:
+            if constraint[0] is not None:
+                raise ApiError(f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'function'}"
+                               f" cannot be combined with {constraint[0]}", param="tool_choice")
+            constraint = ("tool_choice", {"structural_tag": forced})
+        keep = marker_ids(parser, tokenizer) if use_tools else frozenset()
+        gen = await new_generation(body, [prompt], body.num_logprobs, constraint=constraint, keep_special=keep)
         if body.stream:
-            return _sse_response(gen, name, body.include_usage, chat=True)
-        entries = await _run_whole(gen, request)
+            return _sse_response(gen, name, body.include_usage, chat=True, tool_parser=parser if use_tools else None)
         choices = []
-        for index, (text_out, logprobs, reason) in enumerate(entries):
+        for index, (text_out, logprobs, reason, _) in enumerate(await _run_whole(gen, request)):
             lp = chat_logprobs(tokenizer, logprobs) if body.logprobs else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": text_out}, "logprobs": lp,
-                            "finish_reason": reason})
+            content, calls = parser.parse(text_out) if use_tools else (text_out, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
         return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created, "model": name,
                 "choices": choices, "usage": gen.usage}
 
     return app
 
 
-async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list, str | None]]:
-    """Run a request to the end; (text, logprob entries, finish reason) per choice. A client that disconnects
-    aborts it (checked while waiting)."""
+async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list, str | None, PromptEcho | None]]:
+    """Run a request to the end; (text, logprob entries, finish reason, prompt echo) per choice. A client that
+    disconnects aborts it (checked while waiting); one past the request timeout is aborted and answered 504."""
     texts = [""] * len(gen.choices)
     logprobs: list[list] = [[] for _ in gen.choices]
     reasons: list[str | None] = [None] * len(gen.choices)
+    prompts: list[PromptEcho | None] = [None] * len(gen.choices)
 
     async def consume():
         async for deltas in gen.events():
@@ -164,6 +222,7 @@ async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list,
                 texts[d.index] += d.text
                 logprobs[d.index].extend(d.logprobs)
                 reasons[d.index] = d.finish_reason or reasons[d.index]
+                prompts[d.index] = d.prompt or prompts[d.index]
 
     task = asyncio.ensure_future(consume())
     try:
@@ -176,27 +235,37 @@ async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list,
                 gen.abort()
                 raise ApiError("client disconnected", status=499, code="client_closed")
         task.result()
+    except RequestTimedOut as error:
+        raise ApiError(str(error), status=504) from None
     except RequestFailed as error:
         raise ApiError(str(error), status=500) from None
     finally:
         if not task.done():
             task.cancel()
         gen.abort()
-    return list(zip(texts, logprobs, reasons))
+    return list(zip(texts, logprobs, reasons, prompts))
 
 
-def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: bool) -> StreamingResponse:
+def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: bool,
+                  tool_parser=None) -> StreamingResponse:
     async def body():
         state: dict | set = set() if chat else {}
+        streams: dict[int, ToolStream] | None = {} if tool_parser is not None else None
         try:
             async for deltas in gen.events():
-                chunk = chat_chunk(gen, model, deltas, state) if chat else completion_chunk(gen, model, deltas, state)
-                yield sse(chunk)
+                if chat:
+                    chunk = chat_chunk(gen, model, deltas, state, _tool_deltas(deltas, streams, tool_parser))
+                else:
+                    chunk = completion_chunk(gen, model, deltas, state)
+                if chunk["choices"]:
+                    yield sse(chunk)
             if include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
                 prefix = "chatcmpl" if chat else "cmpl"
                 yield sse({"id": f"{prefix}-{gen.id}", "object": kind, "created": gen.created, "model": model,
                            "choices": [], "usage": gen.usage})
+        except RequestTimedOut as error:
+            yield sse(ApiError(str(error), status=504).body())
         except RequestFailed as error:
             yield sse(ApiError(str(error), status=500).body())
         finally:
@@ -204,3 +273,15 @@ def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: boo
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _tool_deltas(deltas: list[ChoiceDelta], streams: dict | None, parser) -> dict | None:
+    """Per choice index: (content, [(call index, ToolCall)], whether it made calls), for a chat stream with tools."""
+    if streams is None:
+        return None
+    out = {}
+    for d in deltas:
+        stream = streams.setdefault(d.index, ToolStream(parser))
+        content, calls = stream.update(d.text, d.finish_reason is not None)
+        out[d.index] = (content, calls, bool(stream.calls))
+    return out

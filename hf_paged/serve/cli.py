@@ -1,4 +1,5 @@
-"""`hf-paged serve MODEL`: load a local transformers model directory (or a GGUF file), build the engine, serve it.
+"""`hf-paged serve MODEL`: load a model (a local directory, a Hub id such as `Qwen/Qwen3-0.6B` through `from_pretrained`
+and the local Hugging Face cache, or a GGUF file), build the engine, serve it.
 
 SIGINT / SIGTERM shut down cleanly: uvicorn stops accepting connections and lets in-flight requests run for
 `--shutdown-grace` seconds, then the app's lifespan end aborts what is left and closes the engine (the KV pool goes
@@ -17,6 +18,7 @@ import torch
 from ..engine import Engine, default_max_num_batched_tokens
 from ..integrations.gguf import load_gguf
 from .app import build_app
+from .tools import PARSERS
 
 __all__ = ["main", "serve_main", "parser"]
 
@@ -25,7 +27,10 @@ _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bf
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server on hf-paged's engine")
-    p.add_argument("model", help="a local transformers model directory (or the directory / path of --gguf-file)")
+    p.add_argument("model", help="a Hub model id (ORG/NAME: from the local Hugging Face cache, or downloaded unless "
+                                 "HF_HUB_OFFLINE=1), a local transformers model directory, or the directory / path of "
+                                 "--gguf-file")
+    p.add_argument("--revision", default=None, help="the Hub revision (branch, tag or commit) of a model id")
     p.add_argument("--gguf-file", default=None, help="load this GGUF file (in MODEL's directory, or a path)")
     p.add_argument("--served-model-name", default=None, help="the id clients pass as `model` (default: MODEL)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
@@ -58,6 +63,16 @@ def parser() -> argparse.ArgumentParser:
                    help="record the CUDA graphs of prefill steps at start-up (about 2 s for a 1B model), so the first "
                         "requests of each prompt size do not pay for it (default: on)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests waiting for their first output at most; past it a request gets 429 with Retry-After "
+                        "(default: no bound)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run; past it it is aborted (its blocks freed) and answered 504 "
+                        "(default: none)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the model's tool-call format (default: guessed from the chat template, else hermes)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) "
+                                                         "replacing the tokenizer's")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info")
@@ -72,13 +87,43 @@ def load(args) -> tuple[object, object]:
     dtype = _DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.gguf_file is not None or str(args.model).endswith(".gguf"):
         model, tokenizer = load_gguf(args.model, args.gguf_file, dtype=dtype, device=device)
-    else:
-        if not os.path.isdir(args.model):
-            raise SystemExit(f"hf-paged serve: MODEL must be a local model directory, got {args.model!r}")
+    elif os.path.isdir(args.model):
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
         model = model.to(device).eval()
+    else:  # a Hub id: the local cache (HF_HUB_CACHE / HF_HOME), downloading only where the Hub may be reached
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision)
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, revision=args.revision)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"hf-paged serve: cannot load {args.model!r}: it is not a local directory, and "
+                             f"from_pretrained found no such model on the Hub or in the local cache "
+                             f"({_hub_cache()}{', offline' if _offline() else ''}): {_first_line(error)}") from None
+        model = model.to(device).eval()
+    if args.chat_template is not None:
+        template = args.chat_template
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        tokenizer.chat_template = template
     return model, tokenizer
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -101,7 +146,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     if not args.no_warm_up and engine.device.type == "cuda":
         engine.warm_up(prefill_graphs=args.prefill_graphs)
     name = args.served_model_name or args.model
-    app = build_app(engine, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace)
+    app = build_app(engine, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace,
+                    max_queue_len=args.max_queue_len, request_timeout=args.request_timeout,
+                    tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=max(1, int(args.shutdown_grace)), access_log=False)
     server = uvicorn.Server(config)

@@ -15,14 +15,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
+from ..engine.grammar import INSTALL_HINT
 from .bridge import EngineBridge, RequestFailed
+from .limits import RequestTimedOut, Ticket
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .stops import TextTracker
 
-__all__ = ["ChoiceDelta", "Generation", "finish_reason"]
+__all__ = ["ChoiceDelta", "Generation", "PromptEcho", "finish_reason"]
 
-_FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort", "error": "error"}
+_FINISH = {"eos": "stop", "stop_string": "stop", "grammar": "stop", "length": "length", "abort": "abort",
+           "error": "error"}
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
@@ -30,11 +33,23 @@ def finish_reason(engine_reason: str | None) -> str | None:
 
 
 @dataclass
+class PromptEcho:
+    """What a choice's first delta carries about its prompt: its text (echo) and its tokens' scores."""
+
+    text: str
+    token_ids: list[int]
+    # per prompt token from the second on: (log-probability, rank, [(token id, log-probability)] top alternatives)
+    scores: list[tuple[float, int, list[tuple[int, float]]]] | None
+
+
+@dataclass
 class ChoiceDelta:
     index: int
     text: str
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]]  # (token, logprob, top alternatives) per new token
+    # (token, logprob, top alternatives) per new token
+    logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]]
     finish_reason: str | None
+    prompt: PromptEcho | None = None  # the first delta of a choice that echoes or scores its prompt
 
 
 @dataclass
@@ -44,6 +59,7 @@ class _Choice:
     logprobs_sent: int = 0
     last_time: float | None = None
     tokens: list[int] = field(default_factory=list)
+    started: bool = False
 
 
 class Generation:
@@ -51,8 +67,18 @@ class Generation:
 
     def __init__(self, bridge: EngineBridge, tokenizer, metrics: ServerMetrics, prompts: list[list[int]], *, n: int,
                  temperature: float, top_p: float, max_tokens: int | None, stop: list[str], seed: int | None,
-                 logprobs: int | None, ignore_eos: bool = False) -> None:
+                 logprobs: int | None, ignore_eos: bool = False, constraint: dict | None = None,
+                 constraint_param: str | None = None, echo: bool = False, prompt_texts: list[str] | None = None,
+                 prompt_top: int | None = None, prompt_logprobs: int | None = None, ticket: Ticket | None = None,
+                 keep_special: frozenset[int] = frozenset()) -> None:
+        """`constraint`: structured-output `SamplingParams` fields (from `constraint_param` of the request);
+        `echo`: each choice's text starts with its prompt (`prompt_texts`, else decoded); `prompt_top`: score the
+        prompt tokens with this many alternatives each; `ticket`: the request's place in the admission queue and
+        its deadline (`hf_paged.serve.limits`)."""
         self.bridge, self.tokenizer, self.metrics = bridge, tokenizer, metrics
+        self.constraint, self.constraint_param = constraint or {}, constraint_param
+        self.echo, self.prompt_top, self.prompt_logprobs, self.ticket = echo, prompt_top, prompt_logprobs, ticket
+        self.prompt_texts = prompt_texts
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.arrival = time.perf_counter()
@@ -60,7 +86,7 @@ class Generation:
         self.n = n
         self.stop = stop
         self.logprobs = logprobs
-        self.choices = [_Choice(TextTracker(tokenizer, stop)) for _ in range(n * len(prompts))]
+        self.choices = [_Choice(TextTracker(tokenizer, stop, keep_special)) for _ in range(n * len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
         self._base: dict[str, int] = {}  # engine request id -> index of its first choice
         self._open: set[str] = set()
@@ -78,7 +104,11 @@ class Generation:
             kwargs = dict(max_new_tokens=room if max_tokens is None else max_tokens,
                           do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
                           seed=seed, stop_strings=tuple(stop), logprobs=logprobs,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, **self.constraint)
+            if prompt_top is not None and len(ids) > 1:  # token 0 has no score (None in the response)
+                kwargs.update(prompt_logprobs_start=1, prompt_top_logprobs=prompt_top)
+            elif max_tokens == 0:
+                raise ApiError("max_tokens=0 scores the prompt, which needs at least 2 tokens", param="prompt")
             if sample and n > 1:
                 self._specs.append((f"{self.id}-{i}", ids, SamplingParams(num_return_sequences=n, **kwargs), i * n))
             else:
@@ -93,6 +123,19 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.choices)
 
+    async def compile_grammar(self) -> None:
+        """Compile the request's grammar in a worker thread (the engine then finds it in its cache: its thread never
+        waits for a compilation). An invalid grammar is a 400 naming the request parameter."""
+        if not self._specs or self._specs[0][2].constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.bridge.engine.structured.compiled, self._specs[0][2])
+        except ValueError as error:
+            raise ApiError(str(error), param=self.constraint_param) from None
+        except ImportError:
+            raise ApiError(f"this server cannot enforce {self.constraint_param}: {INSTALL_HINT}",
+                           param=self.constraint_param) from None
+
     def start(self) -> None:
         """Submit every engine request (all or none: a refused one aborts those already in)."""
         try:
@@ -102,7 +145,7 @@ class Generation:
                 self._open.add(request_id)
         except (ValueError, TypeError) as error:
             self.abort()
-            param = "prompt" if "prompt" in str(error) else None
+            param = "prompt" if "prompt" in str(error) else self.constraint_param
             raise ApiError(str(error), param=param) from None
         except RuntimeError as error:  # shutting down
             self.abort()
@@ -110,10 +153,13 @@ class Generation:
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     def abort(self) -> None:
-        """Abort every engine request still running (client gone): their blocks are freed now."""
+        """Abort every engine request still running (client gone, timed out, done): their blocks are freed now; the
+        request leaves the admission queue."""
         for request_id in list(self._open):
             self.bridge.abort(request_id)
         self._open.clear()
+        if self.ticket is not None:
+            self.ticket.release()
 
     async def events(self) -> AsyncIterator[list[ChoiceDelta]]:
         """The choices' deltas after each engine step, until every choice is finished. Raises `RequestFailed`."""
@@ -141,7 +187,15 @@ class Generation:
         when the client reads slower than the engine steps, the steps in between merge into one chunk instead of
         piling up (the stream then carries several tokens per event, as vLLM's does)."""
         latest = {}
-        out = await self.queue.get()
+        timeout = None if self.ticket is None else self.ticket.remaining()
+        try:
+            out = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            self.ticket.limits.timed_out += 1
+            raise RequestTimedOut(f"the request ran past the server's request timeout ({self.ticket.timeout:g} s) "
+                                  f"and was aborted") from None
+        if self.ticket is not None:
+            self.ticket.started()  # it is running: it no longer counts against the queue
         latest[out.request_id] = out
         while not self.queue.empty():
             out = self.queue.get_nowait()
@@ -181,8 +235,12 @@ class Generation:
                             zip(choice.tokens[choice.logprobs_sent:], fresh)]
                 choice.logprobs_sent += len(fresh)
             choice.finish_reason = reason
-            if text or logprobs or reason is not None:
-                deltas.append(ChoiceDelta(base + completion.index, text, logprobs, reason))
+            prompt = None
+            if not choice.started:
+                choice.started = True
+                prompt = self._prompt_echo(out, base)
+            if text or logprobs or reason is not None or prompt is not None:
+                deltas.append(ChoiceDelta(base + completion.index, text, logprobs, reason, prompt))
         if out.request_id in self._open and not out.finished:  # a stop string the engine has not seen yet
             ids = range(base, base + len(out.outputs))
             if all(self.choices[i].finish_reason is not None for i in ids) and len(out.outputs) == self._width(
@@ -190,6 +248,21 @@ class Generation:
                 self.bridge.abort(out.request_id)
                 self._open.discard(out.request_id)
         return deltas
+
+    def _prompt_echo(self, out, base: int) -> PromptEcho | None:
+        """The prompt part of a choice's first delta (None when the request neither echoes nor scores it)."""
+        if not self.echo and self.prompt_top is None:
+            return None
+        index = base // self.n
+        ids = self.prompts[index]
+        text = ""
+        if self.echo:
+            text = self.prompt_texts[index] if self.prompt_texts is not None else self.tokenizer.decode(ids)
+        scores = None
+        if self.prompt_top is not None:
+            values, tops = out.prompt_logprobs or [], out.prompt_top_logprobs or []
+            scores = [(lp, rank, alternatives) for (lp, _), (rank, alternatives) in zip(values, tops)]
+        return PromptEcho(text, ids, scores)
 
     def _width(self, request_id: str) -> int:
         for rid, _, params, _ in self._specs:

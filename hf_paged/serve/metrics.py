@@ -35,6 +35,12 @@ class _EngineCollector:
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("hf_paged_num_requests_queued", "API requests admitted, waiting for a first output",
+                                value=s.get("queued", 0))
+        yield CounterMetricFamily("hf_paged_requests_refused", "API requests refused with 429 (--max-queue-len)",
+                                  value=s.get("refused", 0))
+        yield CounterMetricFamily("hf_paged_requests_timed_out", "API requests aborted past --request-timeout",
+                                  value=s.get("timed_out", 0))
         yield CounterMetricFamily("hf_paged_preemptions", "Requests preempted (recompute or swap)",
                                   value=s.get("preemptions", 0))
         yield CounterMetricFamily("hf_paged_engine_steps", "Engine steps run", value=s.get("steps", 0))

@@ -44,8 +44,12 @@ class TextTracker:
     contain a new one (from just before what was already read).
     """
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], keep_special: frozenset[int] = frozenset()) -> None:
+        """`keep_special`: special token ids whose text is kept (a tool parser's markers, e.g. Mistral's
+        `[TOOL_CALLS]`); every other special token is dropped from the text, as usual."""
         self.tokenizer = tokenizer
+        self.keep_special = keep_special
+        self._special = _special_ids(tokenizer) - keep_special if keep_special else frozenset()
         self.stops = stops
         self._longest_stop = max((len(s) for s in stops), default=0)
         self.text = ""  # the decoded text of the tokens read so far
@@ -56,6 +60,9 @@ class TextTracker:
         self._read = 0  # tokens whose text is in `self.text`
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.keep_special:
+            drop = self._special
+            return self.tokenizer.decode([t for t in token_ids if t not in drop], skip_special_tokens=False)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _advance(self, token_ids: list[int], finished: bool) -> None:
@@ -90,3 +97,12 @@ class TextTracker:
             return ""
         delta, self.sent = text[len(self.sent):end], text[:end]
         return delta
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Every special token id of a tokenizer: its named and additional special tokens and its special added tokens."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)

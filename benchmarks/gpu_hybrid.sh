@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Hybrid models on the GPU (issue 53): the CUDA tests, then the Qwen3.5-shaped benchmarks, logs and JSON into OUT.
+#   tests     tests/test_gpu.py -k hybrid: greedy tokens of transformers, eager and compiled step, CUDA graphs
+#   sharegpt  256 ShareGPT-like requests: hf_paged compiled / eager, transformers generate() (its first batch of 64,
+#             DynamicCache) and transformers' continuous batching if it runs the model; the bound counts weights,
+#             K/V and the recurrent states each step reads and writes
+#   prefill   8 prompts of 32k tokens: prefill throughput
+#   shared    200 requests sharing a 300-token system prompt: prefix cache on against off
+# flash-linear-attention (fla-core) is installed from .whl/ when it is there (transformers then runs the gated
+# DeltaNet layers through its Triton kernels, for both systems).
+# Usage there: bash benchmarks/gpu_hybrid.sh "$OUT" [tests] [sharegpt] [prefill] [shared]   (all by default)
+set -u
+OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [tests] [sharegpt] [prefill] [shared]}
+shift
+PARTS=${*:-tests sharegpt prefill shared}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'
+python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -n 1
+PY=python3
+BENCH="$PY benchmarks/bench_generate.py --model qwen3.5-9b --no-progress --out $OUT"
+for part in $PARTS; do
+  echo "== $(date +%T) $part"
+  case "$part" in
+    tests) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k hybrid > "$OUT/tests.log" 2>&1 ;;
+    sharegpt) timeout 560 $BENCH --workload sharegpt --num-requests 256 --system-timeout 200 \
+        --systems paged_compiled,paged,dynamic,generate_batch_graphs --dynamic-max-batches 1 > "$OUT/sharegpt.log" 2>&1 ;;
+    prefill) timeout 300 $BENCH --workload prefill32k --num-requests 8 --systems paged_compiled \
+        > "$OUT/prefill.log" 2>&1 ;;
+    shared) timeout 400 $BENCH --workload shared_system --num-requests 200 --systems paged_compiled,paged_compiled_nocache \
+        > "$OUT/shared.log" 2>&1 ;;
+    *) echo "unknown part $part (tests, sharegpt, prefill, shared)"; continue ;;
+  esac
+  echo "exit $?"
+  tail -n 25 "$OUT/$part.log"
+done

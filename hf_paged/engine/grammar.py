@@ -1,0 +1,293 @@
+"""Structured outputs: decoding constrained by a grammar (JSON schema, any JSON object, regex, choice, EBNF, xgrammar
+structural tag), through xgrammar, imported only when a request asks for a constraint.
+
+How a step runs with constrained requests (`StructuredOutputs`, owned by the `Engine`):
+
+* `compiled(params)`: the request's grammar, compiled once per (tokenizer, logits width, stop ids, constraint) and kept
+  in an LRU (`GrammarCache`); an invalid schema / regex / grammar is a `ValueError` naming the problem. A server
+  compiles in a worker thread before adding the request, so the engine thread never waits for a compilation.
+* `start(group, compiled)`: a `GrammarMatcher` for the request, kept in `group.data[GRAMMAR]`. Parallel samples
+  (`num_return_sequences=n`) fork it into one matcher per sample when the samples are drawn (`RequestGrammar`).
+* `fill(sched)`: right after the step's forward is launched (on CUDA the GPU is still computing), the host fills one
+  row of a token bitmask per constrained logits row and starts its copy to the device.
+* `apply(logits, masks)`: before any token is picked, the masked tokens' logits become -inf on the device
+  (xgrammar's `apply_token_bitmask_inplace`), for greedy, sampled and parallel-sampled rows alike.
+* `accept(group, seq, token)`: the matcher advances with the token picked; a matcher that terminates (the grammar is
+  complete and the model emitted its end) finishes the sequence with stop reason "grammar" (OpenAI's "stop").
+
+Constrained requests are never `plain` (`SequenceGroup.plain`): they leave the pipelined decode path, which launches a
+step before the tokens of the step before are known, and a mask cannot be filled without them.
+
+The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
+past the tokenizer's are never allowed).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import SchedulerOutput, Sequence, SequenceGroup
+from .params import SamplingParams
+
+__all__ = ["GRAMMAR", "GrammarCache", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
+           "grammar_cache", "import_xgrammar"]
+
+GRAMMAR = "grammar"  # key of a group's `RequestGrammar` in `SequenceGroup.data`
+INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
+CACHE_SIZE = 256  # compiled grammars kept per tokenizer (a JSON schema's is ~10-100 KB)
+
+
+def import_xgrammar():
+    """xgrammar, or an ImportError saying what to install."""
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return xgrammar
+
+
+class GrammarCache:
+    """Compiled grammars of one tokenizer (at one logits width, with one set of stop ids), least recently used out.
+
+    `compilations` counts the grammars compiled (not served from the cache). Thread-safe: a server compiles in
+    worker threads while the engine thread fills masks.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...], capacity: int = CACHE_SIZE) -> None:
+        xgr = import_xgrammar()
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_ids) or None)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self.compilations = 0
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, text: str):
+        """The compiled grammar of a constraint (`SamplingParams.constraint`); ValueError if it is invalid."""
+        key = (kind, text)
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return hit
+        compiled = self._compile(kind, text)  # outside the lock: other requests' grammars are served meanwhile
+        with self._lock:
+            self.compilations += 1
+            self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, kind: str, text: str):
+        compiler = self.compiler
+        try:
+            if kind == "json_schema":
+                # one line, single spaces after separators: free whitespace lets a small model pad a reply with
+                # blanks up to max_tokens (never valid JSON then)
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                options = [{"type": "const_string", "value": c} for c in json.loads(text)]
+                return compiler.compile_structural_tag(
+                    {"type": "structural_tag", "format": {"type": "or", "elements": options}})
+            if kind == "grammar":
+                return compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                tag = json.loads(text)
+                if tag.get("type") != "structural_tag":
+                    tag = {"type": "structural_tag", "format": tag}
+                return compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse / conversion errors
+            raise ValueError(f"invalid {kind}: {_short(error)}") from None
+        raise ValueError(f"unknown structured-output kind {kind!r}")
+
+
+def _short(error: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix ("[time] path.cc:123: ")."""
+    text = str(error).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and head.startswith("[") and ".cc:" in head:
+        text = rest
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def grammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> GrammarCache:
+    """The `GrammarCache` of a tokenizer (shared by every engine serving it, dropped with the tokenizer)."""
+    with _CACHES_LOCK:
+        per_tokenizer = _CACHES.setdefault(tokenizer, {})
+        cache = per_tokenizer.get((vocab_size, stop_ids))
+        if cache is None:
+            cache = per_tokenizer[(vocab_size, stop_ids)] = GrammarCache(tokenizer, vocab_size, stop_ids)
+        return cache
+
+
+@dataclass
+class RequestGrammar:
+    """The matchers of one request: one per sample (index `Sequence.sample_index`)."""
+
+    matchers: list
+    rejected: bool = False
+
+    def for_seq(self, seq: Sequence):
+        return self.matchers[seq.sample_index]
+
+    def fork_samples(self, n: int) -> None:
+        """The request's `n` samples are about to be drawn from one row: give each its own matcher, at that state."""
+        while len(self.matchers) < n:
+            self.matchers.append(self.matchers[0].fork())
+
+
+@dataclass
+class StepMasks:
+    """The bitmask of one step: `rows` are the constrained logits rows (sampling rows, in order), `device` holds
+    their masks, one row each, in that order."""
+
+    rows: list[int]
+    device: torch.Tensor
+    groups: list[SequenceGroup] = field(default_factory=list)
+
+
+class StructuredOutputs:
+    """The engine's side of structured outputs (see the module docstring)."""
+
+    def __init__(self, device: torch.device, tokenizer_of, logits_width_of, stop_ids_of) -> None:
+        self.device = device
+        self._tokenizer_of, self._logits_width_of, self._stop_ids_of = tokenizer_of, logits_width_of, stop_ids_of
+        self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
+        self._dev: torch.Tensor | None = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher (fills many rows in threads)
+        self.masked_rows = 0  # rows masked so far (tests, stats)
+        self._live: weakref.WeakSet = weakref.WeakSet()  # constrained groups not reported finished yet
+
+    @property
+    def active(self) -> bool:
+        """Whether a constrained request may be running (else a step does not look for one)."""
+        return bool(self._live)
+
+    # ------------------------------------------------------------------ requests
+    def cache(self) -> GrammarCache:
+        tokenizer = self._tokenizer_of()
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer: create the engine with tokenizer=...")
+        return grammar_cache(tokenizer, self._logits_width_of(), self._stop_ids_of())
+
+    def warm_up(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        """Build the grammar cache (xgrammar's view of the tokenizer: 1-2 s for a 150k vocabulary) and run the
+        device masking once for logits of each of `dtypes` (on CUDA its Triton kernel compiles then), so the first
+        constrained request pays neither. Raises ImportError / ValueError as `cache` does."""
+        self.cache()
+        width = self._logits_width_of()
+        mask = torch.full((1, (width + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        for dtype in dict.fromkeys(dtypes):
+            self.apply(torch.zeros((1, width), dtype=dtype, device=self.device), StepMasks([0], mask))
+
+    def compiled(self, params: SamplingParams):
+        """The compiled grammar of `params` (ValueError: invalid; ImportError: xgrammar missing)."""
+        kind, text = params.constraint
+        return self.cache().get(kind, text)
+
+    def start(self, group: SequenceGroup, compiled) -> None:
+        xgr = import_xgrammar()
+        group.data[GRAMMAR] = RequestGrammar([xgr.GrammarMatcher(compiled)])
+        self._live.add(group)
+
+    def finished(self, group: SequenceGroup) -> None:
+        self._live.discard(group)
+
+    # ------------------------------------------------------------------ steps
+    def fill(self, sched: SchedulerOutput) -> StepMasks | None:
+        """Fill a bitmask row for each of the step's constrained sampling rows and start their upload (None if
+        there are none). Only those rows travel: with a 150k vocabulary a row is 19 KB."""
+        rows, matchers, groups = [], [], []
+        row = 0
+        for item in sched.scheduled:
+            if not item.sample:
+                continue
+            state = item.group.data.get(GRAMMAR)
+            if state is not None:
+                rows.append(row)
+                matchers.append(state.for_seq(item.seq))
+                groups.append(item.group)
+            row += 1
+        if not rows:
+            return None
+        xgr = import_xgrammar()
+        n = len(rows)
+        host = self._host_buffer(n)
+        if n == 1:
+            matchers[0].fill_next_token_bitmask(host, 0)
+        else:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, host[:n])
+        device = self._dev[:n]
+        device.copy_(host[:n], non_blocking=True)
+        self.masked_rows += n
+        return StepMasks(rows, device, groups)
+
+    def apply(self, logits: torch.Tensor, masks: StepMasks) -> None:
+        """Set the logits of every token the grammar forbids to -inf, in place, on the logits' device."""
+        width = masks.device.shape[1] * 32
+        if logits.shape[1] > width:
+            raise RuntimeError(f"logits have {logits.shape[1]} columns but the grammar's bitmask covers {width}")
+        xgr = import_xgrammar()
+        n, vocab = len(masks.rows), logits.shape[1]
+        if masks.rows[-1] == n - 1:  # the first n rows (every row constrained, say): masked where they are
+            xgr.apply_token_bitmask_inplace(logits[:n], masks.device, vocab_size=vocab)
+            return
+        index = torch.tensor(masks.rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        picked = logits.index_select(0, index)
+        xgr.apply_token_bitmask_inplace(picked, masks.device, vocab_size=vocab)
+        logits.index_copy_(0, index, picked)
+
+    def _host_buffer(self, rows: int) -> torch.Tensor:
+        """A host bitmask of at least `rows` rows; never the one the previous step's upload may still read."""
+        width = (self._logits_width_of() + 31) // 32
+        if not self._host or self._host[0].shape[0] < rows or self._host[0].shape[1] != width:
+            size = max(rows, 2 * self._host[0].shape[0] if self._host else 64)
+            pin = self.device.type == "cuda"
+            self._host = [torch.empty((size, width), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self._dev = torch.empty((size, width), dtype=torch.int32, device=self.device)
+        self._host.reverse()
+        return self._host[0]
+
+    # ------------------------------------------------------------------ tokens
+    @staticmethod
+    def fork_samples(group: SequenceGroup, n: int) -> None:
+        state = group.data.get(GRAMMAR)
+        if state is not None:
+            state.fork_samples(n)
+
+    @staticmethod
+    def accept(group: SequenceGroup, seq: Sequence, token: int) -> str | None:
+        """Advance the sequence's matcher with `token`: None if it goes on, "grammar" when the grammar terminated
+        (complete and ended), "grammar_rejected" if the matcher refused the token (nothing allowed it: a bug)."""
+        state = group.data.get(GRAMMAR)
+        if state is None:
+            return None
+        matcher = state.for_seq(seq)
+        if matcher.is_terminated():
+            return "grammar"
+        if not matcher.accept_token(token):
+            state.rejected = True
+            return "grammar_rejected"
+        return "grammar" if matcher.is_terminated() else None

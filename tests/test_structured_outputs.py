@@ -1,0 +1,176 @@
+"""Structured outputs in the engine (`SamplingParams(json_schema=..., regex=..., choice=..., json_object=...)`) on a
+tiny random llama with a byte-level tokenizer: whatever the random model prefers, every output obeys its grammar,
+greedy, sampled and in parallel samples, next to unconstrained requests; bad constraints are clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+import torch  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged import SamplingParams  # noqa: E402
+from hf_paged.testing import byte_tokenizer, tiny_model  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok) + 20)  # an lm_head wider than the tokenizer: ids never allowed
+    eng = hf_paged.Engine(model, tok, num_blocks=64, block_size=4, max_num_seqs=8)
+    yield eng
+    eng.close()
+
+
+def _text(engine, completion) -> str:
+    return engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def _check_person(text: str) -> None:
+    # strict=False: xgrammar's strings with maxLength admit raw control characters (a random model emits them)
+    value = json.loads(text, strict=False)
+    assert set(value) == {"name", "age", "pet"} and len(value["name"]) <= 6
+    assert 0 <= value["age"] <= 120 and value["pet"] in ("cat", "dog")
+
+
+def test_every_constraint_holds_greedy_sampled_and_in_parallel_samples(engine):
+    prompts = ["hello", "x", "person:", "abc", "q", "zz"]
+    params = [
+        SamplingParams(max_new_tokens=80, json_schema=SCHEMA),
+        SamplingParams(max_new_tokens=80, json_schema=json.dumps(SCHEMA), do_sample=True, seed=3),
+        SamplingParams(max_new_tokens=12, regex=r"[0-9]{3}-[a-z]{2}"),
+        SamplingParams(max_new_tokens=12, choice=["yes", "no", "maybe so"], do_sample=True, seed=5),
+        SamplingParams(max_new_tokens=80, json_schema=SCHEMA, do_sample=True, num_return_sequences=3, seed=9),
+        SamplingParams(max_new_tokens=10),  # unconstrained, beside them: untouched by the masks
+    ]
+    before = engine.kv_stats().free_blocks
+    outs = engine.generate(prompts, params)
+    for out in outs[:2]:
+        _check_person(_text(engine, out.outputs[0]))
+        assert out.outputs[0].finish_reason in ("grammar", "eos")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", _text(engine, outs[2].outputs[0]))
+    assert _text(engine, outs[3].outputs[0]) in ("yes", "no", "maybe so")
+    assert len(outs[4].outputs) == 3
+    for completion in outs[4].outputs:
+        _check_person(_text(engine, completion))
+    alone = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=64, block_size=4).generate(
+        [prompts[5]], max_new_tokens=10)[0]
+    assert outs[5].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert engine.kv_stats().free_blocks == before and not engine.structured.active
+
+
+def test_grammar_ends_the_request_without_eos_and_json_object(engine):
+    out = engine.generate(["a"], SamplingParams(max_new_tokens=40, choice=["first", "second"], ignore_eos=True))[0]
+    assert _text(engine, out.outputs[0]) in ("first", "second") and out.outputs[0].finish_reason in ("grammar", "eos")
+    obj = engine.generate(["b"], SamplingParams(max_new_tokens=200, json_object=True, do_sample=True, seed=1))[0]
+    text = _text(engine, obj.outputs[0])
+    if obj.outputs[0].finish_reason != "length":
+        assert isinstance(json.loads(text, strict=False), dict)
+    else:
+        assert text.startswith("{")
+
+
+def test_pydantic_model_and_compiled_once(engine):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: int
+
+    cache = engine.structured.cache()
+    p = SamplingParams(max_new_tokens=30, json_schema=Point)
+    engine.generate(["p"], p)
+    compiled = cache.compilations
+    outs = engine.generate(["p", "q"], SamplingParams(max_new_tokens=30, json_schema=Point))
+    assert cache.compilations == compiled  # served from the LRU
+    for out in outs:
+        if out.outputs[0].finish_reason != "length":
+            Point.model_validate_json(_text(engine, out.outputs[0]))
+
+
+def test_constrained_requests_leave_the_pipelined_path(engine):
+    """generate() pipelines plain decode steps; a constrained request in the batch must take normal steps (its mask
+    needs the previous token) and still obey its grammar, while the others give the tokens they give alone."""
+    steps = engine.pipelined_steps
+    outs = engine.generate(["m", "n"], [SamplingParams(max_new_tokens=12, regex="(ab)+c"),
+                                        SamplingParams(max_new_tokens=12, ignore_eos=True)])
+    assert re.fullmatch("(ab)+c", _text(engine, outs[0].outputs[0])) or outs[0].outputs[0].finish_reason == "length"
+    assert engine.pipelined_steps == steps
+    alone = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=64, block_size=4).generate(
+        ["n"], max_new_tokens=12, ignore_eos=True)[0]
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"json_schema": {"type": "objectx"}}, ValueError, "json_schema"),
+    ({"regex": "([a-"}, ValueError, "regex"),
+    ({"grammar": "root ::= ("}, ValueError, "grammar"),
+])
+def test_invalid_grammars_are_value_errors(engine, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        engine.add_request("hi", max_new_tokens=4, **kwargs)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"json_schema": "{not json"}, ValueError, "json_schema is not valid JSON"),
+    ({"json_schema": 3}, TypeError, "json_schema must be"),
+    ({"regex": ""}, TypeError, "regex must be a non-empty string"),
+    ({"choice": "yes"}, TypeError, "choice must be a list"),
+    ({"choice": []}, ValueError, "choice must be a non-empty list"),
+    ({"json_object": "yes"}, TypeError, "json_object must be a bool"),
+    ({"regex": "a", "choice": ["b"]}, ValueError, "at most one"),
+    ({"regex": "a", "num_beams": 2}, ValueError, "num_beams"),
+    ({"regex": "a", "max_new_tokens": 0, "prompt_logprobs_start": 1}, ValueError, "max_new_tokens"),
+    ({"regex": "a", "min_new_tokens": 2}, ValueError, "min_new_tokens"),
+])
+def test_sampling_params_validation(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        SamplingParams(**kwargs)
+
+
+def test_missing_xgrammar_says_what_to_install(monkeypatch):
+    import builtins
+
+    from hf_paged.engine import grammar
+
+    real = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ImportError("No module named 'xgrammar'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    with pytest.raises(ImportError, match=r"pip install \"hf-paged\[structured\]\""):
+        grammar.import_xgrammar()
+
+
+def test_generate_kwargs_reach_the_engine():
+    """`model.generate(..., cache_implementation="paged", json_schema=...)`: the constraint kwargs of the paged path."""
+    tok = byte_tokenizer()
+    model = hf_paged.enable(tiny_model("llama", vocab_size=len(tok)), num_blocks=32, block_size=4)
+    ids = torch.tensor([tok("go")["input_ids"]])
+    out = model.generate(ids, cache_implementation="paged", max_new_tokens=12, regex="[a-c]{3}x", tokenizer=tok)
+    assert re.fullmatch("[a-c]{3}x", tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    with pytest.raises(ValueError, match="regex"):
+        model.generate(ids, cache_implementation="paged", max_new_tokens=4, regex="(", tokenizer=tok)
+
+
+def test_warm_up_builds_the_cache_and_masks(engine):
+    pytest.importorskip("fastapi")
+    from hf_paged.serve.structured import warm_up_grammars
+
+    assert warm_up_grammars(engine)
+    width = engine.logits_width()
+    assert width == len(engine.tokenizer) + 20 and engine.structured.cache().vocab_size == width
