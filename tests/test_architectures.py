@@ -31,6 +31,9 @@ from hf_paged.model_zoo import ARCHITECTURES, check_architecture
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 architecture_report = pytest.importorskip("architecture_report")
 
+# the sweep runs once per process (`_records`), for every test of the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("architectures")
+
 # plain except for MoE MLPs / norms / biases / positions: accepted with today's kernels
 MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "olmo2", "cohere", "gpt_neox",
              "phi", "smollm3", "starcoder2", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
@@ -66,6 +69,7 @@ def _recorded() -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.slow
 def test_architecture(arch):
     record = _records()[arch]
     verdict = record["verdict"]
@@ -83,11 +87,13 @@ def test_architecture(arch):
         assert record["reason"], f"{arch} is not runnable without a reason"
 
 
+@pytest.mark.slow
 def test_plain_attention_families_pass():
     failing = {a: _records()[a]["reason"] for a in MUST_PASS if _records()[a]["verdict"] != "pass"}
     assert not failing
 
 
+@pytest.mark.slow
 def test_adapted_families_pass():
     failing = {a: _records()[a]["reason"] for a in ADAPTED if _records()[a]["verdict"] != "pass"}
     assert not failing
@@ -96,18 +102,21 @@ def test_adapted_families_pass():
     assert all("alibi" in _records()[a]["observed"] for a in ("bloom", "mpt"))  # the slopes reached the kernels
 
 
+@pytest.mark.slow
 def test_hybrid_models_pass():
     failing = {a: _records()[a]["reason"] for a in HYBRID if _records()[a]["verdict"] != "pass"}
     assert not failing
     assert all("recurrent_state" in _records()[a]["features"] for a in HYBRID)
 
 
+@pytest.mark.slow
 def test_other_recurrent_models_are_refused_naming_what_blocks_them():
     for arch, feature in RECURRENT_REFUSED.items():
         record = _records()[arch]
         assert record["verdict"] == "refused" and feature in record["unhandled"], (arch, record)
 
 
+@pytest.mark.slow
 def test_sweep_matches_docs_architectures_json():
     """docs/architectures.json is this sweep's output (regenerate: python benchmarks/probe_architectures.py)."""
     recorded = _recorded()

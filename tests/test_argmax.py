@@ -43,7 +43,7 @@ def _rows(kind: str, rows: int, vocab: int, gen: torch.Generator) -> torch.Tenso
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sms", [8, 64])
+@pytest.mark.parametrize("sms", [8, pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["random", "ties", "neg-inf", "nan", "bf16"])
 def test_argmax_rows_equals_torch(backend, sms, kind, monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)

@@ -43,6 +43,7 @@ def _args(**overrides):
     return types.SimpleNamespace(**base)
 
 
+@pytest.mark.slow
 def test_generate_harness_measures_the_pipelined_path(static_engines):
     model = bench_generate.build_model("tiny", "cpu", torch.float32)
     workload = bench_generate.make_workload("alpaca", 24, 0)

@@ -40,6 +40,7 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     model = tiny_model(family, seed=1)
     prompts = random_prompts(LENGTHS, seed=3)
@@ -66,6 +67,7 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gptj", "bloom"])
 def test_compiled_decode_of_adapted_families_is_one_graph_and_matches_transformers(family):
     """Families whose attention an adapter routes (`hf_paged.attention.adapters`): the adapter's code is traced with
@@ -85,6 +87,7 @@ def test_compiled_decode_of_adapted_families_is_one_graph_and_matches_transforme
     engine.close()
 
 
+@pytest.mark.slow
 def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
     """Six layers cost the compilations of two: the layer code is shared, `layer_idx` and the batch symbolic."""
     model = tiny_model("llama", seed=1, num_hidden_layers=6)
@@ -106,6 +109,7 @@ def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
 
 
 @pytest.mark.parametrize("family, config", [("llama", {}), ("mistral", {"sliding_window": 12})])
+@pytest.mark.slow
 def test_prefill_steps_run_the_compiled_layers_and_compile_nothing_more(family, config):
     """Prefill chunks, alone and beside decodes, run the decode step's compiled layers (the token dimension is the
     compiled batch dimension, the op picks the prefill kernel): transformers' tokens, no further graph, and the
@@ -127,6 +131,7 @@ def test_prefill_steps_run_the_compiled_layers_and_compile_nothing_more(family, 
     engine.close()
 
 
+@pytest.mark.slow
 def test_prefill_that_would_keep_compiling_stays_on_the_models_code():
     """If the first routed prefill step compiles more graphs than a decode step may, prefill steps run the model's
     own code from then on (the step itself already ran right)."""
@@ -162,6 +167,7 @@ def _compiled_engine_matching_transformers(model) -> hf_paged.Engine:
     return engine
 
 
+@pytest.mark.slow
 def test_each_engine_compiles_into_a_dynamo_cache_of_its_own():
     """Dynamo keeps a compiled function's cache, and its recompile limit, on the code object: every engine compiled
     transformers' layer code, so from the ninth model shape in a process (the limit's 8) an engine's layers ran
@@ -195,6 +201,7 @@ def test_compiled_entries_are_copies_named_per_module_class():
     assert torch.equal(other(model.model.norm, hidden), model.model.norm(hidden))
 
 
+@pytest.mark.slow
 def test_layers_that_differ_per_layer_compile_the_whole_forward():
     """GPT-2 with `scale_attn_by_inverse_layer_idx`: every layer has its own scaling constant, so regional compilation
     would compile one graph per layer; the whole decode forward is compiled instead (one graph)."""
@@ -206,6 +213,7 @@ def test_layers_that_differ_per_layer_compile_the_whole_forward():
     engine.close()
 
 
+@pytest.mark.slow
 def test_layers_recompiling_unexpectedly_fall_back_to_the_whole_forward(monkeypatch):
     """When the layers differ in a way `layer_kind` misses (here: it is told they are all alike), the first decode
     forward compiles more graphs than the kinds allow, and the runner switches to compiling the whole forward."""
@@ -235,6 +243,7 @@ def test_compiled_layers_route_only_the_owning_thread():
     assert layer._compiled_call_impl is None
 
 
+@pytest.mark.slow
 def test_compiled_decode_equals_static_path_under_preemption_forks_and_prefix_hits():
     model = tiny_model("llama", seed=2)
     prompts = random_prompts((30, 9, 25, 14, 33, 6, 21, 18), seed=5)
@@ -264,6 +273,7 @@ def test_compiled_decode_equals_static_path_under_preemption_forks_and_prefix_hi
     assert [r for r, (_, kw) in zip(results[1], requests) if kw.get("num_beams")] == model_beams
 
 
+@pytest.mark.slow
 def test_a_dropped_engine_is_freed_without_the_cycle_collector():
     """warm_up() freezes the objects alive into the collector's permanent generation; an engine in a reference cycle
     would then keep its KV pool forever. Reference counting alone must free it."""
@@ -289,6 +299,7 @@ def test_a_dropped_engine_is_freed_without_the_cycle_collector():
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_a_dropped_model_is_freed_after_a_compiled_engine():
     """The regionally compiled layers hold no reference cycle: `warm_up()` freezes what is alive (`gc.freeze()`), and
     a cycle through the compiled layers would then keep a dropped model's weights for good."""
@@ -323,6 +334,7 @@ def test_the_fused_op_outside_a_compiled_step_says_so():
         torch.ops.hf_paged.write_and_decode(q, kv, kv, 0, 0.25)
 
 
+@pytest.mark.slow
 def test_two_compiled_engines_stepping_in_two_threads_keep_their_own_caches():
     """The fused op finds its pool through the active cache; engines in two threads must not read each other's."""
     import threading

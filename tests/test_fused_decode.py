@@ -76,8 +76,9 @@ CASES = [dict(), dict(sliding_window=5), dict(softcap=2.0, sinks=True), dict(chu
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "plain")
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("counters", [False, True])
+# `make test-fast` runs one split count without counters (the Triton interpreter takes seconds a case)
+@pytest.mark.parametrize("splits", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("counters", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fused_equals_write_then_decode(backend, case, splits, counters, monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     if backend == "triton":

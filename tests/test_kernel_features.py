@@ -100,7 +100,7 @@ def _first_visible(n, start, pos, opts):
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3 splits: the full suite
 def test_decode_features(backend, case, splits):
     if splits > 1 and backend == "torch":
         pytest.skip("split-K is a Triton option")
@@ -154,6 +154,7 @@ WHOLE_TILE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", WHOLE_TILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "causal")
 def test_prefill_whole_key_tiles(case, monkeypatch):
     """Prompts long enough that most key tiles are seen whole by every row of a query tile, which the Triton kernel

@@ -44,7 +44,7 @@ def _mixed(rows, vocab, device="cpu", dtype=torch.float32, gen_seed=0):
     return logits.to(device), _params(rows, temps[:rows], ks[:rows], ps[:rows], mps[:rows], seeds, offs, device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_triton_matches_reference(monkeypatch, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter only runs without a GPU)
     logits, params = _mixed(8, 700, dtype=dtype, device=device)
@@ -72,6 +72,7 @@ def _search_rows(vocab):
 
 @pytest.mark.parametrize("t,k,p", [(0.6, 0, 0.95), (0.8, 20, 1.0), (0.7, 50, 0.9), (1.0, 150, 0.999),
                                    (1.0, 290, 1.0), (1.0, 0, 0.3)])
+@pytest.mark.slow
 def test_triton_search_paths_match_reference(t, k, p):
     """The kernel's scratch list (`cap`) changes how many tokens a search pass reads, never the kept set or the
     token: a list too small for most intervals, one that takes a narrowed interval, one that holds the row. The
@@ -129,6 +130,7 @@ def _rounds_needed(logits, inv_t, top_p, log_min_p, seed, offset):
     return rounds
 
 
+@pytest.mark.slow
 def test_draw_first_rounds_give_the_searched_tokens():
     """Top-p rows without top-k draw first and check the draw (`draw_first_rounds` rounds, then the search; every p
     here, where the engine's rows draw first from p 0.8): the tokens equal the search's and the reference's for rows
@@ -284,7 +286,7 @@ def test_host_normalisation_is_bitwise_the_devices(device):
     assert torch.equal(torch.from_numpy(effective_top_k(k.numpy(), 100)), effective_top_k(k.to(device), 100).cpu())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_engine_picker_draws_what_sample_tokens_draws(monkeypatch, backend):
     """`DevicePicker.pick` (normalised on the host, min-p log on the device only when a row has min-p) gives the
     tokens of `sample_tokens` for the same rows: mixed greedy / top-k / top-p / min-p rows, and rows without

@@ -353,6 +353,7 @@ def test_split_count_same_for_a_batch_and_its_graph_bucket(monkeypatch):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("starts", [False, True])
+@pytest.mark.slow
 def test_decode_split_output_independent_of_batch_padding_and_width(monkeypatch, starts):
     """A sequence's output bits depend on its own keys and the split count only: not on padding rows, the table
     width, or grid splits it does not use (the reduction adds their exact zeros in split order)."""
@@ -378,7 +379,7 @@ def test_decode_split_output_independent_of_batch_padding_and_width(monkeypatch,
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_decode_block_ids_loaded_ahead_give_the_same_bits(monkeypatch, splits):
     """Loading each tile's block ids one tile ahead (`PREFETCH_TABLE`) changes no bit of the output: ranges that
     start and end mid-tile (kv_start), runs of several tiles, tables padded with -1, an empty sequence."""

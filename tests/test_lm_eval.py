@@ -23,6 +23,9 @@ from lm_eval.utils import get_rolling_token_windows  # noqa: E402
 from hf_paged.integrations.lm_eval import HFPagedLM, sampling_params  # noqa: E402
 from hf_paged.testing import smollm2_checkpoint  # noqa: E402
 
+# the SmolLM2 evaluators are built once for the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("lm_eval")
+
 QA = [
     ("The capital of France is", "Paris"),
     ("Two plus two equals", "four"),
@@ -159,6 +162,7 @@ def _num_windows(lm) -> int:
                for doc in DOCS)
 
 
+@pytest.mark.slow
 def test_hf_paged_matches_hf_backend(task_manager, plain_lm, paged_lm):
     plain = _run(plain_lm, task_manager)
     before = paged_lm.engine_loglikelihood_requests
@@ -174,6 +178,7 @@ def test_hf_paged_matches_hf_backend(task_manager, plain_lm, paged_lm):
     assert paged_lm.engine.kv_stats().used_blocks == 0
 
 
+@pytest.mark.slow
 def test_shared_context_is_scored_once_from_the_prefix_cache(plain_lm, paged_lm):
     """Continuations of one long context: the same answers as HFLM, the context's whole blocks computed once."""
     context = paged_lm.tok_encode("Question: which of these words names a season of the year? Answer:")
@@ -197,12 +202,14 @@ def test_sampling_params_from_gen_kwargs():
         sampling_params({"num_beams": 4}, 32, "<eos>")
 
 
+@pytest.mark.slow
 def test_command_line_help():
     run = subprocess.run([sys.executable, "-m", "hf_paged.lm_eval", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and "--model_args" in run.stdout
 
 
+@pytest.mark.slow
 def test_requests_the_engine_cannot_hold_fall_back_to_hflm(plain_lm, paged_lm, monkeypatch):
     """Routing: requests failing the engine's capacity check go to HFLM's forwards; answers stay in input order."""
     context = paged_lm.tok_encode("Pick a color:")
@@ -214,6 +221,7 @@ def test_requests_the_engine_cannot_hold_fall_back_to_hflm(plain_lm, paged_lm, m
     assert paged_lm.engine_loglikelihood_requests - before == 2
 
 
+@pytest.mark.slow
 def test_engine_capacity_check(paged_lm):
     engine = paged_lm.engine
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size

@@ -242,6 +242,7 @@ print("exiting", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_graphs_of_an_engine_left_open_are_dropped_before_the_interpreter_tears_down():
     """An engine still open at exit drops its CUDA graphs in an `atexit` handler, before the interpreter's teardown
     (which frees torch.distributed's process groups; a graph that recorded NCCL collectives blocks that forever)."""

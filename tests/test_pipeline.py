@@ -10,6 +10,9 @@ import hf_paged
 from hf_paged.integrations.pipeline import PagedTextGenerationPipeline
 from hf_paged.testing import load_smollm2
 
+# one SmolLM2 for the file: the file runs on one worker
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -20,6 +23,7 @@ def smollm2():
         pytest.skip(f"SmolLM2 weights unavailable: {error}")
 
 
+@pytest.mark.slow
 def test_pipeline_matches_transformers_on_chats_and_strings(smollm2):
     model, tokenizer = smollm2
     hf_paged.disable(model)
@@ -46,6 +50,7 @@ def test_pipeline_matches_transformers_on_chats_and_strings(smollm2):
     hf_paged.disable(model)
 
 
+@pytest.mark.slow
 def test_pipeline_rejects_other_tasks(smollm2):
     model, tokenizer = smollm2
     with pytest.raises(ValueError, match="text-generation"):

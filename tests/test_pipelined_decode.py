@@ -321,6 +321,7 @@ def test_abort_from_another_thread_during_pipelined_decode(model, prompts, refer
     assert_clean(engine, results + reported)
 
 
+@pytest.mark.slow
 def test_compiled_submodules_give_the_same_tokens(prompts, references):
     """`compile_modules=True` (Inductor on the CPU here) with the static, pipelined decode path: same greedy tokens,
     and `hf_paged.disable` gives the model back uncompiled."""

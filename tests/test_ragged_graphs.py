@@ -55,6 +55,7 @@ def test_buckets_pad_by_at_most_an_eighth_above_256_tokens_and_respect_the_budge
 
 
 @pytest.mark.parametrize("family, config, tile", [("llama", {}, 5), ("mistral", {"sliding_window": 12}, 8)])
+@pytest.mark.slow
 def test_ragged_steps_on_the_static_buffers_match_transformers(family, config, tile):
     """Prompts prefilled in chunks beside running decodes, each step through the ragged buffers: transformers'
     tokens. A tile of 5 queries cuts most chunks into several virtual sequences."""
@@ -188,6 +189,7 @@ def test_a_bucket_is_recorded_right_after_its_second_step_and_replayed_from_its_
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+@pytest.mark.slow
 def test_ragged_steps_keep_seeded_sampling_beams_and_parallel_samples(device):
     """Seeded sampled requests (top-p, parallel samples) and beam searches admitted beside running decodes: ragged
     steps on the static buffers (replayed from graphs on CUDA, every bucket recorded at once) give every token the
@@ -303,6 +305,7 @@ def test_a_warm_up_with_prefill_graphs_records_every_bucket_so_that_serving_only
     engine.close()
 
 
+@pytest.mark.slow
 def test_prefill_graphs_need_cuda_graphs_and_a_bool():
     """Without CUDA graphs (the CPU) there is nothing to record: the warm-up says so (0 buckets); a non-bool is a
     TypeError naming the argument."""
@@ -315,6 +318,7 @@ def test_prefill_graphs_need_cuda_graphs_and_a_bool():
     engine.close()
 
 
+@pytest.mark.slow
 def test_a_bucket_run_on_dummy_rows_writes_nothing_and_is_handed_to_the_recording():
     """`_record_dummy` (the warm-up's recording of a bucket, and the largest bucket's before the first one recorded
     while serving): its forward over the ragged buffers leaves every cached K/V as it was, hands the recording logits

@@ -49,7 +49,8 @@ def _stats_at(keys, e, key, above_cnt, above_mass):
     return above_cnt + int(ge.sum()), above_mass + float(e[ge].sum())
 
 
-@pytest.mark.parametrize("n,sort_n", [(5, 16), (16, 16), (40, 64), (64, 64)])
+@pytest.mark.parametrize("n,sort_n", [(5, 16), pytest.param(16, 16, marks=pytest.mark.slow), pytest.param(40, 64, marks=pytest.mark.slow),
+                                      pytest.param(64, 64, marks=pytest.mark.slow)])
 def test_select_reads_the_rank_and_the_mass_off_the_sorted_keys(n, sort_n):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * 2).round(decimals=1)  # ties among the keys

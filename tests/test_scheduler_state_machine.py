@@ -575,7 +575,7 @@ SchedulerMachine.TestCase.settings = settings(  # derandomized: CI runs the same
     max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,
 )
-TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine = pytest.mark.slow(SchedulerMachine.TestCase)
 
 
 class _LongRun(SchedulerMachine):
@@ -706,6 +706,7 @@ if HAS_PREFIX_CACHE:
 
 
 @pytest.mark.parametrize("mode", WALKS)
+@pytest.mark.slow
 def test_seeded_random_walk_preempts_and_drains(mode):
     """A long seeded walk per preemption mode: it must really preempt (both kinds where asked) and lose nothing.
 

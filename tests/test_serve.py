@@ -21,6 +21,9 @@ pytest.importorskip("uvicorn")
 
 from hf_paged.testing import load_smollm2, smollm2_checkpoint  # noqa: E402
 
+# one server (and one reference SmolLM2) for the file, shut down by its last test: the file runs on one worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
+
 KEY = "test-key"
 NAME = "smollm2"
 BLOCKS, BLOCK_SIZE = 64, 16  # a 1024-token pool

@@ -84,6 +84,7 @@ def test_sibling_linear_op_one_gemm_or_one_per_weight(bias):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_compiled_step_fuses_siblings_and_keeps_transformers_tokens(family):
     model = tiny_model(family, dtype=torch.float32)
     prompts = _prompts()
@@ -131,6 +132,7 @@ def test_residual_add_folds_only_into_a_returned_bias_free_linear():
         assert (torch.addmm in targets) == bool(expected)
 
 
+@pytest.mark.slow
 def test_weights_moved_after_compilation_are_stacked_again_and_read_anew():
     """`param.data = ...` after the step was compiled with one GEMM per group: the op does not read the old place,
     the engine's weight watch stacks them again, and the tokens follow the new weights."""

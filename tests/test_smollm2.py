@@ -13,7 +13,8 @@ try:
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
     from helpers import dense, dense_generate, paged
 
-pytestmark = pytest.mark.slow
+# the references are computed once per file: the file runs on one worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 MAX_NEW = 24
 CHATS = [

@@ -293,6 +293,7 @@ def run_phase(model, corpus, tok, seed: int, engine_kwargs: dict, totals: collec
     totals["max_running"] = max(totals["max_running"], engine.stats["max_running"])
 
 
+@pytest.mark.slow
 def test_soak(model, corpus, one_thread):
     tok = tiny_word_tokenizer()
     totals: collections.Counter = collections.Counter()

@@ -60,6 +60,7 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
                   marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs"))],
     ids=["roomy", "recompute", "swap", "static-decode", "compiled-decode", "cuda-graph", "cuda-graph-compiled"],
 )
+@pytest.mark.slow
 def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
     single = run_example(tmp_path / "single", 1, *extra)[0]
     ranks = run_example(tmp_path / "tp2", 2, *extra)
@@ -90,6 +91,7 @@ def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(mo
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message of a machine without GPUs")
+@pytest.mark.slow
 def test_example_insisting_on_cuda_without_gpus_says_why():
     result = subprocess.run([sys.executable, str(EXAMPLE), "--model", "tiny", "--device", "cuda"], capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
