@@ -55,7 +55,7 @@ def test_decode_refuses_bad_shapes():
         gdn_decode(q, q, q, torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(4, 2, 8, 8), torch.tensor(0), 1.0)
 
 
-@pytest.mark.parametrize("path", ["eager", "static-chunked", "compiled"])
+@pytest.mark.parametrize("path", ["eager", "static-chunked", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_fast_path_gives_transformers_tokens(path, monkeypatch):
     """The fast path (varlen convolution, `gdn_decode`, the chunked rule over all prefill chunks) on every engine
     path: ragged steps that mix decoding rows with prefill chunks resumed from a state, the static decode buffers,

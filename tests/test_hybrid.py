@@ -102,6 +102,7 @@ def test_requests_joining_a_running_batch_keep_their_states_apart():
     assert_no_leaks(engine)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_matches_transformers_without_graph_breaks():
     from torch._dynamo.utils import counters
 
@@ -143,6 +144,7 @@ def test_parallel_samples_score_as_transformers_scores_them(family):
     assert_no_leaks(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache(family):
     model = hybrid(family)
@@ -216,6 +218,7 @@ def test_admission_never_runs_more_sequences_than_slots():
     assert ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5_text", "falcon_h1"])
 def test_prefix_hits_resume_from_state_checkpoints_with_the_same_tokens(family):
     model = hybrid(family)
@@ -243,6 +246,7 @@ def test_prefix_hits_resume_from_state_checkpoints_with_the_same_tokens(family):
     assert_no_leaks(engine2)
 
 
+@pytest.mark.slow
 def test_state_checkpoints_can_be_turned_off_and_weights_changes_drop_them():
     model = hybrid("qwen3_5_text")
     prompts, refs = references("qwen3_5_text")

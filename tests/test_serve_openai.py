@@ -185,6 +185,7 @@ def test_prompt_logprobs_extra_parameter(server):
         assert len(entry) <= 3 and any(v["rank"] == 1 for v in entry.values())
 
 
+@pytest.mark.slow
 def test_tool_calls_required_named_streamed_and_auto(server):
     client, tok = server["client"], server["tok"]
     messages = _ask("What is the weather in Paris?")
