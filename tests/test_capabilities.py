@@ -57,6 +57,21 @@ def test_latent_attention_is_refused_naming_why():
         hf_paged.enable(model)
 
 
+def test_layers_writing_different_kv_head_counts_are_refused_up_front():
+    """MiMo-V2-Flash's sliding-window layers write twice the KV heads of its global ones (in its modeling code, not its
+    config). With V as wide as K (so `value_head_dim` does not refuse it first) it must be refused before anything
+    runs, naming the shape, not fail inside the engine on the pool's shape."""
+    model = tiny_model("mimo_v2_flash")
+    config = model.config
+    config.v_head_dim = config.head_dim
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    features = support.model_features(model)
+    assert "value_head_dim" not in features and "KV heads" in features["cache_shape"]
+    for build in (lambda: hf_paged.Engine(model, num_blocks=16, block_size=4), lambda: hf_paged.enable(model)):
+        with pytest.raises(ValueError, match="cache_shape"):
+            build()
+
+
 def test_attention_computed_by_the_model_is_refused():
     model = tiny_model("megatron-bert")  # a BERT-style self-attention, and no adapter for it
     assert "not_interface_routed" in support.model_features(model)

@@ -268,12 +268,22 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
     return tuple(found.items())
 
 
+def _kv_heads_written(module) -> int | None:
+    """The KV heads an attention module with a separate `k_proj` writes (`k_proj` width / `head_dim`), if it says."""
+    k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
+    width = getattr(k_proj, "out_features", None)
+    if not isinstance(width, int) or not isinstance(head_dim, int) or head_dim <= 0 or width % head_dim:
+        return None
+    return width // head_dim
+
+
 def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
     attention_classes, recurrent_classes, not_routed, unslotted, adapted = set(), set(), set(), set(), set()
     adapter_handles: set[str] = set()
     attention_types: set[type] = set()
+    kv_heads: dict[int, str] = {}  # KV heads an attention module writes -> the first module writing that many
     try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
@@ -308,12 +318,18 @@ def _model_features(model) -> dict[str, str]:
                 adapter_handles.update(adapter.handles)
                 continue
             attention_types.add(cls)
+            heads = _kv_heads_written(module)
+            if heads is not None:
+                kv_heads.setdefault(heads, name)
             if reason is not None:
                 not_routed.add(f"{cls_name} ({adapter.family} adapter: {reason})")
             elif _routes_through_interface(cls) is False:
                 not_routed.add(cls_name)
             for name, detail in _dataflow_features(cls):
                 found.setdefault(name, detail)
+    if len(kv_heads) > 1:  # (MiMo-V2-Flash: its sliding-window layers write twice the KV heads of the others)
+        found["cache_shape"] = ("layers write different numbers of KV heads (" + ", ".join(
+            f"{name}: {heads}" for heads, name in sorted(kv_heads.items())) + "); one KV pool holds one shape")
     if adapted:
         found["attention_adapter"] = f"{sorted(adapted)} routed by hf_paged.attention.adapters"
     if attention_types and not any("sliding_window" in (_forward_source(c) or "") for c in attention_types):
