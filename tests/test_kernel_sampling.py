@@ -70,13 +70,15 @@ def _search_rows(vocab):
     return torch.stack([flat, peaked, wide, ties, masked])
 
 
-@pytest.mark.parametrize("t,k,p", [(0.6, 0, 0.95), (0.8, 20, 1.0), (0.7, 50, 0.9), (1.0, 150, 0.999),
-                                   (1.0, 290, 1.0), (1.0, 0, 0.3)])
+@pytest.mark.parametrize("t,k,p,half", [(0.6, 0, 0.95, 0), (0.8, 20, 1.0, 1), (0.7, 50, 0.9, 0), (1.0, 150, 0.999, 1),
+                                        (1.0, 290, 1.0, 0), (1.0, 0, 0.3, 1)])
 @pytest.mark.slow
-def test_triton_search_paths_match_reference(t, k, p):
+def test_triton_search_paths_match_reference(t, k, p, half):
     """The kernel's scratch list (`cap`) changes how many tokens a search pass reads, never the kept set or the
     token: a list too small for most intervals, one that takes a narrowed interval, one that holds the row. The
-    thresholds are compared by the set they keep (a draw alone rarely shows a set one low-probability token off)."""
+    thresholds are compared by the set they keep (a draw alone rarely shows a set one low-probability token off).
+    Each sampling setting runs every other (cap, sort_n) pair (`half`), so every pair meets three settings (the
+    interpreter takes about 10 s a launch)."""
     triton_sampling = pytest.importorskip("hf_paged.kernels.triton_sampling")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = _search_rows(300)
@@ -90,7 +92,8 @@ def test_triton_search_paths_match_reference(t, k, p):
     want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
     # `sort_n`: the search alone (0); a sorted selection of the list as made (cap 4 or 32 <= sort_n), or after
     # shrinking it in place (cap 512, sort_n 16)
-    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (4, 16), (512, 16), (32, 128)):
+    step = 1 if device == "cuda" else 2  # (a GPU runs every pair with every setting)
+    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (4, 16), (512, 16), (32, 128))[half * (step - 1)::step]:
         thresholds = torch.zeros(rows, dtype=torch.int32, device=device)
         got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
                                             thresholds=thresholds, sort_n=sort_n)
@@ -100,7 +103,7 @@ def test_triton_search_paths_match_reference(t, k, p):
     # min-p on top: the draw among the keys above the list (made while compacting) applies it too
     args[3] = torch.full((rows,), float(torch.log(torch.tensor(0.02))), device=device)
     want = reference_sampling.sample_tokens(logits, *(a.cpu() for a in args))
-    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (32, 16), (512, 128)):  # the search alone at every cap, too
+    for cap, sort_n in ((4, 0), (32, 0), (512, 0), (32, 16), (512, 128))[half * (step - 1)::step]:  # search alone too
         got = triton_sampling.sample_tokens(logits.to(device), *args, cap=cap, block=64, search_block=32,
                                             sort_n=sort_n)
         assert torch.equal(got.cpu(), want), ("min-p", cap, sort_n, got, want)
