@@ -17,12 +17,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from test_kernels import BACKENDS, DEVICE, HAS_CUDA, HAS_TRITON, TOL, _gen, make_paged  # noqa: E402
+
 from hf_paged import kernels  # noqa: E402
 from hf_paged.kernels import reference  # noqa: E402
 
-from test_kernels import BACKENDS, DEVICE, HAS_CUDA, HAS_TRITON, TOL, _gen, backend, make_paged  # noqa: E402,F401
-
 FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_BACKEND", request.param)
+    return request.param
 
 
 def _scales(hkv: int, per_head: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

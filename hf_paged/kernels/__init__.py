@@ -80,6 +80,7 @@ from .checks import (
 )
 
 __all__ = [
+    "FP8_DTYPE",
     "write_kv",
     "paged_decode",
     "write_and_paged_decode",
