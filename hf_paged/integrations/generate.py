@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from ..attention import on_prepare, prepare_model
+from ..cache import resolve_kv_cache_dtype
 from ..engine import Engine, SamplingParams
 from ..engine.params import CONSTRAINT_FIELDS
 from ..runner import uncompile_submodules
@@ -386,9 +387,11 @@ def enable(model, **engine_kwargs):
 
     Checks the family is supported (raises ValueError listing the supported ones otherwise), registers the attention
     and mask functions, switches the model to them, and installs the generate mixin. `engine_kwargs` (block_size,
-    num_blocks, kv_cache_memory, max_num_seqs, preemption_mode, swap_space, ...) configure the engine behind
-    `generate(cache_implementation="paged")`.
+    num_blocks, kv_cache_memory, max_num_seqs, preemption_mode, swap_space, kv_cache_dtype, ...) configure the engine
+    behind `generate(cache_implementation="paged")`; `kv_cache_dtype="fp8"` stores its K/V in FP8 (`Engine`).
     """
+    if "kv_cache_dtype" in engine_kwargs:  # refused now, not at the first generate()
+        resolve_kv_cache_dtype(engine_kwargs["kv_cache_dtype"])
     prepare_model(model)
     if engine_kwargs:
         model._hf_paged_engine_kwargs = dict(engine_kwargs)
