@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged import model_zoo
 from hf_paged.cache import PagedCache, checkpoint_kv_scales
 from hf_paged.cache.kv_quant import K_RANGE, V_RANGE
 from hf_paged.testing import tiny_batch, tiny_model
@@ -316,3 +317,62 @@ def test_smollm2_fp8_greedy_agreement_and_logprobs():
     assert figures["teacher_forced_argmax_agreement"] > 0.95
     assert figures["mean_abs_logprob_diff"] < 0.1
     assert figures["mean_common_prefix"] > 0.5
+
+
+# --------------------------------------------------------------------------- ALiBi and hybrid models
+@pytest.mark.parametrize("family,overrides", [("bloom", {}), ("falcon", {"alibi": True})])
+def test_fp8_with_alibi_engine_equals_fp8_drop_in(family, overrides):
+    """The ALiBi families (attention adapters, slopes in the kernels) over an FP8 pool: the engine's eager and
+    compiled paths and transformers' generate() over a drop-in FP8 cache give the same greedy tokens."""
+    model = model_zoo.tiny_model(family, seed=1, **overrides)
+    prompts = random_prompts((13, 4, 21), seed=2, vocab=200)
+    engine_tokens = _run(model, prompts, new=6, kv_cache_dtype="fp8", kv_scales=0.03)
+    torch._dynamo.reset()
+    compiled = _run(model, prompts, new=6, kv_cache_dtype="fp8", kv_scales=0.03, compile_decode=True)
+    torch._dynamo.reset()
+    assert compiled == engine_tokens
+    paged = hf_paged.enable(model)
+    for prompt, expected in zip(prompts, engine_tokens):
+        cache = PagedCache(config=paged.config, block_size=8, kv_cache_dtype="fp8", kv_scales=0.03)
+        out = paged.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == expected
+    hf_paged.disable(paged)
+
+
+def test_fp8_hybrid_model_scales_index_its_attention_layers():
+    """Qwen3.5 (gated DeltaNet, one attention layer in four): the pool and its scales cover the attention layers
+    only; a layer's given scales are the ones read at that layer (`layer_scales`), calibration fills every
+    attention layer, and the engine (eager and static decode) equals transformers' generate() over a drop-in FP8
+    cache."""
+    model = model_zoo.tiny_model("qwen3_5_text", seed=1)
+    prompts = random_prompts((13, 4, 21), seed=2, vocab=200)
+    config = model.config.get_text_config(decoder=True)
+    attention = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert 0 < len(attention) < config.num_hidden_layers
+    scales = {layer: (0.01 * (i + 2), 0.004 * (i + 3)) for i, layer in enumerate(attention)}
+    sizes = dict(block_size=8, num_blocks=64, max_num_seqs=4)  # (each sequence also holds a state slot)
+    engine = hf_paged.Engine(model, **sizes, kv_cache_dtype="fp8", kv_scales=scales)
+    assert engine.cache.kv_layers == attention and engine.cache.pool.shape[0] == len(attention)
+    for layer, (k, v) in scales.items():
+        got_k, got_v = engine.cache.layer_scales(layer)
+        assert torch.allclose(got_k.cpu(), torch.tensor(k)) and torch.allclose(got_v.cpu(), torch.tensor(v))
+    tokens = _tokens(engine.generate(prompts, max_new_tokens=6))
+    engine.close()
+    static = hf_paged.Engine(model, **sizes, kv_cache_dtype="fp8", kv_scales=scales)
+    static.runner.decode_mode = "static"  # the CUDA-graph path's buffers (states and scales alike), run eagerly
+    assert _tokens(static.generate(prompts, max_new_tokens=6)) == tokens and static.runner.graph_steps > 0
+    static.close()
+    calibrated = hf_paged.Engine(model, **sizes, kv_cache_dtype="fp8")
+    calibrated.generate(prompts[:1], max_new_tokens=2)
+    assert not calibrated.cache.kv_scales_pending
+    assert calibrated.cache.kv_scales.tensor.shape[0] == len(attention)
+    assert bool((calibrated.cache.kv_scales.tensor != 1.0).all())
+    calibrated.close()
+    paged = hf_paged.enable(model)
+    for prompt, expected in zip(prompts, tokens):
+        cache = PagedCache(config=paged.config, block_size=8, kv_cache_dtype="fp8", kv_scales=scales)
+        out = paged.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == expected
+    hf_paged.disable(paged)

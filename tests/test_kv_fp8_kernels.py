@@ -3,8 +3,8 @@ references against naive float64 attention over the dequantised cache.
 
 What an FP8 cache must give: the write stores ``clamp(x / scale, -448, 448)`` rounded to nearest even, byte for byte
 what torch's cast gives on both backends (ties, subnormals, saturation, per-tensor and per-head scales); decode,
-prefill and the fused write + decode read ``stored * scale`` (windows, softcap, sinks, chunks, GQA, head dims 64, 96
-and 128, split-K), and the fused write + decode equals the write then the decode, bit for bit.
+prefill and the fused write + decode read ``stored * scale`` (windows, softcap, sinks, chunks, ALiBi, GQA, head dims
+64, 96 and 128, split-K), and the fused write + decode equals the write then the decode, bit for bit.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ DECODE_CASES = [
                  dict(sliding_window=11, softcap=5.0), id="f32-d96-window-softcap"),
     pytest.param(torch.float16, 4, 1, 64, 16, [33, 5], [0, 0], 2, False,
                  dict(sinks=True, chunk_size=16), id="f16-mqa-sinks-chunk"),
+    pytest.param(torch.bfloat16, 4, 2, 64, 16, [12, 50], [0, 4], 2, True,
+                 dict(alibi=True, softcap=5.0), id="bf16-alibi-softcap-split"),
 ]
 
 
@@ -129,6 +131,8 @@ def _opts(opts: dict, hq: int) -> dict:
     out = dict(opts)
     if out.get("sinks") is True:
         out["sinks"] = torch.randn(hq, generator=_gen(9)).to(DEVICE)
+    if out.pop("alibi", False):  # BLOOM-like slopes, one of 0.5 (a bias far larger than the logits)
+        out["alibi_slopes"] = (0.5 * 2.0 ** -(2 * torch.arange(hq, dtype=torch.float32))).to(DEVICE)
     return out
 
 
@@ -153,6 +157,7 @@ PREFILL_CASES = [
     pytest.param(torch.float32, 6, 2, 96, 16, [(12, 30, 0)], dict(softcap=4.0, sinks=True), True,
                  id="f32-d96-softcap-sinks"),
     pytest.param(torch.float32, 2, 2, 64, 8, [(20, 20, 0)], dict(chunk_size=8), False, id="f32-mha-chunk"),
+    pytest.param(torch.float32, 4, 2, 64, 16, [(9, 33, 2), (4, 4, 0)], dict(alibi=True), True, id="f32-alibi"),
 ]
 
 
