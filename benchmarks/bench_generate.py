@@ -13,7 +13,13 @@ which tells a run bound by its kernels from one bound by the host. `--dynamic-ma
 its first N batches only (its full run is minutes) and reports its rate on that subset. Every system runs under
 `--system-timeout` seconds; the JSON is rewritten after each one.
 
+`--kv-cache-dtype auto,fp8` runs each hf_paged system once per KV cache dtype, in one process (an FP8 run is
+reported as `SYSTEM+fp8`): the FP8 cache's throughput against the model-dtype cache's. A KV-bound workload shows the
+gain (`kvbound`: 1-3k-token prompts, 256-768 new tokens, so the pool, not the batch limit, bounds the running batch):
+
     python benchmarks/bench_generate.py --model llama-1b --workload sharegpt --num-requests 256 --out results/
+    python benchmarks/bench_generate.py --model llama-8b --workload kvbound --num-requests 512 \
+        --systems paged_compiled --kv-cache-dtype auto,fp8 --max-num-seqs 512 --out results/
 """
 
 from __future__ import annotations
@@ -372,11 +378,12 @@ class StepTimer:
 
 
 def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True,
-              prefix_caching: bool = True):
+              prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
     CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
     keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`);
-    `prefix_caching=False` runs without the prefix cache (systems `paged_nocache`, `paged_compiled_nocache`)."""
+    `prefix_caching=False` runs without the prefix cache (systems `paged_nocache`, `paged_compiled_nocache`).
+    `kv_cache_dtype`: the engine's ("fp8": an FP8 KV pool)."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -388,15 +395,15 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode,
-                             enable_prefix_caching=prefix_caching)
+                             enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
     engine.runner.compile_prefill = compile_decode and compile_prefill
     try:
-        return _run_engine(engine, workload, args, progress, setup_start)
+        return _run_engine(engine, workload, args, progress, setup_start, kv_cache_dtype)
     finally:  # a failing or timed-out run gives its pool and graphs back before the next system is built
         engine.close()
 
 
-def _run_engine(engine, workload, args, progress: bool, setup_start: float) -> dict:
+def _run_engine(engine, workload, args, progress: bool, setup_start: float, kv_cache_dtype: str) -> dict:
     import hf_paged
 
     engine.warm_up()
@@ -445,6 +452,8 @@ def _run_engine(engine, workload, args, progress: bool, setup_start: float) -> d
         "run_s": run_s,
         "steady_tok_s": sum(o for _, o in workload) / run_s,
         "num_blocks": engine.block_manager.num_blocks,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_capacity_tokens": engine.block_manager.num_blocks * engine.cache.block_size,
         "steps": engine.stats["steps"],
         "mean_running_batch": engine.stats["running_sum"] / steps,
         "max_running_batch": engine.stats["max_running"],
@@ -466,6 +475,27 @@ def _run_engine(engine, workload, args, progress: bool, setup_start: float) -> d
         "gpu": timeline.summary(),
     }
     return result
+
+
+def _kv_dtypes(text: str) -> list[str]:
+    """`--kv-cache-dtype`: a comma-separated list of hf_paged's KV cache dtypes."""
+    from hf_paged.cache import KV_CACHE_DTYPES
+
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in KV_CACHE_DTYPES]
+    if bad or not dtypes:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
+    return dtypes
+
+
+def _runs(systems: str, kv_dtypes: list[str]) -> list[tuple[str, str, str]]:
+    """(label, system, KV cache dtype) of every run: each hf_paged system once per dtype (labelled `SYSTEM+fp8`
+    for a dtype other than "auto"), the others once."""
+    runs = []
+    for system in systems.split(","):
+        for kv_dtype in (kv_dtypes if system.startswith("paged") else ["auto"]):
+            runs.append((system if kv_dtype == "auto" else f"{system}+{kv_dtype}", system, kv_dtype))
+    return runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -490,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto", type=_kv_dtypes,
+                        help="comma-separated KV cache dtypes (auto, fp8): each hf_paged system runs once per dtype")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--cuda-graph", action="store_true", help="force CUDA graphs on (the default on CUDA)")
     parser.add_argument("--profile", action="store_true", help="cProfile the hf_paged run into OUT/profile_paged.txt")
@@ -530,13 +562,14 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = (f"generate_{Path(args.model).name}_{args.workload}_{len(workload)}" + (f"_tp{world}" if world > 1 else "")
-            + (f"_t{args.temperature:g}" if args.temperature else ""))
+            + (f"_t{args.temperature:g}" if args.temperature else "")
+            + "".join(f"_{d}" for d in args.kv_cache_dtype if d != "auto"))
     meta = {
         "model": args.model, "workload": args.workload, "num_requests": len(workload),
         "mean_input": float(np.mean([len(p) for p, _ in workload])), "mean_output": output_tokens / len(workload),
         "output_tokens": output_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
-        "tensor_parallel": world,
+        "tensor_parallel": world, "kv_cache_dtypes": args.kv_cache_dtype,
     }
     import transformers
 
@@ -547,22 +580,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):  # the ceilings of this GPU, measured now (METHOD.md), and the workload's bound
         meta["copy_tb_s"] = copy_bandwidth(args.device) / 1e12
         meta["matmul_tflop_s"] = matmul_flops(args.device) / 1e12
-        kv_token = hf_paged.cache.kv_bytes_per_token(model.config, dtype) // world
-        weights, groups, experts = model_bytes(model), kv_read_groups(model.config, kv_token), expert_weights(model)
+        weights, experts = model_bytes(model), expert_weights(model)
         # a hybrid model's recurrent states: each decode step reads and writes every running sequence's
         state = sum(spec.nbytes for spec in hf_paged.attention.profile_state_specs(model).values())
         meta["state_bytes_per_seq"] = state
-        meta["decode_bound_s"] = decode_bound_s(workload, weights, groups, meta["copy_tb_s"] * 1e12, experts=experts,
-                                                state_bytes=state)
         # FLOPs per rank: the whole model's (its shards times the ranks) over the ranks
         token_params, prompt_params = prefill_params(model)
-        # the bound with each step also at least its matrix FLOPs' time (every decode row runs the output projection)
-        meta["decode_roofline_s"] = decode_roofline_s(workload, weights, groups, meta["copy_tb_s"] * 1e12,
-                                                      token_params + prompt_params, meta["matmul_tflop_s"] * 1e12,
-                                                      experts=experts, state_bytes=state)
+        for kv_name in args.kv_cache_dtype:  # per KV cache dtype (an FP8 cache reads one byte an element)
+            kv_token = hf_paged.cache.kv_bytes_per_token(
+                model.config, hf_paged.cache.resolve_kv_cache_dtype(kv_name) or dtype) // world
+            groups = kv_read_groups(model.config, kv_token)
+            suffix = "" if kv_name == "auto" else f"_{kv_name}"
+            meta[f"decode_bound_s{suffix}"] = decode_bound_s(workload, weights, groups, meta["copy_tb_s"] * 1e12,
+                                                             experts=experts, state_bytes=state)
+            # the bound with each step also at least its matrix FLOPs' time (every decode row runs the output
+            # projection)
+            meta[f"decode_roofline_s{suffix}"] = decode_roofline_s(
+                workload, weights, groups, meta["copy_tb_s"] * 1e12, token_params + prompt_params,
+                meta["matmul_tflop_s"] * 1e12, experts=experts, state_bytes=state)
         meta["prefill_tflop"] = prefill_flops(workload, model.config, token_params * world, prompt_params * world) \
             / 1e12 / world
-    for system in args.systems.split(","):
+    for label, system, kv_dtype in _runs(args.systems, args.kv_cache_dtype):
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -585,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
                     import pstats
 
                     profiler = cProfile.Profile()
-                    extra = profiler.runcall(run_paged, model, workload, args, progress)
+                    extra = profiler.runcall(run_paged, model, workload, args, progress, kv_cache_dtype=kv_dtype)
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
@@ -593,13 +631,13 @@ def main(argv: list[str] | None = None) -> None:
                                 "paged_nocache"):
                     extra = run_paged(model, workload, args, progress, compile_decode=system.startswith("paged_comp"),
                                       compile_prefill=system != "paged_compiled_eager_prefill",
-                                      prefix_caching=not system.endswith("_nocache"))
+                                      prefix_caching=not system.endswith("_nocache"), kv_cache_dtype=kv_dtype)
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)
         except (TimeLimitExceeded, RuntimeError) as error:  # a stuck or failing system: record it, go on
-            print(f"{system}: {type(error).__name__}: {error}", flush=True)
-            rows.append({"system": system, "error": f"{type(error).__name__}: {error}",
+            print(f"{label}: {type(error).__name__}: {error}", flush=True)
+            rows.append({"system": label, "error": f"{type(error).__name__}: {error}",
                          "elapsed_s": time.perf_counter() - start})
             continue
         finally:
@@ -610,11 +648,11 @@ def main(argv: list[str] | None = None) -> None:
                 model._hf_paged_engine = None
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
-        rows.append({"system": system, "wall_s": wall, "output_tok_s": tokens / wall,
+        rows.append({"system": label, "wall_s": wall, "output_tok_s": tokens / wall,
                      "req_s": extra.get("batches", 0) * args.dynamic_batch_size / wall if system == "dynamic"
                      and args.dynamic_max_batches else len(workload) / wall, "peak_gib": peak, **extra})
         if rank == 0:
-            print(f"{system}: {tokens / wall:,.0f} output tok/s", flush=True)
+            print(f"{label}: {tokens / wall:,.0f} output tok/s", flush=True)
             (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if rank != 0:
         return
@@ -638,10 +676,12 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['system']} | failed: {r['error']} |")
-    if "decode_bound_s" in meta:
-        print(f"\nbound: decode {meta['decode_bound_s']:.2f} s at {meta['copy_tb_s']:.2f} TB/s (the weights a step reads "
+    if any(key.startswith("decode_bound_s") for key in meta):
+        bound_of = {name: "" if name == "auto" else f"_{name}" for name in args.kv_cache_dtype}
+        print(f"\nbound: decode {meta['decode_bound_s' + bound_of[args.kv_cache_dtype[0]]]:.2f} s at {meta['copy_tb_s']:.2f} TB/s (the weights a step reads "
               f"+ every running sequence's KV per step, all requests at once); bf16 matmul {meta['matmul_tflop_s']:.0f} TFLOP/s; "
-              f"roofline {meta['decode_roofline_s']:.2f} s (each step also at least its matrix FLOPs' time)")
+              f"roofline {meta['decode_roofline_s' + bound_of[args.kv_cache_dtype[0]]]:.2f} s (each step also at least its matrix "
+              "FLOPs' time; each run's own KV cache dtype's below)")
         print("| system | run s (steady) | bound / run | roofline / run | decode step ms (host ms) | steps | prefill s | "
               "prefill MFU | TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms |")
         print("|---|---|---|---|---|---|---|---|---|---|")
@@ -650,8 +690,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             t = r["timing"]
             mfu = meta["prefill_tflop"] / max(t["prefill_total_s"], 1e-9) / meta["matmul_tflop_s"]
-            r["bound_fraction"], r["prefill_mfu"] = meta["decode_bound_s"] / r["run_s"], mfu
-            r["roofline_fraction"] = meta["decode_roofline_s"] / r["run_s"]
+            suffix = bound_of.get(r.get("kv_cache_dtype", "auto"), "")
+            r["bound_fraction"], r["prefill_mfu"] = meta["decode_bound_s" + suffix] / r["run_s"], mfu
+            r["roofline_fraction"] = meta["decode_roofline_s" + suffix] / r["run_s"]
             ttft, tpot = r["ttft"], r["tpot"]
             print(f"| {r['system']} | {r['run_s']:.2f} | {r['bound_fraction']:.0%} | {r['roofline_fraction']:.0%} | "
                   f"{t['decode_step_ms']:.2f} "

@@ -15,6 +15,9 @@ Systems, on the same random llama-1b-shaped model (bf16, SmolLM2's tokenizer so 
 Prints a table (seconds, output tokens/s, speed-up vs hf, greedy rows equal to hf, the decode bound and the fraction
 reached) and writes lm_eval.json / lm_eval.png under --out.
 
+`--kv-cache-dtype fp8` runs the hf_paged systems on an FP8 KV pool (their texts then differ from `hf`'s by the
+quantisation; `benchmarks/bench_kv_fp8_accuracy.py` measures the accuracy, with lm-eval task scores).
+
     python benchmarks/bench_lm_eval.py --tokenizer .wheels/smollm2-tokenizer --requests 400 --out results/
 """
 
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="lm-eval's --batch_size for the hf backend")
     parser.add_argument("--systems", default="hf-paged,hf+paged,hf")
     parser.add_argument("--kv-cache-memory", default="20GiB")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                        help="the hf_paged systems' KV cache (fp8: an FP8 pool)")
     parser.add_argument("--agreement", type=int, default=48,
                         help="then this many requests (32 new tokens) in float32: hf vs hf-paged greedy texts; "
                              "bf16 greedy on a random model flips on rounding, float32 shows whether they agree")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     for system in [s for s in args.systems.split(",") if s]:
         if system in ("hf-paged", "hf+paged"):
-            hf_paged.enable(model, kv_cache_memory=args.kv_cache_memory)
+            hf_paged.enable(model, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype)
         else:
             hf_paged.disable(model)
         runner = (lambda r: run_engine(model, tokenizer, r, args)) if system == "hf-paged" else (

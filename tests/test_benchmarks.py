@@ -129,6 +129,21 @@ def test_gpu_timeline_splits_busy_and_idle_between_steps():
     assert "GPU busy 0.06 s, idle 0.005 s" in line and "9-32 rows 1.50, 33-96 rows 2.00" in line
 
 
+def test_generate_harness_runs_each_engine_system_per_kv_cache_dtype(static_engines):
+    """`--kv-cache-dtype auto,fp8`: every hf_paged system twice in one process (the FP8 run labelled), the others once;
+    the FP8 engine's pool holds four times a float32 pool's tokens in the same memory."""
+    assert bench_generate._runs("paged_compiled,dynamic", ["auto", "fp8"]) == [
+        ("paged_compiled", "paged_compiled", "auto"), ("paged_compiled+fp8", "paged_compiled", "fp8"),
+        ("dynamic", "dynamic", "auto")]
+    model = bench_generate.build_model("tiny", "cpu", torch.float32)
+    workload = bench_generate.make_workload("alpaca", 6, 0)
+    auto = bench_generate.run_paged(model, workload, _args(kv_cache_memory="16MiB"), progress=False)
+    fp8 = bench_generate.run_paged(model, workload, _args(kv_cache_memory="16MiB"), progress=False,
+                                   kv_cache_dtype="fp8")
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["graph_steps"] > 0
+    assert fp8["kv_capacity_tokens"] == 4 * auto["kv_capacity_tokens"]
+
+
 def test_generate_harness_refuses_a_run_with_failed_requests(static_engines, monkeypatch):
     model = bench_generate.build_model("tiny", "cpu", torch.float32)
     workload = bench_generate.make_workload("alpaca", 8, 0)
@@ -318,16 +333,24 @@ COMMAND_LINES = {
                          "--no-progress", "--out", "r"],
                         {"num_requests": 256, "system_timeout": 260, "no_progress": True, "temperature": 0.0}),
                        (["--workload", "uniform", "--temperature", "0.6", "--top-p", "0.95"],
-                        {"workload": "uniform", "temperature": 0.6, "top_p": 0.95, "experts_implementation": "hf_paged"}),
+                        {"workload": "uniform", "temperature": 0.6, "top_p": 0.95, "experts_implementation": "hf_paged",
+                         "kv_cache_dtype": ["auto"]}),
                        (["--model", "olmoe-1b-7b", "--systems", "paged_compiled", "--experts-implementation",
-                         "grouped_mm"], {"model": "olmoe-1b-7b", "experts_implementation": "grouped_mm"})],
+                         "grouped_mm"], {"model": "olmoe-1b-7b", "experts_implementation": "grouped_mm"}),
+                       (["--model", "llama-8b", "--workload", "kvbound", "--num-requests", "512", "--systems",
+                         "paged_compiled", "--kv-cache-dtype", "auto,fp8", "--max-num-seqs", "512", "--out", "r"],
+                        {"workload": "kvbound", "kv_cache_dtype": ["auto", "fp8"], "max_num_seqs": 512})],
+    "bench_kv_fp8_accuracy": [(["--dtype", "bfloat16", "--lm-eval-tasks", "local_lambada", "--lm-eval-limit", "400"],
+                               {"dtype": "bfloat16", "lm_eval_tasks": "local_lambada", "lm_eval_limit": 400,
+                                "new_tokens": 64, "scales": "calibrate,1.0"})],
     "bench_grpo_rollouts": [(["--model", "llama-1b", "--dtype", "bfloat16", "--prompts", "64", "--generations", "8",
                               "--new-tokens", "256", "--steps", "1", "--out", "o"],
                              {"prompts": 64, "generations": 8, "steps": 1, "prompt_len": "64,256"})],
     "bench_host_step": [(["--running", "256", "--steps", "400", "--sampled"],
                          {"running": "256", "steps": 400, "sampled": True, "finishing": False})],
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
-                       {"tokenizer": "t", "requests": 400, "batch_size": 64})],
+                       {"tokenizer": "t", "requests": 400, "batch_size": 64, "kv_cache_dtype": "auto"}),
+                      (["--tokenizer", "t", "--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"})],
     "bench_moe": [(["--out", "r"], {"shapes": "olmoe,qwen3-moe,gpt-oss,mixtral", "rows": "1,2,4,8,16,32,64,128,256,512",
                                      "tune": False, "tiny": False}),
                   (["--device", "cpu", "--tiny", "--shapes", "gpt-oss", "--rows", "1,3", "--tune"],
@@ -351,7 +374,8 @@ COMMAND_LINES = {
 }
 # values each parser must refuse (exit 2 with a usage message)
 BAD_COMMAND_LINES = {
-    "bench_generate": [["--workload", "nope"], ["--num-requests", "many"]],
+    "bench_generate": [["--workload", "nope"], ["--num-requests", "many"], ["--kv-cache-dtype", "int4"]],
+    "bench_kv_fp8_accuracy": [["--dtype", "int8"]],
     "bench_lm_eval": [[]],  # --tokenizer is required
     "bench_startup": [["--bytecode", "compiled"]],
     "probe_compiled": [["--dtype", "float16"]],

@@ -58,10 +58,10 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sinks: torch.Tensor | None = None, chunk_size: int | None = None,
                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then attend with `query`
-    `[T, Hq, D]`: a decode step (one token per sequence) through `kernels.write_and_paged_decode` (the decode kernel
-    writes them, and combines its splits with the step's `split_counters`), a ragged step with longer queries (prefill
-    chunks, possibly beside decodes) through `kernels.write_kv` and `kernels.paged_prefill`, as the eager attention
-    does.
+    `[T, Hq, D]` (an FP8 pool's with the layer's scales): a decode step (one token per sequence) through
+    `kernels.write_and_paged_decode` (the decode kernel writes them, and combines its splits with the step's
+    `split_counters`), a ragged step with longer queries (prefill chunks, possibly beside decodes) through
+    `kernels.write_kv` and `kernels.paged_prefill`, as the eager attention does.
 
     The options are the layer's (see `kernels.paged_decode`); constants of the traced graph except `sinks` and
     `alibi_slopes`.
@@ -71,15 +71,18 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled step (no active cache)")
     step = cache._step
     key_cache, value_cache = cache.layer_caches(layer_idx)
+    k_scale, v_scale = cache.layer_scales(layer_idx)  # an FP8 pool's (static tensors: a CUDA graph reads them)
     if step.decode_only:  # the write is done by the decode kernel, which takes the new K/V from its input
+        cache.calibrate_layer(layer_idx, key, value, step)  # (an FP8 pool's first write; never in a graph)
         return kernels.write_and_paged_decode(
             query, key, value, key_cache, value_cache, step.slot_mapping, step.block_tables, step.seq_lens, scale,
             step.kv_start, split_counters=step.split_counters, sliding_window=sliding_window, softcap=softcap,
-            sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes)
-    kernels.write_kv(key, value, key_cache, value_cache, step.slot_mapping)
+            sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
+    cache.write_layer(layer_idx, key, value, step)
     return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
                                  step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+                                 softcap=softcap, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 @write_and_decode.register_fake
@@ -94,8 +97,9 @@ def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value
                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Traced part of the attention of a compiled decode step: layouts in, one op, layout out.
 
-    `query [1, Hq, T, D]`, `key`/`value [1, Hkv, T, D]` (the new tokens: `PagedCache.update` deferred the write);
-    returns `[1, T, Hq, D]`. The transposes are fused by Inductor into the kernels that produce q/k/v.
+    `query [1, Hq, T, D]`, `key`/`value [1, Hkv, T, D]` (the new tokens: `PagedCache.update` deferred the write),
+    cast to `cache_dtype` (the cache's `compute_dtype`: an FP8 pool quantises them in the op); returns
+    `[1, T, Hq, D]`. The transposes are fused by Inductor into the kernels that produce q/k/v.
     """
     layer_idx = getattr(module, "layer_idx", None)
     if not isinstance(layer_idx, int):

@@ -63,7 +63,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import kernels
-from ..kernels.reference import masked_attention
+from ..kernels.reference import dequantize, masked_attention
 from . import experts
 from .adapters import needs_mask_tensor, route_through
 from .compiled_op import active_deferred_cache, fused_decode_attention
@@ -208,13 +208,16 @@ def _left_padding_starts(step, mask_2d: torch.Tensor | None, kv_len: int) -> tup
     return left_padded, kv_start
 
 
-def _gather_dense(cache_tensor: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """`[B, H, kv_len, D]` copy of every row's first kv_len tokens (exact fallback for unusual padding)."""
+def _gather_dense(cache_tensor: torch.Tensor, block_tables: torch.Tensor, kv_len: int, scale: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """`[B, H, kv_len, D]` copy of every row's first kv_len tokens (exact fallback for unusual padding), in `dtype`
+    (an FP8 pool's dequantised with its `scale`)."""
     block_size = cache_tensor.shape[2]
     pos = torch.arange(kv_len, device=cache_tensor.device)
     blocks = block_tables.long()[:, pos // block_size]  # [B, kv_len]
-    gathered = cache_tensor[blocks, :, (pos % block_size)[None, :].expand_as(blocks), :]  # [B, kv_len, H, D]
-    return gathered.transpose(1, 2)
+    data = cache_tensor.view(torch.uint8) if scale is not None else cache_tensor  # (fp8: indexed as its bytes)
+    gathered = data[blocks, :, (pos % block_size)[None, :].expand_as(blocks), :].view(cache_tensor.dtype)
+    return dequantize(gathered.transpose(1, 2), scale, dtype)  # [B, kv_len, H, D] -> [B, H, kv_len, D]
 
 
 def paged_attention_forward(
@@ -238,7 +241,7 @@ def paged_attention_forward(
         active = active_deferred_cache()
         if active is not None:
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-            return fused_decode_attention(module, query, key, value, scale, active.dtype, **opts), None
+            return fused_decode_attention(module, query, key, value, scale, active.compute_dtype, **opts), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
@@ -260,6 +263,8 @@ def paged_attention_forward(
     if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
         cache.layer_windows[layer_idx] = opts["sliding_window"]
     step = cache._step
+    k_scale, v_scale = getattr(key, "_hf_paged_scales", (None, None))  # an FP8 pool's (`PagedCache._tag_layers`)
+    fp8 = dict(k_scale=k_scale, v_scale=v_scale)
     if query.requires_grad:  # gradients stop at the paged cache (see hf_paged.cache.paged_cache._cut_gradients)
         query = query.detach()
     batch, num_heads, q_len, head_dim = query.shape
@@ -268,31 +273,31 @@ def paged_attention_forward(
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
             out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale,
-                                       split_counters=step.split_counters, **opts)
+                                       split_counters=step.split_counters, **fp8, **opts)
         else:
             out = kernels.paged_prefill(
                 flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,
-                **opts,
+                **fp8, **opts,
             )
         return out.unsqueeze(0), None
 
     kv_len = cache.get_seq_length()
     left_padded, kv_start = _left_padding_starts(step, attention_mask, kv_len)
     if not left_padded:
-        keys = _gather_dense(key, step.block_tables, kv_len)
-        values = _gather_dense(value, step.block_tables, kv_len)
+        keys = _gather_dense(key, step.block_tables, kv_len, k_scale, query.dtype)
+        values = _gather_dense(value, step.block_tables, kv_len, v_scale, query.dtype)
         if has_opts:
             return _dense_feature_attention(query, keys, values, attention_mask, scale, opts), None
         mask = _dense_mask(attention_mask, q_len, kv_len, query.device)
         return sdpa_attention_forward(module, query, keys, values, mask, dropout=0.0, scaling=scaling)
     if q_len == 1:
         out = kernels.paged_decode(
-            query[:, :, 0, :].contiguous(), key, value, step.block_tables, step.seq_lens, scale, kv_start, **opts
+            query[:, :, 0, :].contiguous(), key, value, step.block_tables, step.seq_lens, scale, kv_start, **fp8, **opts
         )
         return out.unsqueeze(1), None
     flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     out = kernels.paged_prefill(
-        flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, q_len, kv_start, **opts
+        flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, q_len, kv_start, **fp8, **opts
     )
     return out.view(batch, q_len, num_heads, out.shape[-1]), None
 

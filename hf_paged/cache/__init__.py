@@ -1,10 +1,11 @@
 """The KV pool as a transformers `Cache`: `PagedCache` (drop-in for `DynamicCache`, and the engine's pool), the
-per-forward `StepMetadata`, and the memory arithmetic that sizes a pool.
+per-forward `StepMetadata`, the memory arithmetic that sizes a pool, and an FP8 pool's scales (`kv_quant`).
 
 Layer 3 of hf_paged (docs/architecture.md): imports `hf_paged.core` and `hf_paged.kernels`; imported by the
 attention functions, the runner, the engine and the integrations.
 """
 
+from .kv_quant import KV_CACHE_DTYPES, KVScales, checkpoint_kv_scales, resolve_kv_cache_dtype
 from .memory import (
     attention_heads,
     attention_shape,
@@ -17,6 +18,6 @@ from .paged_cache import CacheFullError, PagedCache, device_table
 from .state_pool import StateKey, StatePool, StateSpec
 from .step import StepMetadata
 
-__all__ = ["CacheFullError", "PagedCache", "StateKey", "StatePool", "StateSpec", "StepMetadata", "attention_heads",
-           "attention_shape", "device_table", "kv_bytes_per_token", "kv_layer_indices", "memory_fraction",
-           "parse_memory"]
+__all__ = ["CacheFullError", "KVScales", "KV_CACHE_DTYPES", "PagedCache", "StateKey", "StatePool", "StateSpec",
+           "StepMetadata", "attention_heads", "attention_shape", "checkpoint_kv_scales", "device_table",
+           "kv_bytes_per_token", "kv_layer_indices", "memory_fraction", "parse_memory", "resolve_kv_cache_dtype"]

@@ -10,7 +10,23 @@ import weakref
 
 from transformers.cache_utils import CacheLayerMixin
 
-__all__ = ["PagedLayer"]
+__all__ = ["PagedLayer", "window_bound"]
+
+
+def window_bound(windows: dict[int, int | None], num_kv_layers: int) -> tuple[bool, int | None]:
+    """``(known, window)`` of a cache whose K/V layers' attention calls passed `windows` (layer -> sliding window or
+    None): whether every layer was seen, and then the largest window when every layer slides (None when some layer
+    attends everything).
+
+    Why from the calls rather than the config: the window a layer's kernels apply is exactly the ``sliding_window``
+    transformers passes to the attention function (models read it from their config in different ways, e.g. Qwen2's
+    ``layer_types``); keys older than the largest of them are read by no layer.
+    """
+    if len(windows) < num_kv_layers:
+        return False, None
+    if any(w is None for w in windows.values()):
+        return True, None
+    return True, max(windows.values())
 
 
 class PagedLayer(CacheLayerMixin):

@@ -6,11 +6,12 @@ Used by `PagedCache` to size its pool and by the engine and benchmarks; no state
 from __future__ import annotations
 
 import numbers
+import os
 import re
 
 import torch
 
-__all__ = ["parse_memory", "memory_fraction", "kv_bytes_per_token", "attention_heads", "attention_shape",
+__all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments", "kv_bytes_per_token", "attention_heads", "attention_shape",
            "kv_layer_indices"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
@@ -51,6 +52,38 @@ def memory_fraction(value, name: str = "gpu_memory_utilization") -> float:
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {fraction}")
     return fraction
+
+
+_DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
+_CUDA_ACTIVATION_RESERVE = 1024**3
+
+
+def check_pool_arguments(block_size, num_blocks, dtype) -> None:
+    """`PagedCache`'s `block_size` (a power of two), `num_blocks` (None or positive) and `dtype` (None or a dtype)."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise TypeError(f"block_size must be a positive int, got {block_size!r}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)):
+        raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+    if num_blocks is not None and num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+
+
+def cpu_pool_memory() -> int:
+    """Bytes a CPU pool may take: $HF_PAGED_CPU_KV_MEMORY, 512 MiB by default."""
+    return int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", _DEFAULT_CPU_KV_MEMORY))
+
+
+def pool_budget(device: torch.device, utilization: float) -> int:
+    """Bytes a `PagedCache` sized automatically may take on `device`: `utilization` of the free CUDA memory less 1 GiB
+    for activations, or `cpu_pool_memory()`."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * utilization) - _CUDA_ACTIVATION_RESERVE
+    return cpu_pool_memory()
 
 
 def _text(config):

@@ -18,7 +18,6 @@ tables of the current step. Nothing is ever gathered into a dense cache on the h
 from __future__ import annotations
 
 import math
-import os
 import weakref
 
 import torch
@@ -26,17 +25,25 @@ from transformers.cache_utils import Cache
 
 from .. import kernels
 from ..core import BlockManager
+from .drop_in_rows import DropInRows
 from .gradients import cut_gradients
-from .layers import PagedLayer
-from .memory import attention_shape, kv_layer_indices, memory_fraction, parse_memory
+from .kv_quant import FP8_DTYPE, KVScales, resolve_kv_cache_dtype
+from .layers import PagedLayer, window_bound
+from .memory import (
+    attention_shape,
+    check_pool_arguments,
+    cpu_pool_memory,
+    kv_layer_indices,
+    memory_fraction,
+    parse_memory,
+    pool_budget,
+)
 from .state_pool import StateKey, StateSpec
 from .states import RecurrentStates
 from .step import StepMetadata, device_table, make_step
 
 __all__ = ["PagedCache", "CacheFullError", "device_table"]
 
-_DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
-_CUDA_ACTIVATION_RESERVE = 1024**3
 _GROW_MIN_BLOCKS = 16  # first size of a pool that grows on demand (then doubled as needed)
 
 
@@ -44,7 +51,7 @@ class CacheFullError(RuntimeError):
     """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
 
 
-class PagedCache(Cache):
+class PagedCache(DropInRows, Cache):
     """KV cache in fixed-size blocks shared by reference between sequences (vLLM's PagedAttention for transformers).
 
     Args:
@@ -56,6 +63,10 @@ class PagedCache(Cache):
             about what that call needs, not most of the GPU. The `Engine` sizes its pool up front instead (vLLM-style).
         block_size: tokens per block, a power of two (default 16).
         device, dtype: where the pool lives; default: those of the first key states written.
+        kv_cache_dtype: "auto" (default: the pool stores K/V in `dtype`) or "fp8" / "fp8_e4m3": one byte an element
+            (float8_e4m3fn), scaled per layer (`hf_paged.cache.kv_quant`), twice the tokens of a bf16 pool.
+        kv_scales: an FP8 pool's scales: None or "calibrate" (from the first K/V each layer writes), a float for
+            every layer, `{layer: (k_scale, v_scale)}`, or a model / state dict that ships them (`k_scale`, ...).
         gpu_memory_utilization: fraction of the free CUDA memory a growing pool may take (or an automatically sized
             fixed one, with `grow=False`).
         grow: whether the pool grows on demand (default: when neither `num_blocks` nor `kv_cache_memory` is given).
@@ -74,8 +85,9 @@ class PagedCache(Cache):
     mixers read and write through `hf_paged.attention.recurrent`.
 
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
-    reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`) and the memory
-    arithmetic (`hf_paged.cache.memory`) live apart.
+    reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`), the memory
+    arithmetic (`hf_paged.cache.memory`), an FP8 pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and
+    batch operations (`DropInRows`) live apart.
     """
 
     def __init__(
@@ -97,6 +109,8 @@ class PagedCache(Cache):
         num_state_checkpoints: int = 0,
         state_specs: dict[StateKey, StateSpec] | None = None,
         num_cpu_state_slots: int = 0,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        kv_scales=None,
     ):
         self._fixed_kv_heads = num_kv_heads is not None
         kv_layers = None
@@ -109,17 +123,15 @@ class PagedCache(Cache):
             head_dim = config_head_dim if head_dim is None else head_dim
         if num_layers is None or num_kv_heads is None or head_dim is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise TypeError(f"block_size must be a positive int, got {block_size!r}")
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)):
-            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
-        if num_blocks is not None and num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        check_pool_arguments(block_size, num_blocks, dtype)
         gpu_memory_utilization = memory_fraction(gpu_memory_utilization)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        # the storage: None keeps K/V in the model's dtype (`dtype=torch.float8_e4m3fn` is the same as "fp8")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(dtype if dtype == FP8_DTYPE else kv_cache_dtype)
+        dtype = None if dtype == FP8_DTYPE else dtype
+        if kv_scales is not None and self.kv_cache_dtype is None:
+            raise ValueError("kv_scales needs kv_cache_dtype='fp8' (a 16/32-bit pool has no scales)")
+        self._kv_scales_arg = kv_scales
+        self.kv_scales: KVScales | None = None
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
         # the layers that keep K/V, and each one's index in the pool (hybrid models: not the recurrent layers)
@@ -170,11 +182,45 @@ class PagedCache(Cache):
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return self.pool.dtype if self.pool is not None else self._dtype
+        """The pool's storage dtype (``float8_e4m3fn`` for an FP8 pool)."""
+        return self.pool.dtype if self.pool is not None else self.kv_cache_dtype or self._dtype
 
-    def bytes_per_block(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype of the K/V written and of the queries: the pool's, or the model's for an FP8 pool."""
+        return self._compute_dtype if self.pool is not None else self._dtype
+
+    def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block in all K/V layers, stored as `dtype` (default: this pool's, one byte for FP8)."""
+        element = torch.empty((), dtype=dtype or self.dtype).element_size()
         return 2 * len(self.kv_layers) * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    @property
+    def kv_scales_pending(self) -> bool:
+        """An FP8 pool still calibrates a layer's scales: no step may replay a CUDA graph then (`cache.kv_quant`)."""
+        return self.kv_scales is not None and bool(self.kv_scales.pending)
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) `[kv heads]` of an FP8 pool's layer (what the kernels take); (None, None) otherwise."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales.layer(self._kv_index[layer_idx])
+
+    def write_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, step: StepMetadata) -> None:
+        """Write one layer's new K/V `[T, kv heads, D]` at `step`'s slots: cast to the pool's dtype, or for an FP8 pool
+        quantised with the layer's scales (calibrated first if they are still pending and the step writes)."""
+        key_cache, value_cache = self.layer_caches(layer_idx)
+        k_scale, v_scale = self.layer_scales(layer_idx)
+        if k_scale is None and keys.dtype != key_cache.dtype:
+            keys, values = keys.to(key_cache.dtype), values.to(key_cache.dtype)
+        self.calibrate_layer(layer_idx, keys, values, step)
+        kernels.write_kv(keys, values, key_cache, value_cache, step.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def calibrate_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, step: StepMetadata) -> None:
+        """An FP8 pool's layer without its scales takes them from the first step that writes tokens (on the host's
+        word: `step.host_writes`), never inside a CUDA-graph capture (`kv_quant.KVScales.calibrate`)."""
+        if self.kv_scales_pending and step.host_writes and not (keys.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.kv_scales.calibrate(self._kv_index[layer_idx], keys, values, step.slot_mapping)
 
     @property
     def has_states(self) -> bool:
@@ -182,14 +228,9 @@ class PagedCache(Cache):
         return self.states is not None
 
     def _auto_num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Blocks of storage `dtype` in `kv_cache_memory`, else in the memory `memory.pool_budget` gives a pool."""
         per_block = self.bytes_per_block(dtype)
-        if self.kv_cache_memory is not None:
-            budget = self.kv_cache_memory
-        elif device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * self.gpu_memory_utilization) - _CUDA_ACTIVATION_RESERVE
-        else:
-            budget = int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", _DEFAULT_CPU_KV_MEMORY))
+        budget = self.kv_cache_memory or pool_budget(device, self.gpu_memory_utilization)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -222,7 +263,8 @@ class PagedCache(Cache):
                 )
             self.num_kv_heads = kv_heads  # one tensor-parallel rank's share
         device = self._device or torch.device(device)
-        dtype = self._dtype or dtype
+        self._compute_dtype = self._dtype or dtype  # what the model writes; stored as `kv_cache_dtype` if set
+        dtype = self.kv_cache_dtype or self._compute_dtype
         if self._requested_blocks:
             num_blocks = self._requested_blocks
         elif self.grow:
@@ -236,6 +278,8 @@ class PagedCache(Cache):
                          self.head_dim)
             self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
+        if self.kv_cache_dtype is not None:
+            self.kv_scales = KVScales(self._kv_scales_arg, self.kv_layers, self.num_kv_heads, device)
         self._tag_layers()
         if self._state_config[0] is not None:  # the engine's: every state known, slots sized up front
             self._ensure_states(device)
@@ -255,6 +299,7 @@ class PagedCache(Cache):
             # the attention function finds the step metadata through this tag; a weak reference, so dropping the
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
+            key_cache._hf_paged_scales = value_cache._hf_paged_scales = self.layer_scales(layer)  # FP8: the kernels'
             self._layer_views[layer] = (key_cache, value_cache)
 
     def _grow_pool(self, required: int) -> None:
@@ -263,10 +308,9 @@ class PagedCache(Cache):
         old = self.block_manager.num_blocks
         per_block = self.bytes_per_block(self.pool.dtype)
         if self.pool.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.pool.device)
-            cap = old + max(0, int(free * self.gpu_memory_utilization) - _CUDA_ACTIVATION_RESERVE) // per_block
+            cap = old + max(0, pool_budget(self.pool.device, self.gpu_memory_utilization)) // per_block
         else:
-            cap = max(old, int(os.environ.get("HF_PAGED_CPU_KV_MEMORY", _DEFAULT_CPU_KV_MEMORY)) // per_block)
+            cap = max(old, cpu_pool_memory() // per_block)
         new = min(max(2 * old, required), cap)
         if new < required:
             return
@@ -323,16 +367,12 @@ class PagedCache(Cache):
                           min_blocks=batch * (-(-q_len // self.block_size) + 1))
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             key_states, value_states = cut_gradients(key_states, value_states)
-        key_cache, value_cache = self.layer_caches(layer_idx)
         self._enter(layer_idx, 0, batch, q_len, key_states.device)
-        step = self._step
         # [B, H, q, D] -> [B*q, H, D] in row-major token order, matching slot_mapping
         keys = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
         values = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        if keys.dtype != key_cache.dtype:
-            keys, values = keys.to(key_cache.dtype), values.to(key_cache.dtype)
-        kernels.write_kv(keys, values, key_cache, value_cache, step.slot_mapping)
-        return key_cache, value_cache
+        self.write_layer(layer_idx, keys, values, self._step)
+        return self.layer_caches(layer_idx)
 
     def _enter(self, layer_idx: int, kind: int, batch: int, q_len: int, device: torch.device) -> None:
         """A layer (`kind` 0: attention, 1: recurrent mixer) starts its part of a forward: the first one of a forward
@@ -416,16 +456,9 @@ class PagedCache(Cache):
         """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
         every layer slides (None when some layer attends everything).
 
-        Why from the calls rather than the config: the window a layer's kernels apply is exactly the ``sliding_window``
-        transformers passes to the attention function (models read it from their config in different ways, e.g.
-        Qwen2's ``layer_types``); keys older than the largest of them are read by no layer.
+        From the windows the layers' calls passed (`layers.window_bound` says why).
         """
-        windows = self.layer_windows
-        if len(windows) < len(self.kv_layers):
-            return False, None
-        if any(w is None for w in windows.values()):
-            return True, None
-        return True, max(windows.values())
+        return window_bound(self.layer_windows, len(self.kv_layers))
 
     def set_engine_step(self, step: StepMetadata) -> None:
         """Engine entry point: the next forward uses this ragged step (blocks were reserved by the engine)."""
@@ -477,58 +510,6 @@ class PagedCache(Cache):
         self._step = None
         self._engine_step_pending = False
         self._entered = set()
-
-    def _replace_rows(self, sources: list[int]) -> None:
-        """New rows = forks of the given old rows (by index); old rows are released. No tensor is copied."""
-        if not self._rows:
-            return
-        bm = self.block_manager
-        for index in sources:
-            if not 0 <= index < len(self._rows):
-                raise ValueError(f"batch index {index} out of range for a cache of {len(self._rows)} sequences")
-        if self.states is not None:
-            self.states.make_room(len(sources))  # (every fork takes a slot before the old rows give theirs back)
-        new_rows = []
-        for index in sources:
-            seq = self._next_seq_id
-            self._next_seq_id += 1
-            bm.fork(self._rows[index], seq)
-            new_rows.append(seq)
-        for seq in self._rows:
-            bm.free(seq)
-        self._rows = new_rows
-        self._step = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row i continues beam `beam_idx[i]`; blocks are shared, a partial last block is copied on write."""
-        self._replace_rows([int(i) for i in beam_idx.tolist()])
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if isinstance(indices, torch.Tensor):
-            if indices.dtype == torch.bool:
-                indices = indices.nonzero().flatten()
-            indices = indices.tolist()
-        self._replace_rows([int(i) for i in indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._replace_rows([i for i in range(len(self._rows)) for _ in range(int(repeats))])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop trailing tokens: a negative value removes that many, a positive one (legacy) keeps that many."""
-        if tokens_to_remove > 0:
-            keep = min(tokens_to_remove, self._seen_tokens)
-        else:
-            keep = max(0, self._seen_tokens + tokens_to_remove)
-        if keep == self._seen_tokens:
-            return
-        if self.block_manager is not None and self.block_manager.state is not None:
-            raise ValueError("PagedCache.crop: a hybrid model's recurrent states cannot be rolled back (they keep no "
-                             "per-token history), so this cache cannot be cropped (assisted decoding is not available)")
-        removed = self._seen_tokens - keep
-        for seq in self._rows:
-            self.block_manager.truncate(seq, self.block_manager.num_tokens(seq) - removed)
-        self._seen_tokens = keep
-        self._step = None
 
     # ------------------------------------------------------------------ introspection
     def stats(self):

@@ -44,6 +44,10 @@ class StepMetadata:
     state_slots: torch.Tensor | None = None
     state_rows: list[tuple[int, int, bool]] | None = None
     state_prev: bool = False
+    # the host's word that the step writes at least one token (a slot >= 0): `make_step` knows it from its host lists;
+    # steps built on device buffers (CUDA-graph captures, the warm-up) leave False. An FP8 pool calibrates its scales
+    # only in such a step (`hf_paged.cache.kv_quant`)
+    host_writes: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -68,6 +72,7 @@ def make_step(layout: str, slots: list[int], tables: list[list[int]], lens: list
         cu_seqlens_q=to_dev(cu),
         max_seqlen_q=max(q_lens, default=0),
         decode_only=all(n == 1 for n in q_lens),
+        host_writes=max(slots, default=-1) >= 0,
     )
 
 

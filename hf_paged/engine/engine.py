@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from ..attention import prepare_model
-from ..cache import PagedCache
+from ..cache import PagedCache, resolve_kv_cache_dtype
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
@@ -29,7 +29,7 @@ from .faults import FaultHandling
 from .grammar import StructuredOutputs
 from .kv_lifetime import KVLifetime
 from .outputs import CompletionOutput, Outputs, RequestOutput
-from .params import SamplingParams
+from .params import SamplingParams, copy_params
 from .pipelined import PipelinedDecode, _InFlight
 from .pool_sizing import build_engine_cache
 from .prompt_logprobs import PromptLogprobs
@@ -63,6 +63,10 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             neither `num_blocks` nor `kv_cache_memory` is given, a forward at the full token budget is profiled first
             and `gpu_memory_utilization` of the GPU minus weights and activations goes to the pool; a `ValueError`
             if less than that is free (another process on the GPU, say; `hf_paged.engine.pool_sizing`).
+        kv_cache_dtype, kv_scales: "auto" (default) keeps K/V in the model's dtype; "fp8" (or "fp8_e4m3") stores them
+            as float8_e4m3fn, one scale per layer: twice the tokens of a bf16 pool in the same memory. Scales: the
+            checkpoint's (`k_scale` / `v_scale`) if the model ships them, else calibrated from the first prompt; or
+            `kv_scales` (`hf_paged.cache.kv_quant`).
         max_num_seqs, max_num_batched_tokens: per-step limits; longer prompts are prefilled in chunks. The token
             budget defaults to `default_max_num_batched_tokens(device)` (16,384 on an H100-class GPU, 8,192 on other
             GPUs, 2,048 on the CPU); `hf-paged serve` uses 8,192.
@@ -151,6 +155,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         release_window_blocks: bool = True,
         state_checkpoints: int | None = None,
         experts_implementation: str | None = "hf_paged",
+        kv_cache_dtype: str = "auto",
+        kv_scales=None,
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -169,6 +175,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         if state_checkpoints is not None and (not isinstance(state_checkpoints, int)
                                               or isinstance(state_checkpoints, bool) or state_checkpoints < 0):
             raise ValueError(f"state_checkpoints must be a non-negative int, got {state_checkpoints!r}")
+        resolve_kv_cache_dtype(kv_cache_dtype)  # a ValueError naming the argument, before anything is built
         self.tp = TensorParallel.of(model)
         prepare_model(model, experts_implementation)
         if compile_modules:
@@ -199,7 +206,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             model, self.tp, self.device, self.dtype, block_size=block_size, kv_heads=kv_heads, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
             preemption_mode=preemption_mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints)
+            enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints,
+            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -460,7 +468,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         ids = []
         try:
             for prompt, p in zip(prompts, per_request):
-                ids.append(self.add_request(prompt, params=_copy_params(p)))
+                ids.append(self.add_request(prompt, params=copy_params(p)))
         except Exception:
             for request_id in ids:
                 self.abort(request_id)
@@ -540,9 +548,3 @@ def _stamp_first_token(groups: list[SequenceGroup]) -> list[SequenceGroup]:
             group.metrics["first_token_time"] = now
     return groups
 
-
-def _copy_params(p: SamplingParams) -> SamplingParams:
-    clone = SamplingParams.__new__(SamplingParams)
-    clone.__dict__.update(p.__dict__)
-    clone.extra = dict(p.extra)
-    return clone

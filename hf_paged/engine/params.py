@@ -252,3 +252,11 @@ def validate_constraint(p) -> None:
     if p.min_new_tokens > 0:  # its EOS mask could leave a complete grammar no token at all
         raise ValueError(f"min_new_tokens is not supported with {given[0]} (structured output): the grammar says "
                          f"when the output may end")
+
+
+def copy_params(p: SamplingParams) -> SamplingParams:
+    """A shallow copy of `p` with its own `extra` dict (one per request: the engine writes per-request state there)."""
+    clone = SamplingParams.__new__(SamplingParams)
+    clone.__dict__.update(p.__dict__)
+    clone.extra = dict(p.extra)
+    return clone

@@ -18,7 +18,7 @@ import os
 import torch
 
 from ..attention import profile_state_specs
-from ..cache import PagedCache, StatePool, memory_fraction, parse_memory
+from ..cache import PagedCache, StatePool, checkpoint_kv_scales, memory_fraction, parse_memory, resolve_kv_cache_dtype
 from ..runner import recording
 
 _GIB = 2**30
@@ -27,16 +27,23 @@ _GIB = 2**30
 def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, block_size: int,
                        kv_heads: int | None, num_blocks: int | None, kv_cache_memory, gpu_memory_utilization: float,
                        swap_space: float, preemption_mode: str, max_num_seqs: int, max_num_batched_tokens: int,
-                       enable_prefix_caching: bool, state_checkpoints: int | None) -> tuple[PagedCache, dict]:
+                       enable_prefix_caching: bool, state_checkpoints: int | None, kv_cache_dtype: str = "auto",
+                       kv_scales=None) -> tuple[PagedCache, dict]:
     """The engine's `PagedCache`, sized up front, and the model's recurrent-state specs (`{}` for attention-only
     models).
 
     One memory budget holds the KV blocks and, for a hybrid model, one recurrent-state slot per sequence
     (`max_num_seqs`), the prefix-cache checkpoints (`state_checkpoints`, default `max(8, max_num_seqs // 8)` with
     prefix caching) and a scratch slot (`state_memory`); `swap_space` holds the swapped blocks and the states of
-    the sequences swapped with them."""
+    the sequences swapped with them.
+
+    `kv_cache_dtype` "fp8" stores the blocks in one byte an element (the budget holds twice a bf16 pool's blocks);
+    its scales are `kv_scales`, else those the model's checkpoint ships, else calibrated (`cache.kv_quant`)."""
     probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
-    per_block = probe.bytes_per_block(dtype)
+    pool_dtype = resolve_kv_cache_dtype(kv_cache_dtype) or dtype
+    if kv_scales is None and pool_dtype != dtype:
+        kv_scales = checkpoint_kv_scales(model) or None
+    per_block = probe.bytes_per_block(pool_dtype)
     specs = profile_state_specs(model)  # every recurrent state (shape, dtype), from one call of each mixer
     per_slot = StatePool.spec_bytes(specs)
     checkpoints = 0
@@ -51,7 +58,7 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
                          + (f"; the recurrent states of max_num_seqs sequences take "
                             f"{cpu_slots * per_slot / 2**30:.2f} GiB of it" if cpu_slots else "") + ")")
     kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
-    num_blocks = engine_pool_blocks(model, probe, tp, device, dtype, per_block, num_blocks, kv_bytes,
+    num_blocks = engine_pool_blocks(model, probe, tp, device, pool_dtype, per_block, num_blocks, kv_bytes,
                                     max_num_batched_tokens, gpu_memory_utilization, reserved)
     cache = PagedCache(
         config=model.config, num_kv_heads=kv_heads, num_blocks=num_blocks, block_size=block_size, device=device,
@@ -59,7 +66,7 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
         num_cpu_blocks=max(num_cpu_blocks, 0),
         grow=False,  # the engine sizes its pool up front (vLLM-style) and preempts when it is full
         num_state_slots=max_num_seqs if specs else None, num_state_checkpoints=checkpoints, state_specs=specs,
-        num_cpu_state_slots=cpu_slots)
+        num_cpu_state_slots=cpu_slots, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
     return cache, specs
 
 

@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from ..attention import EXPERTS_NAME, on_prepare, prepare_model, release_model
+from ..cache import resolve_kv_cache_dtype
 from ..engine import Engine, SamplingParams
 from ..engine.params import CONSTRAINT_FIELDS
 from ..runner import uncompile_submodules
@@ -388,9 +389,11 @@ def enable(model, **engine_kwargs):
     and mask functions, switches the model to them (and its mixture-of-experts layers to hf_paged's fused experts:
     `experts_implementation="eager"`, `"grouped_mm"`, ... picks one of transformers', None keeps the model's), and
     installs the generate mixin. `engine_kwargs` (block_size, num_blocks, kv_cache_memory, max_num_seqs,
-    preemption_mode, swap_space, experts_implementation, ...) configure the engine behind
-    `generate(cache_implementation="paged")`.
+    preemption_mode, swap_space, experts_implementation, kv_cache_dtype, ...) configure the engine behind
+    `generate(cache_implementation="paged")`; `kv_cache_dtype="fp8"` stores its K/V in FP8 (`Engine`).
     """
+    if "kv_cache_dtype" in engine_kwargs:  # refused now, not at the first generate()
+        resolve_kv_cache_dtype(engine_kwargs["kv_cache_dtype"])
     prepare_model(model, engine_kwargs.get("experts_implementation", EXPERTS_NAME))
     if engine_kwargs:
         model._hf_paged_engine_kwargs = dict(engine_kwargs)

@@ -6,7 +6,13 @@ The contract (each function's docstring has its details):
   layer ``l`` uses ``key_cache = pool[l, 0]`` and ``value_cache = pool[l, 1]``, each
   ``[num_blocks, num_kv_heads, block_size, head_dim]``. Token slot ``block_id * block_size + offset``; slot -1 means
   "do not write".
-* Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). GQA: query head
+* Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). A cache may also
+  be ``float8_e4m3fn`` (an FP8 KV cache: half a bf16 cache's bytes), with ``k_scale`` / ``v_scale``: float32 device
+  tensors of one value or one per KV head (``[1]`` or ``[Hkv]``). A write stores ``clamp(x / scale, -448, 448)``
+  rounded to nearest even (`triton_fp8`); the attention kernels read ``stored * scale`` in the query's dtype (the
+  key scale joins the logit scale, the value scale multiplies the output, both in float32). The query and the new
+  K/V may then be any float type; the output takes the query's. Scales are read on the device: CUDA graphs keep
+  them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
   ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
   masked (:mod:`hf_paged.kernels.triton_dims`).
@@ -63,9 +69,22 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .interpreter import triton_interpreting
+from .checks import (
+    _FLOAT_DTYPES,
+    _INT_DTYPES,
+    FP8_DTYPE,
+    _check_attention_common,
+    _check_caches,
+    _check_options,
+    _check_scales,
+    _check_tensor,
+    _check_triton_device,
+    _check_triton_dims,
+    _last_contig,
+)
 
 __all__ = [
+    "FP8_DTYPE",
     "write_kv",
     "paged_decode",
     "write_and_paged_decode",
@@ -77,9 +96,6 @@ __all__ = [
     "get_backend",
     "triton_available",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT_DTYPES = (torch.int32, torch.int64)
 
 _TRITON_OK: bool | None = None
 
@@ -117,108 +133,6 @@ def _triton_module(name: str):
 
 
 # --------------------------------------------------------------------------- #
-# validation helpers (shape / dtype / device only: never read tensor values)
-# --------------------------------------------------------------------------- #
-def _check_tensor(name: str, t, ndim: int, dtypes, device: torch.device | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the other inputs)")
-
-
-def _check_caches(key_cache, value_cache, device, same_head_dim: bool = True) -> tuple:
-    _check_tensor("key_cache", key_cache, 4, _FLOAT_DTYPES, device)
-    _check_tensor("value_cache", value_cache, 4, _FLOAT_DTYPES, device)
-    k_shape = key_cache.shape if same_head_dim else key_cache.shape[:-1]
-    v_shape = value_cache.shape if same_head_dim else value_cache.shape[:-1]
-    if k_shape != v_shape:
-        raise ValueError(
-            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape"
-        )
-    if key_cache.dtype != value_cache.dtype:
-        raise TypeError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must share a dtype")
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("key_cache / value_cache must be contiguous in head_dim (stride(-1) == 1)")
-    return tuple(key_cache.shape)
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
-def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
-    for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not 1 <= d <= 256:  # any size: one that is no power of two is computed padded (`triton_dims`)
-            raise ValueError(f"Triton kernels support {name} from 1 to 256, got {d}")
-    if not (_is_pow2(block_size) and 8 <= block_size <= 256):
-        raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
-
-
-def _check_triton_device(t: torch.Tensor) -> None:
-    if not t.is_cuda and not triton_interpreting():
-        raise RuntimeError(
-            "the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before the first kernel call); "
-            "unset HF_PAGED_BACKEND or use HF_PAGED_BACKEND=torch"
-        )
-
-
-def _last_contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_options(hq: int, device, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None) -> None:
-    """Per-call attention options: positive ints / floats, ``sinks`` and ``alibi_slopes`` ``[Hq]`` float tensors on the
-    query's device."""
-    for name, val in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
-        if val is None:
-            continue
-        if not isinstance(val, int) or isinstance(val, bool):
-            raise TypeError(f"{name} must be a Python int or None, got {type(val).__name__}")
-        if val <= 0:
-            raise ValueError(f"{name} must be > 0, got {val}")
-    if softcap is not None:
-        if not isinstance(softcap, (float, int)) or isinstance(softcap, bool):
-            raise TypeError(f"softcap must be a Python float or None, got {type(softcap).__name__}")
-        if not softcap > 0:
-            raise ValueError(f"softcap must be > 0, got {softcap}")
-    for name, val in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
-        if val is not None:
-            _check_tensor(name, val, 1, _FLOAT_DTYPES, device)
-            if val.shape[0] != hq:
-                raise ValueError(f"{name} must have shape [{hq}] (one per query head), got {tuple(val.shape)}")
-
-
-def _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, n_seq_name):
-    _check_tensor("query", query, 3, _FLOAT_DTYPES)
-    dev = query.device
-    nb, hkv, bs, d = _check_caches(key_cache, value_cache, dev, same_head_dim=False)
-    _, hq, qd = query.shape
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} must match the cache dtype {key_cache.dtype}")
-    if qd != d:
-        raise ValueError(f"query head_dim {qd} != cache head_dim {d}")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
-    _check_tensor("block_tables", block_tables, 2, _INT_DTYPES, dev)
-    _check_tensor("seq_lens", seq_lens, 1, _INT_DTYPES, dev)
-    n = seq_lens.shape[0]
-    if block_tables.shape[0] != n:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but {n_seq_name} has {n} sequences")
-    if kv_start is not None:
-        _check_tensor("kv_start", kv_start, 1, _INT_DTYPES, dev)
-        if kv_start.shape[0] != n:
-            raise ValueError(f"kv_start must have shape [{n}], got {tuple(kv_start.shape)}")
-    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
-    return bs, d
-
-
-# --------------------------------------------------------------------------- #
 # public API
 # --------------------------------------------------------------------------- #
 def write_kv(
@@ -227,10 +141,14 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key`` / ``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (slot < 0 skipped).
 
-    ``slot = block_id * block_size + offset``. One fused launch for K and V on the Triton path.
+    ``slot = block_id * block_size + offset``. One fused launch for K and V on the Triton path. An FP8 cache stores
+    ``clamp(key / k_scale, -448, 448)`` rounded to nearest even (and V alike); its key / value may be any float type.
     """
     _check_tensor("key", key, 3, _FLOAT_DTYPES)
     dev = key.device
@@ -238,6 +156,7 @@ def write_kv(
     if key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
     _, hkv, bs, d = _check_caches(key_cache, value_cache, dev)
+    _check_scales(key_cache, k_scale, v_scale)
     if key.shape[1:] != (hkv, d):
         raise ValueError(f"key/value must be [T, {hkv}, {d}] to match the cache, got {tuple(key.shape)}")
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
@@ -249,10 +168,10 @@ def write_kv(
         _check_triton_dims(d, bs)
         _check_triton_device(key)
         _triton_module("triton_cache").write_kv(
-            _last_contig(key), _last_contig(value), key_cache, value_cache, slot_mapping.contiguous()
+            _last_contig(key), _last_contig(value), key_cache, value_cache, slot_mapping.contiguous(), k_scale, v_scale
         )
     else:
-        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode(
@@ -270,6 +189,8 @@ def paged_decode(
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     split_counters: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) -> ``out [B, Hq, Dv]``.
@@ -293,18 +214,22 @@ def paged_decode(
     ``split_counters`` (int32 zeros, at least ``B * Hkv``, private to the caller's stream of launches): on the
     Triton path, the last split of a sequence to finish combines the splits, instead of a second kernel over every
     split; the launch leaves them at zero. Same result, bit for bit.
+
+    `k_scale` / `v_scale`: an FP8 cache's scales (see the module docstring).
     """
     opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
                 alibi_slopes=alibi_slopes)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts, num_splits=_num_splits,
-                   split_counters=split_counters)
+                   split_counters=split_counters, scales=(k_scale, v_scale))
 
 
 def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts: dict, num_splits=None,
-            new_kv: tuple | None = None, split_counters: torch.Tensor | None = None) -> torch.Tensor:
+            new_kv: tuple | None = None, split_counters: torch.Tensor | None = None,
+            scales: tuple = (None, None)) -> torch.Tensor:
     """`paged_decode`'s checks and dispatch, shared with `write_and_paged_decode` (`new_kv`: the step's key, value and
-    slot mapping; the torch backend writes them first, and ignores `split_counters`)."""
-    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
+    slot mapping; the torch backend writes them first, and ignores `split_counters`; `scales`: an FP8 cache's)."""
+    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens",
+                                    *scales)
     batch, dev = query.shape[0], query.device
     if batch != seq_lens.shape[0]:
         raise ValueError(f"query has batch {batch} but seq_lens has {seq_lens.shape[0]} entries")
@@ -341,11 +266,14 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
             num_splits=num_splits,
             new_kv=new_kv,
             split_counters=split_counters,
+            k_scale=scales[0],
+            v_scale=scales[1],
             **opts,
         )
     if new_kv is not None:
-        reference.write_kv(*new_kv[:2], key_cache, value_cache, new_kv[2])
-    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start, **opts)
+        reference.write_kv(*new_kv[:2], key_cache, value_cache, new_kv[2], k_scale=scales[0], v_scale=scales[1])
+    return reference.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, float(scale), kv_start,
+                                  k_scale=scales[0], v_scale=scales[1], **opts)
 
 
 def write_and_paged_decode(
@@ -366,6 +294,8 @@ def write_and_paged_decode(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_kv(key, value, ..., slot_mapping)` then `paged_decode(query, ...)`, in one launch on the Triton path.
 
@@ -378,7 +308,7 @@ def write_and_paged_decode(
     opts = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
                 alibi_slopes=alibi_slopes)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, opts,
-                   new_kv=(key, value, slot_mapping), split_counters=split_counters)
+                   new_kv=(key, value, slot_mapping), split_counters=split_counters, scales=(k_scale, v_scale))
 
 
 def paged_prefill(
@@ -397,17 +327,20 @@ def paged_prefill(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over the paged cache: ``query [T, Hq, D]`` -> ``out [T, Hq, Dv]``.
 
-    Options as in :func:`paged_decode` (per query row at its own position).
+    Options and an FP8 cache's `k_scale` / `v_scale` as in :func:`paged_decode` (per query row at its own position).
 
     Sequence ``s`` owns rows ``[cu_seqlens_q[s], cu_seqlens_q[s+1])``; its row ``i`` sits at
     position ``seq_lens[s] - q_len_s + i`` (own K/V already written) and attends keys
     ``[kv_start[s], position]``. Rows outside every sequence / with an empty range get zeros.
     ``max_seqlen_q`` is a Python int upper bound on ``q_len_s`` (no device sync needed).
     """
-    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens")
+    bs, d = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_start, "seq_lens",
+                                    k_scale, v_scale)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, _INT_DTYPES, query.device)
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(
@@ -433,11 +366,13 @@ def paged_prefill(
             float(scale),
             max_seqlen_q,
             kv_start.contiguous() if kv_start is not None else None,
+            k_scale=k_scale,
+            v_scale=v_scale,
             **opts,
         )
     return reference.paged_prefill(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q, kv_start,
-        **opts,
+        k_scale=k_scale, v_scale=v_scale, **opts,
     )
 
 

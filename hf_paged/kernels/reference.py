@@ -10,6 +10,10 @@ Layouts follow the contract of :mod:`hf_paged.kernels` (pool layout, kernel API)
 ``key_cache`` / ``value_cache`` are ``[num_blocks, num_kv_heads, block_size, head_dim]``
 and token slot ``block_id * block_size + offset``.
 
+An FP8 cache (``float8_e4m3fn``, with ``k_scale`` / ``v_scale``: see :mod:`hf_paged.kernels`) is written through
+`quantize` and read through `dequantize` (``stored * scale`` in float32, then the query's dtype). Its indexing runs
+on a ``uint8`` view of the same bytes, which every device's index kernels take.
+
 ``naive_attention`` (and the ``naive_paged_*`` wrappers) is an independent
 explicit-softmax implementation in float64 used by the tests only.
 """
@@ -20,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "quantize",
+    "dequantize",
     "write_kv",
     "paged_decode",
     "paged_prefill",
@@ -35,6 +41,29 @@ __all__ = [
 _DECODE_GATHER_ELEMS = 1 << 25
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., H, D]`` as an FP8 cache stores it: ``clamp(x / scale, -448, 448)`` rounded to nearest even, with
+    `scale` ``[1]`` or ``[H]`` (float32)."""
+    return (x.float() / scale.reshape(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values ``[..., H, L, D]`` read as `dtype`: ``stored * scale`` (per head) in float32 for an FP8 cache
+    (`scale` ``[1]`` or ``[H]``); a 16/32-bit cache's as they are (`scale` None)."""
+    if scale is None:
+        return stored
+    return (stored.float() * scale.reshape(-1, 1, 1)).to(dtype)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as the `uint8` tensor of its bytes (a view) for indexing; any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
 # --------------------------------------------------------------------------- #
 # cache ops
 # --------------------------------------------------------------------------- #
@@ -44,8 +73,11 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """``key_cache[slot // bs, :, slot % bs] = key`` for every token with slot >= 0."""
+    """``key_cache[slot // bs, :, slot % bs] = key`` for every token with slot >= 0 (quantised for an FP8 cache)."""
     block_size = key_cache.shape[2]
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
     valid = slots >= 0
@@ -57,9 +89,11 @@ def write_kv(
         return
     blk = torch.div(slots, block_size, rounding_mode="floor")
     off = slots - blk * block_size
+    if k_scale is not None:
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
     # advanced indices separated by a slice: result dims are [n, Hkv, D]
-    key_cache[blk, :, off] = key.to(key_cache.dtype)
-    value_cache[blk, :, off] = value.to(value_cache.dtype)
+    _bytes(key_cache)[blk, :, off] = _bytes(key.to(key_cache.dtype))
+    _bytes(value_cache)[blk, :, off] = _bytes(value.to(value_cache.dtype))
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -69,6 +103,7 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     if src.numel() == 0:
         return
     lead = (slice(None),) * (pool.dim() - 4)
+    pool = _bytes(pool)
     pool[lead + (dst,)] = pool[lead + (src,)]
 
 
@@ -76,10 +111,10 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
 # attention
 # --------------------------------------------------------------------------- #
 def _gather_kv(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``cache[table]`` -> ``[..., Hkv, n_blocks * block_size, D]`` (table ``[..., n_blocks]``)."""
+    """``cache[table]`` -> ``[..., Hkv, n_blocks * block_size, D]`` (table ``[..., n_blocks]``), in the cache's dtype."""
     nb, hkv, bs, d = cache.shape
     table = table.to(dtype=torch.long).clamp(0, nb - 1)
-    g = cache[table]  # [..., n, Hkv, bs, D]
+    g = _bytes(cache)[table].view(cache.dtype)  # [..., n, Hkv, bs, D]
     g = g.transpose(-3, -4)  # [..., Hkv, n, bs, D]
     return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
 
@@ -149,6 +184,8 @@ def paged_decode(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending keys ``[kv_start[b], seq_lens[b])``.
 
@@ -186,8 +223,8 @@ def paged_decode(
     for b0 in range(0, B, chunk):
         b1 = min(B, b0 + chunk)
         table = block_tables[b0:b1, :n_blocks]
-        k = _gather_kv(key_cache, table)  # [b, Hkv, L, D]
-        v = _gather_kv(value_cache, table)
+        k = dequantize(_gather_kv(key_cache, table), k_scale, query.dtype)  # [b, Hkv, L, D]
+        v = dequantize(_gather_kv(value_cache, table), v_scale, query.dtype)
         valid = (pos[None, :] >= kv_lo[b0:b1, None]) & (pos[None, :] < seq_lens[b0:b1, None])  # [b, L]
         vm = valid[:, None, :, None]
         # pad slots may hold garbage / NaN: never let it reach the matmuls
@@ -221,6 +258,8 @@ def paged_prefill(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefix and themselves (options as in decode)."""
     T, Hq, D = query.shape
@@ -241,8 +280,8 @@ def paged_prefill(
             continue
         n_blocks = -(-seq_len // bs)
         table = block_tables[s, :n_blocks]
-        k = _gather_kv(key_cache, table)[:, lo:seq_len]  # [Hkv, Lk, D]
-        v = _gather_kv(value_cache, table)[:, lo:seq_len]
+        k = dequantize(_gather_kv(key_cache, table)[:, lo:seq_len], k_scale, query.dtype)  # [Hkv, Lk, D]
+        v = dequantize(_gather_kv(value_cache, table)[:, lo:seq_len], v_scale, query.dtype)
         key_pos = torch.arange(lo, seq_len, device=dev)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
         mask = _feature_mask(q_pos, key_pos, lo, sliding_window, chunk_size)  # [q_len, Lk]

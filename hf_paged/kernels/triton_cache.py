@@ -1,4 +1,5 @@
-"""Triton kernels for the KV pool: fused K/V write by slot mapping, batched block copy.
+"""Triton kernels for the KV pool: fused K/V write by slot mapping (quantised for an FP8 cache: `triton_fp8`),
+batched block copy (bytes, whatever the dtype).
 
 Imported lazily by :mod:`hf_paged.kernels` (needs triton). Inputs are validated by
 the dispatcher; these wrappers only compute launch parameters.
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .triton_dims import _dim_mask, padded_dim
+from .triton_fp8 import _to_cache
 
 
 @triton.jit
@@ -20,7 +22,10 @@ def _write_kv_kernel(
     KC,
     VC,
     SLOT,
+    KS,
+    VS,
     num_heads,
+    stride_s,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -35,6 +40,8 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -51,11 +58,17 @@ def _write_kv_kernel(
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
     kc = KC + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
     vc = VC + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k.to(KC.dtype.element_ty), mask=m)
-    tl.store(vc, v.to(VC.dtype.element_ty), mask=m)
+    if QUANT:  # an FP8 cache: one scale per KV head (stride 1) or one for all (stride 0)
+        ks = tl.load(KS + offs_h * stride_s, mask=offs_h < num_heads, other=1.0)[:, None]
+        vs = tl.load(VS + offs_h * stride_s, mask=offs_h < num_heads, other=1.0)[:, None]
+    else:
+        ks = 1.0
+        vs = 1.0
+    tl.store(kc, _to_cache(k, ks, QUANT, SOFT_FP8, KC.dtype.element_ty), mask=m)
+    tl.store(vc, _to_cache(v, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=m)
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     T, H, D = key.shape
     if T == 0:
         return
@@ -70,7 +83,10 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale if k_scale is not None else slot_mapping,
+        v_scale if v_scale is not None else slot_mapping,
         H,
+        scale_stride(k_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -85,8 +101,15 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         HEAD_DIM=D,
         D_PAD=d_pad,
         BLOCK_H=block_h,
+        QUANT=k_scale is not None,
+        SOFT_FP8=k_scale is not None and not key.is_cuda,
         num_warps=4 if block_h * d_pad >= 1024 else 1,
     )
+
+
+def scale_stride(scale: torch.Tensor | None) -> int:
+    """The element stride between the KV heads' scales: 0 for one scale shared by every head (or none)."""
+    return 1 if scale is not None and scale.shape[0] > 1 else 0
 
 
 @triton.jit

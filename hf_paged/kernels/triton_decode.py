@@ -21,6 +21,8 @@
   bitwise-equal outputs.
 * In launches of few programs at head dims up to 64, each tile's block ids are loaded during the tile before
   (`prefetches_table`), so a tile waits for one load (K) instead of two in a row (its table entries, then K).
+* An FP8 cache (`triton_fp8`): each tile is converted to the query's dtype after its load; the program's KV head's
+  key scale joins the logit scale and its value scale multiplies the accumulator once, after the loop.
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -36,7 +38,9 @@ import triton
 import triton.language as tl
 
 from .triton_attention_end import _combine_splits, _paged_decode_reduce_kernel, _write_output
+from .triton_cache import scale_stride
 from .triton_dims import _dim_mask, padded_dim
+from .triton_fp8 import _to_cache
 
 _LOG2E = 1.4426950408889634
 
@@ -178,6 +182,8 @@ def _paged_decode_kernel(
     VNEW,
     SLOT,
     CNT,
+    KS,
+    VS,
     qk_scale,
     sm_scale,
     softcap,
@@ -203,6 +209,7 @@ def _paged_decode_kernel(
     stride_knh,
     stride_vnb,
     stride_vnh,
+    stride_s,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -224,6 +231,8 @@ def _paged_decode_kernel(
     WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
 ):
     sp = tl.program_id(0)
     b = tl.program_id(1)
@@ -256,17 +265,23 @@ def _paged_decode_kernel(
     active = sp < parts
     if not FUSE_REDUCE:
         active = sp >= 0
+    if QUANT:  # an FP8 cache: this KV head's scales (one per head, or one for all: stride 0)
+        ks = tl.load(KS + kvh * stride_s)
+        vs = tl.load(VS + kvh * stride_s)
+    else:
+        ks = 1.0
+        vs = 1.0
     if active:
-        _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale,
-                        softcap, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                        stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
-                        stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
-                        G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_SINKS,
-                        HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE)
+        _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, ks, vs, qk_scale,
+                        sm_scale, softcap, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                        stride_vt, stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb,
+                        stride_pmh, stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi,
+                        parts, G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP,
+                        HAS_SINKS, HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE, QUANT, SOFT_FP8)
 
 
 @triton.jit
-def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, qk_scale, sm_scale,
+def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, ks, vs, qk_scale, sm_scale,
                     softcap, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                     stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh,
                     stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi, parts,
@@ -274,8 +289,9 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
                     IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-                    PREFETCH_TABLE: tl.constexpr):
-    """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`."""
+                    PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`; `ks` / `vs`
+    the KV head's scales of an FP8 cache (`QUANT`)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
     offs_dv = tl.arange(0, DV_PAD)
@@ -309,11 +325,14 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             dm, dvm = offs_d < HEAD_DIM, offs_dv < HEAD_DIM_V
             k_new = tl.load(KNEW + b64 * stride_knb + kvh * stride_knh + offs_d, mask=dm)
             v_new = tl.load(VNEW + b64 * stride_vnb + kvh * stride_vnh + offs_dv, mask=dvm)
-            tl.store(k_base + blk_new * stride_kb + off_new * stride_kt + offs_d, k_new.to(KC.dtype.element_ty),
-                     mask=dm)
-            tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv, v_new.to(VC.dtype.element_ty),
-                     mask=dvm)
+            tl.store(k_base + blk_new * stride_kb + off_new * stride_kt + offs_d,
+                     _to_cache(k_new, ks, QUANT, SOFT_FP8, KC.dtype.element_ty), mask=dm)
+            tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv,
+                     _to_cache(v_new, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=dvm)
         tl.debug_barrier()
+    if QUANT:  # q . (k * ks) = ks * (q . k): the key scale joins the logit scale
+        qk_scale = qk_scale * ks
+        sm_scale = sm_scale * ks
     start = (lo // BLOCK_N) * BLOCK_N
     if PREFETCH_TABLE:
         tok = start + offs_n
@@ -335,7 +354,7 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
             mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD),
             other=0.0,
-        )
+        ).to(Q.dtype.element_ty)  # an FP8 cache's tile in the query's dtype (exact); else the same dtype already
         if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -359,7 +378,7 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
             mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
             other=0.0,
-        )
+        ).to(Q.dtype.element_ty)
         if DOT_F32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -368,6 +387,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if QUANT:  # sum p (v * vs) = vs * sum p v
+        acc = acc * vs
 
     # a sequence the fused combine would combine from one split alone is written directly, like an unsplit launch
     # writes it: no partials to store and read back, no counter (most sequences of a large batch of short contexts)
@@ -419,6 +440,8 @@ def paged_decode(
     alibi_slopes: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split_counters: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernel(s). Inputs are assumed validated (see ``hf_paged.kernels``).
 
@@ -467,40 +490,14 @@ def paged_decode(
         pstrides = (0, 0, 0, 0, 0)
 
     _paged_decode_kernel[(num_splits, B, Hkv)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        kvs,
-        out,
-        pacc,
-        pm,
-        pl,
-        sinks if sinks is not None else out,
-        alibi_slopes if alibi_slopes is not None else out,
-        k_new,
-        v_new,
-        slots,
-        split_counters if fuse_reduce else seq_lens,
-        float(scale) * _LOG2E,
-        float(scale),
-        float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        int(chunk_size) if chunk_size is not None else 1,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *pstrides,
-        *new_strides,
+        query, key_cache, value_cache, block_tables, seq_lens, kvs, out, pacc, pm, pl,
+        sinks if sinks is not None else out, alibi_slopes if alibi_slopes is not None else out,
+        k_new, v_new, slots, split_counters if fuse_reduce else seq_lens,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
+        float(scale) * _LOG2E, float(scale), float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0, int(chunk_size) if chunk_size is not None else 1,
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0),
+        out.stride(0), out.stride(1), *pstrides, *new_strides, scale_stride(k_scale),
         G=G,
         G_PAD=g_pad,
         HEAD_DIM=D,
@@ -522,6 +519,8 @@ def paged_decode(
         WRITE=new_kv is not None,
         FUSE_REDUCE=fuse_reduce,
         PREFETCH_TABLE=prefetches_table(B, Hkv, D),
+        QUANT=k_scale is not None,
+        SOFT_FP8=k_scale is not None and not query.is_cuda,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -11,6 +11,9 @@ Query row ``i`` of sequence ``s`` sits at position ``p = seq_lens[s] - q_len_s +
 attends keys ``[kv_start[s], p]``. Rows outside every sequence (output pre-zeroed)
 and rows with an empty range get zeros.
 
+An FP8 cache (`triton_fp8`): K/V tiles are converted to the query's dtype after their load; the KV head's key scale
+joins the logit scale and its value scale multiplies the accumulator before the normalisation.
+
 A query tile's key tiles that every one of its rows sees whole (all but the diagonal ones of a
 long prompt) are read in a loop of their own without masks (``WHOLE``, `_whole_tiles`).
 
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention_end import _normalise
+from .triton_cache import scale_stride
 from .triton_dims import _dim_mask, padded_dim
 
 _LOG2E = 1.4426950408889634
@@ -46,6 +50,8 @@ def _paged_prefill_kernel(
     OUT,
     SINK,
     ALIBI,
+    KS,
+    VS,
     qk_scale,
     sm_scale,
     softcap,
@@ -62,6 +68,7 @@ def _paged_prefill_kernel(
     stride_btb,
     stride_ot,
     stride_oh,
+    stride_s,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -80,6 +87,7 @@ def _paged_prefill_kernel(
     IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
     WHOLE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # heavy (late) tiles first for better load balance of the causal triangle
     qt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -124,6 +132,10 @@ def _paged_prefill_kernel(
         bt_row = BT + s.to(tl.int64) * stride_btb
         k_base = KC + kvh.to(tl.int64) * stride_kh
         v_base = VC + kvh.to(tl.int64) * stride_vh
+        if QUANT:  # an FP8 cache: q . (k * ks) = ks * (q . k), so the key scale joins the logit scale
+            ks = tl.load(KS + kvh * stride_s)
+            qk_scale = qk_scale * ks
+            sm_scale = sm_scale * ks
         # first key any row of this tile may see: a window / chunk raises it, blocks before it are never read
         lo_tile = kv_lo
         pos0 = ctx + qt * BLOCK_Q
@@ -168,6 +180,8 @@ def _paged_prefill_kernel(
                                               HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, True, HAS_WINDOW, HAS_CHUNK,
                                               HAS_SOFTCAP, HAS_ALIBI, IEEE, DOT_F32)
 
+        if QUANT:  # sum p (v * vs) = vs * sum p v
+            acc = acc * tl.load(VS + kvh * stride_s)
         o = _normalise(acc, m_i, l_i, SINK, head, row_ok, HAS_SINKS)
         tl.store(
             OUT + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
@@ -202,6 +216,7 @@ def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
     else:
         k = tl.load(k_ptrs)
+    k = k.to(q.dtype)  # an FP8 cache's tile in the query's dtype (exact); else the same dtype already
     if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
         sc = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     elif IEEE:
@@ -242,6 +257,7 @@ def _prefill_tile(q, m_i, l_i, acc, t0, bt_row, k_base, v_base, pos, lo_tile, hi
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     else:
         v = tl.load(v_ptrs)
+    v = v.to(q.dtype)
     if DOT_F32:
         pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
     elif IEEE:
@@ -326,6 +342,8 @@ def paged_prefill(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel. Inputs are assumed validated (see ``hf_paged.kernels``)."""
     T, Hq, D = query.shape
@@ -355,6 +373,8 @@ def paged_prefill(
         out,
         sinks if sinks is not None else out,
         alibi_slopes if alibi_slopes is not None else out,
+        k_scale if k_scale is not None else seq_lens,
+        v_scale if v_scale is not None else seq_lens,
         float(scale) * _LOG2E,
         float(scale),
         float(softcap) if softcap is not None else 1.0,
@@ -371,6 +391,7 @@ def paged_prefill(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        scale_stride(k_scale),
         G=G,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -389,6 +410,7 @@ def paged_prefill(
         IEEE=query.dtype == torch.float32,
         DOT_F32=not query.is_cuda,
         WHOLE=_whole_tiles(D, T / S, chunk_size is not None),
+        QUANT=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -37,6 +37,7 @@ import torch
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
 from ..cache.host_ints import int_tensor
+from ..cache.kv_quant import as_bytes
 from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
@@ -149,8 +150,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         # of 1 would be specialised by Dynamo (one more compilation), so compiled steps start at 2
         self._bucket_sizes = [s for s in decode_buckets(max_num_seqs)
                               if not compile_decode or s >= 2 or max_num_seqs == 1]
-        max_len = max_model_len or 8192
-        self.max_blocks_per_seq = -(-max_len // self.block_size)
+        self.max_blocks_per_seq = -(-(max_model_len or 8192) // self.block_size)
         # bucket -> callable running the decode forward, returning its logits; ("ragged", tokens) -> a ragged step's
         self._graphs: dict[int | tuple, object] = {}
         self._buffers: dict[str, torch.Tensor] | None = None
@@ -175,14 +175,13 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
     def apply_block_ops(self, sched: SchedulerOutput) -> None:
         """Swap out, then swap in, then copy-on-write: before this step's forward writes anything."""
         cache = self.cache
+        pool, cpu_pool = as_bytes(cache.pool), as_bytes(cache.cpu_pool)  # (an FP8 pool's, indexed as bytes)
         if sched.swap_out:
-            gpu = torch.tensor([g for g, _ in sched.swap_out], device=self.device)
-            cpu = torch.tensor([c for _, c in sched.swap_out])
-            cache.cpu_pool[:, :, cpu] = cache.pool[:, :, gpu].to("cpu")
+            gpu, cpu = torch.tensor(sched.swap_out).T
+            cpu_pool[:, :, cpu] = pool[:, :, gpu.to(self.device)].to("cpu")
         if sched.swap_in:
-            cpu = torch.tensor([c for c, _ in sched.swap_in])
-            gpu = torch.tensor([g for _, g in sched.swap_in], device=self.device)
-            cache.pool[:, :, gpu] = cache.cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
+            cpu, gpu = torch.tensor(sched.swap_in).T
+            pool[:, :, gpu.to(self.device)] = cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
         cache._copy_blocks(sched.copies)
         cache.apply_state_ops()  # recurrent-state slots: forks, fresh zeros, swaps, checkpoints (hybrid models)
 
@@ -212,10 +211,11 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         """Whether `execute` runs this step on the static decode buffers (CUDA graph, or "static" on the CPU).
 
         Every sequence must compute one token and sample: the static path returns one logits row per sequence, so a
-        one-token chunk in the middle of a prompt (what is left of the token budget) goes the eager way.
+        one-token chunk in the middle of a prompt (what is left of the token budget) goes the eager way; so does every
+        step while an FP8 pool calibrates its scales (`PagedCache.kv_scales_pending`).
         """
         scheduled = sched.scheduled
-        return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs
+        return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs and not self.cache.kv_scales_pending
                 and (sched.decode_step or all(item.num_tokens == 1 and item.sample for item in scheduled)))
 
     def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None,

@@ -90,8 +90,9 @@ class RaggedGraphs:
         return bool(mode) and self._prefill_routable() and self._prefill_checked
 
     def _ragged_bucket(self, sched: SchedulerOutput) -> int | None:
-        """The bucket this ragged step runs at on the ragged buffers, or None when it runs eagerly."""
-        if not self._ragged_enabled() or len(sched.scheduled) > self.max_num_seqs:
+        """The bucket this ragged step runs at on the ragged buffers, or None when it runs eagerly (also while an FP8
+        pool calibrates its scales: the calibration runs in eager steps only)."""
+        if not self._ragged_enabled() or len(sched.scheduled) > self.max_num_seqs or self.cache.kv_scales_pending:
             return None
         tokens = sum(item.num_tokens for item in sched.scheduled)
         bucket = graph_tokens(tokens, self.token_limit)
@@ -110,7 +111,7 @@ class RaggedGraphs:
         if self._ragged_tile is None:
             heads, kv_heads = attention_heads(self.cache.config)
             self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device,
-                                                           self.cache.dtype)
+                                                           self.cache.compute_dtype)
         t = self._ragged_capacity = self.ragged_graph_tokens  # set `ragged_graph_tokens` before the first ragged step
         nv, rows = self._ragged_sizes(t)
         # two flat buffers, one upload each a step. The kernels' index vectors are int32, as the eager path makes them:

@@ -67,7 +67,7 @@ class WarmUpForwards:
         """
         heads, kv_heads = attention_heads(self.cache.config)  # the group size: the same on every TP rank
         lengths = kernels.prefill_tile_lengths(heads, kv_heads, self.cache.head_dim, max_tokens, self.device,
-                                               self.cache.dtype)
+                                               self.cache.compute_dtype)
         with torch.inference_mode():
             for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from ..cache import KV_CACHE_DTYPES
 from ..engine import Engine, default_max_num_batched_tokens
 from ..integrations.gguf import load_gguf
 from .app import build_app
@@ -44,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default: sized from free GPU memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): K/V in float8_e4m3fn, twice the tokens a GiB holds, "
+                        "scales from the checkpoint or calibrated on the first prompt")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: 8192 on CUDA, 2048 on the CPU)")
@@ -141,7 +145,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
         admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
-        compile_decode=args.compile_decode,
+        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype,
     )
     if not args.no_warm_up and engine.device.type == "cuda":
         engine.warm_up(prefill_graphs=args.prefill_graphs)
