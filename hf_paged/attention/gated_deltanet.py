@@ -14,7 +14,7 @@ projections, convolution weights, gates, norm and output projection, and runs, f
 
 It is installed (`install`, from `recurrent.install`) on modules with Qwen3.5's layout, and used on CUDA (the CPU
 runs the module's own code, which the architecture sweep compares with transformers token for token).
-`tests/test_hybrid.py` compares this path with the generic one on the CPU (`FORCE` on).
+`tests/test_gated_delta.py` runs this path on the CPU (`FORCE` on) against transformers' tokens and recurrent rule.
 """
 
 from __future__ import annotations
