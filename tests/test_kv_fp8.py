@@ -290,6 +290,7 @@ def test_drop_in_fp8_cache_calibrates_at_its_first_forward():
     hf_paged.disable(model)
 
 
+@pytest.mark.slow
 def test_compiled_decode_reads_fp8(fp8_reference):
     torch._dynamo.reset()
     model, prompts, reference = fp8_reference
@@ -323,6 +324,7 @@ def test_smollm2_fp8_greedy_agreement_and_logprobs():
 
 
 # --------------------------------------------------------------------------- ALiBi and hybrid models
+@pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [("bloom", {}), ("falcon", {"alibi": True})])
 def test_fp8_with_alibi_engine_equals_fp8_drop_in(family, overrides):
     """The ALiBi families (attention adapters, slopes in the kernels) over an FP8 pool: the engine's eager and

@@ -29,6 +29,10 @@ try:
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
     from serve_helpers import ThreadedServer
 
+# one worker runs the file: its server (SmolLM2 and xgrammar's tokenizer view, ~45 s to start) is built once
+pytestmark = pytest.mark.xdist_group("serve_openai")
+
+
 NAME = "smollm2"
 TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
 You can call these functions:
