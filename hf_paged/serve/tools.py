@@ -131,6 +131,14 @@ def _one_of(parser: ToolParser, tools: list) -> dict:
     return {"type": "json_schema", "json_schema": schema}
 
 
+def _calls_format(one: dict, parallel: bool, separator: str) -> dict:
+    """xgrammar's structural format of one call (`one`), or with `parallel` of one or more calls `separator` apart."""
+    if not parallel:
+        return one
+    more = {"type": "sequence", "elements": [{"type": "const_string", "value": separator}, one]}
+    return {"type": "sequence", "elements": [one, {"type": "star", "content": more}]}
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
@@ -161,10 +169,7 @@ class HermesParser(ToolParser):
         one = {"type": "sequence", "elements": [{"type": "const_string", "value": "<tool_call>\n"},
                                                  _one_of(self, tools),
                                                  {"type": "const_string", "value": "\n</tool_call>"}]}
-        if not parallel:
-            return one
-        more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, one]}
-        return {"type": "sequence", "elements": [one, {"type": "star", "content": more}]}
+        return _calls_format(one, parallel, "\n")
 
 
 class Llama3JsonParser(ToolParser):
@@ -195,11 +200,7 @@ class Llama3JsonParser(ToolParser):
         return calls, len(part)
 
     def forced(self, tools: list, parallel: bool, tokenizer) -> dict:
-        one = _one_of(self, tools)
-        if not parallel:
-            return one
-        more = {"type": "sequence", "elements": [{"type": "const_string", "value": "; "}, one]}
-        return {"type": "sequence", "elements": [one, {"type": "star", "content": more}]}
+        return _calls_format(_one_of(self, tools), parallel, "; ")
 
 
 class MistralParser(ToolParser):
