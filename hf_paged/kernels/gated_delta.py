@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _triton_module, get_backend
+from .checks import _FLOAT_DTYPES, _INT_DTYPES, _check_tensor
 
 __all__ = ["gdn_decode", "gdn_decode_reference"]
 
@@ -43,10 +44,9 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """One decode token per row `b` of `q`/`k` `[B, H, K]`, `v` `[B, H, V]`, `g`/`beta` `[B, H]` on the states
     `state[slots[b]]` of `state` `[slots, H, K, V]`, updated in place; returns `[B, H, V]` in `v`'s dtype. Rows sharing
     a slot (a CUDA graph's padding rows, on the scratch slot) leave it undefined."""
-    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
-                          ("state", state, 4), ("slots", slots, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims:
-            raise ValueError(f"gdn_decode: {name} must be a {dims}-D tensor")
+    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2), ("state", state, 4)):
+        _check_tensor(name, t, dims, _FLOAT_DTYPES, q.device if isinstance(q, torch.Tensor) else None)
+    _check_tensor("slots", slots, 1, _INT_DTYPES, q.device)
     if q.shape != k.shape or v.shape[:2] != q.shape[:2] or state.shape[1:] != (q.shape[1], q.shape[2], v.shape[2]):
         raise ValueError(f"gdn_decode: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} state "
                          f"{tuple(state.shape)} do not fit")

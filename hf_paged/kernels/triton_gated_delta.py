@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import _last_contig
+
 
 @triton.jit
 def _gdn_decode_kernel(
@@ -61,7 +63,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if state.stride(-1) != 1:  # updated in place: a contiguous copy would lose the update
         raise ValueError("gdn_decode: state must be contiguous in its last dimension")
     state_l = state
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_last_contig(t) for t in (q, k, v))
     grid = (rows, heads, triton.cdiv(dv, bv))
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, state_l, slots, out,
