@@ -7,6 +7,7 @@ For each shape (bf16, block_size 16, shuffled physical blocks) it times, with
   ``[B, Hkv, L, D]`` cache (the baseline a dense cache would give),
 * ``gather+sdpa``: gather the paged K/V through the block table into contiguous tensors, then SDPA,
 * ``paged``: ``hf_paged.kernels.paged_decode`` (Triton, default heuristics),
+* ``paged FP8``: the same kernel on the cache stored as float8_e4m3fn with one scale per KV head (half the bytes),
 
 and, with ``--sweep``, a small sweep of the decode kernel's launch configuration
 (BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
@@ -36,6 +37,9 @@ SHAPES = [
     dict(name="B256-L512-h32/8-d64", B=256, L=512, Hq=32, Hkv=8, D=64, sdpa_anchor_us=104.0),
     dict(name="B8-L8192-h32/8-d128", B=8, L=8192, Hq=32, Hkv=8, D=128, sdpa_anchor_us=108.7),
     dict(name="B128-L1024-h32/8-d128", B=128, L=1024, Hq=32, Hkv=8, D=128, sdpa_anchor_us=191.5),
+    # a KV-bound llama-8b step (issue 55's FP8 workload) and a Gemma-3-1B global layer (head dim 256, one KV head)
+    dict(name="B256-L2048-h32/8-d128", B=256, L=2048, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
+    dict(name="B240-L1024-h4/1-d256", B=240, L=1024, Hq=4, Hkv=1, D=256, sdpa_anchor_us=None),
 ]
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -111,6 +115,15 @@ def run_shape(shape, args, bench, t_start, budget_s):
     def paged():
         return kernels.paged_decode(q, kc, vc, bt, sl, scale)
 
+    # the same cache in FP8 (e4m3, one scale per KV head, as `hf_paged.cache.kv_quant` keeps it): half the bytes
+    k_scale = kc.float().abs().amax(dim=(0, 2, 3)).clamp(min=1e-6) / 448.0
+    v_scale = vc.float().abs().amax(dim=(0, 2, 3)).clamp(min=1e-6) / 448.0
+    kc8 = (kc.float() / k_scale[None, :, None, None]).to(torch.float8_e4m3fn)
+    vc8 = (vc.float() / v_scale[None, :, None, None]).to(torch.float8_e4m3fn)
+
+    def paged_fp8():
+        return kernels.paged_decode(q, kc8, vc8, bt, sl, scale, k_scale=k_scale, v_scale=v_scale)
+
     ref = sdpa()[:, :, 0, :].float()
     err = (paged().float() - ref).abs().max().item()
     err_g = (gather_sdpa()[:, :, 0, :].float() - ref).abs().max().item()
@@ -119,13 +132,18 @@ def run_shape(shape, args, bench, t_start, budget_s):
     r["sdpa_us"] = bench(sdpa)
     r["gather_sdpa_us"] = bench(gather_sdpa)
     r["paged_us"] = bench(paged)
+    r["fp8_err_vs_sdpa"] = (paged_fp8().float() - ref).abs().max().item()
+    r["paged_fp8_us"] = bench(paged_fp8)
     for key in ("sdpa", "gather_sdpa", "paged"):
         r[f"{key}_tbps"] = nbytes / (r[f"{key}_us"] * 1e-6) / 1e12
+    r["paged_fp8_tbps"] = nbytes / 2 / (r["paged_fp8_us"] * 1e-6) / 1e12
+    r["fp8_speedup"] = r["paged_us"] / r["paged_fp8_us"]
     r["ratio"] = r["paged_us"] / r["sdpa_us"]
     print(
         f"{shape['name']}: sdpa {r['sdpa_us']:.1f} us, gather+sdpa {r['gather_sdpa_us']:.1f} us, "
         f"paged {r['paged_us']:.1f} us ({r['paged_tbps']:.2f} TB/s, x{r['ratio']:.3f}, splits={splits}), "
-        f"max|err| {err:.2e}",
+        f"max|err| {err:.2e}; FP8 cache {r['paged_fp8_us']:.1f} us ({r['paged_fp8_tbps']:.2f} TB/s of its bytes, "
+        f"x{r['fp8_speedup']:.2f} over bf16, max|err| {r['fp8_err_vs_sdpa']:.2e})",
         flush=True,
     )
 
@@ -198,14 +216,16 @@ def render(results, meta, out_dir) -> int:
         f"shuffled blocks; torch {meta['torch']}, triton {meta['triton']}; do_bench median, L2 flushed; "
         f"copy ceiling {meta['copy_tbps']:.2f} TB/s",
         "",
-        "| shape | SDPA µs (anchor) | gather+SDPA µs | paged µs | paged TB/s | SDPA TB/s | paged/SDPA | splits | max abs err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | SDPA µs (anchor) | gather+SDPA µs | paged µs | paged TB/s | SDPA TB/s | paged/SDPA | splits | max abs err "
+        "| FP8 paged µs | FP8 TB/s (its bytes) | FP8 speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['name']} | {r['sdpa_us']:.1f} ({r['sdpa_anchor_us']}) | {r['gather_sdpa_us']:.1f} | "
+            f"| {r['name']} | {r['sdpa_us']:.1f} ({r['sdpa_anchor_us'] or '-'}) | {r['gather_sdpa_us']:.1f} | "
             f"{r['paged_us']:.1f} | {r['paged_tbps']:.2f} | {r['sdpa_tbps']:.2f} | {r['ratio']:.3f} | "
-            f"{r['default_splits']} | {r['max_abs_err_vs_sdpa']:.1e} |"
+            f"{r['default_splits']} | {r['max_abs_err_vs_sdpa']:.1e} | {r['paged_fp8_us']:.1f} | "
+            f"{r['paged_fp8_tbps']:.2f} | {r['fp8_speedup']:.2f}x |"
         )
     if any("best" in r for r in results):
         lines += [
