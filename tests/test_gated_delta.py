@@ -126,3 +126,27 @@ def test_ragged_step_ignores_padding_rows():
     assert not padded[9:].any()
     for key, t in pool.tensors.items():
         torch.testing.assert_close(padded_pool.tensors[key], t)
+
+
+def test_broken_fla_install_is_reported_not_swallowed(monkeypatch):
+    """fla-core whose import fails (its dependency einops missing on the GPU machine) once cost prefill 10x silently:
+    the fast path warns with the reason and falls back; fla simply absent stays quiet."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+    import warnings
+
+    gated_deltanet._fla_chunk.cache_clear()
+    with monkeypatch.context() as patch, warnings.catch_warnings():
+        patch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # not installed
+        warnings.simplefilter("error")
+        assert gated_deltanet._fla_chunk() is None
+    gated_deltanet._fla_chunk.cache_clear()
+    broken = types.ModuleType("fla")
+    broken.__path__ = []  # a package without its `ops`: the import of the kernel fails
+    broken.__spec__ = importlib.machinery.ModuleSpec("fla", None, is_package=True)
+    monkeypatch.setitem(sys.modules, "fla", broken)
+    with pytest.warns(UserWarning, match="cannot be imported"):
+        assert gated_deltanet._fla_chunk() is None
+    gated_deltanet._fla_chunk.cache_clear()
