@@ -9,9 +9,10 @@ For each shape (bf16, block_size 16, shuffled physical blocks) it times, with
 * ``paged``: ``hf_paged.kernels.paged_decode`` (Triton, default heuristics),
 * ``paged FP8``: the same kernel on the cache stored as float8_e4m3fn with one scale per KV head (half the bytes),
 
-and, with ``--sweep``, a small sweep of the decode kernel's launch configuration
-(BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
-``hf_paged/kernels/triton_decode.py``.
+``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
+also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode
+kernel's launch configuration (BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
+``hf_paged/kernels/triton_decode.py``; ``--fp8-sweep`` sweeps the tile for the FP8 cache.
 
 Prints a markdown table (µs, TB/s of KV read, ratio to SDPA), writes ``decode_kernel.json``
 and ``decode_kernel.png`` (if matplotlib is installed) under ``--out``.
@@ -147,6 +148,27 @@ def run_shape(shape, args, bench, t_start, budget_s):
         flush=True,
     )
 
+    if args.sweep or args.fp8_sweep:
+        # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
+        fp8_sweep = []
+        for bn, nw, ns in TILE_SWEEP:
+            sp = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, bn, dev)
+
+            def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
+                return td.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
+                                       num_stages=ns, k_scale=k_scale, v_scale=v_scale)
+
+            try:
+                us = bench(fn8)
+            except Exception as exc:  # out of shared memory / registers
+                print(f"  FP8 tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
+                continue
+            fp8_sweep.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
+            print(f"  FP8 tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+        if fp8_sweep:
+            r["fp8_sweep"] = fp8_sweep
+            r["fp8_best"] = min(fp8_sweep, key=lambda x: x["us"])
+            print(f"  FP8 best: {r['fp8_best']}", flush=True)
     if args.sweep:
         sweep = []
         for bn, nw, ns in TILE_SWEEP:
@@ -282,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_kernel.json / .png")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's launch configuration")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time every call replayed from a CUDA graph (no host time; L2 not flushed between replays)")
+    ap.add_argument("--fp8-sweep", action="store_true", help="sweep the launch configuration for the FP8 cache only")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names")
@@ -314,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
     def bench(fn):
+        if args.cuda_graph:  # replayed from a CUDA graph, as the engine's decode steps run: no host time in it
+            fn()  # compile outside the capture
+            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
         return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
 
     # copy-bandwidth ceiling (read + write), for context
