@@ -7,7 +7,7 @@
 #   prefill   8 prompts of 32k tokens: prefill throughput
 #   shared    200 requests sharing a 300-token system prompt: prefix cache on against off
 # flash-linear-attention (fla-core) and its dependency einops are installed from .whl/ when there (without einops fla
-# fails to import and prefill falls back to the torch reference, 10x slower; transformers then runs the gated
+# fails to import and prefill falls back to the torch reference, which is slow; transformers then runs the gated
 # DeltaNet layers through its Triton kernels, for both systems).
 # Usage there: bash benchmarks/gpu_hybrid.sh "$OUT" [tests] [sharegpt] [prefill] [shared]   (all by default)
 # Environment: TEST_FAMILIES (a pytest -k term, e.g. qwen3_5), SHAREGPT_SYSTEMS, PREFILL_SYSTEMS, SHARED_SYSTEMS

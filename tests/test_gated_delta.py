@@ -129,8 +129,8 @@ def test_ragged_step_ignores_padding_rows():
 
 
 def test_broken_fla_install_is_reported_not_swallowed(monkeypatch):
-    """fla-core whose import fails (its dependency einops missing on the GPU machine) once cost prefill 10x silently:
-    the fast path warns with the reason and falls back; fla simply absent stays quiet."""
+    """fla-core whose import fails (e.g. its dependency einops missing) would make prefill fall back to the slow torch
+    reference silently: the fast path warns with the reason and falls back; fla simply absent stays quiet."""
     import importlib.machinery
     import importlib.util
     import sys

@@ -214,9 +214,9 @@ class GatedDeltaNetPath:
 def _fla_chunk():
     """flash-linear-attention's variable-length `chunk_gated_delta_rule`, when it is installed.
 
-    Without it, prefill runs transformers' torch reference one chunk at a time, which is correct but an order of
-    magnitude slower on a GPU (an H200 took 3.4 s for a step of 64 ShareGPT prompts when fla-core's own dependency,
-    einops, was missing and its import failed). So a failed import is said once, with its reason, not swallowed."""
+    Without it, prefill runs transformers' torch reference one chunk at a time, which is correct but much slower on a
+    GPU. fla-core installed but failing to import (e.g. its dependency einops missing) would make that fallback
+    silent, so a failed import is said once, with its reason, not swallowed."""
     if importlib.util.find_spec("fla") is None:  # not installed: the reference runs, as documented
         return None
     try:
