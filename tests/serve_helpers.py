@@ -63,3 +63,8 @@ def tiny_replica(device: str):
 
     tok = byte_tokenizer()
     return tiny_model("llama", vocab_size=len(tok)).to(device), tok
+
+
+def broken_replica(device: str):
+    """A replica loader that fails (a model that cannot be loaded): the router must refuse to start."""
+    raise OSError(f"no model to load on {device}")
