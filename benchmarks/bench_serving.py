@@ -16,6 +16,14 @@ length); compare its output tok/s with plain `hf_paged`'s on the same requests, 
 
     python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,hf_paged+json --rates inf \
         --num-requests 64 --output-len 512 --out results/
+
+Data parallelism: a system named `hf_paged_dpN` is the hf-paged server with `--data-parallel-size N` (N replicas, one
+per GPU, behind one front). With `hf_paged` in the same run, the summary gives each one's sustainable rate (the
+highest rate whose p99 TTFT stays under 1 s) as a multiple of `hf_paged`'s (`dp_speedup` in the JSON); on a 2-GPU
+machine, with rates fine enough to tell 1.8x apart:
+
+    python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,hf_paged_dp2 \
+        --rates 4,8,12,16,24,32,40,48,64,80,96,128 --num-requests 400 --out results/
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -97,11 +106,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def data_parallel_size(system: str) -> int | None:
+    """N of an `hf_paged_dpN` system, 1 of `hf_paged`, None of any other."""
+    match = re.fullmatch(r"hf_paged(?:_dp(\d+))?", system)
+    return None if match is None else int(match.group(1) or 1)
+
+
 def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> subprocess.Popen:
-    if system == "hf_paged":
+    replicas = data_parallel_size(system)
+    if replicas is not None:
         dtype = "float32" if args.device == "cpu" else "bfloat16"
         cmd = [sys.executable, "-m", "hf_paged.serve", str(model_dir), "--port", str(port), "--dtype", dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+        if replicas > 1:
+            cmd += ["--data-parallel-size", str(replicas)]
         if args.device is not None:
             cmd += ["--device", args.device]
         if args.compile_decode:
@@ -110,7 +128,7 @@ def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> su
         cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--port", str(port),
                "--continuous-batching", "--dtype", "bfloat16", "--device", "auto", "--log-level", "warning"]
     else:
-        raise SystemExit(f"unknown system {system!r} (hf_paged, transformers)")
+        raise SystemExit(f"unknown system {system!r} (hf_paged, hf_paged_dpN, transformers)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.trace:  # log JIT compilations and slow engine steps in the server's log (benchmarks/trace)
         trace = str(Path(__file__).resolve().parent / "trace")
@@ -232,11 +250,12 @@ def main(argv: list[str] | None = None) -> None:
         runs[system] = {k: v for k, v in vars(args).items() if k != "append"}
         port = free_port()
         server, _, constraint = system.partition("+")  # hf_paged+json: constrained requests (STRUCTURED)
-        if constraint and (server != "hf_paged" or constraint not in STRUCTURED):
+        if constraint and (data_parallel_size(server) is None or constraint not in STRUCTURED):
             raise SystemExit(f"unknown system {system!r}: only hf_paged takes +{'/+'.join(STRUCTURED)}")
         proc = start_server(server, model_dir, port, args, out / f"server_{system}.log")
         url = f"http://127.0.0.1:{port}/v1/completions"
-        extra = {"ignore_eos": True, **STRUCTURED.get(constraint, {})} if server == "hf_paged" else {}
+        extra = ({"ignore_eos": True, **STRUCTURED.get(constraint, {})} if data_parallel_size(server) is not None
+                 else {})
         model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
         try:
             asyncio.run(run_rate(url, model, warm_up, 8.0, args.seed, extra))
@@ -271,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {system} | {r['rate']:g} | {r['output_tok_s']:.0f} | {f('ttft_ms')} | {f('tpot_ms')} | "
                   f"{r['itl_ms']['p99'] or 0:.1f} | {f('e2e_ms')} |")
     for system, s in summary.items():
+        speedup = f"; {s['dp_speedup']:.2f}x hf_paged's" if s.get("dp_speedup") is not None else ""
         print(f"{system}: highest rate with p99 TTFT < 1 s: {s['max_rate_p99_ttft_under_1s']}; "
-              f"lowest rate past 1 s: {s['min_rate_p99_ttft_over_1s']}")
+              f"lowest rate past 1 s: {s['min_rate_p99_ttft_over_1s']}{speedup}")
     plot(results, out / "bench_serving.png")
 
 
@@ -287,6 +307,10 @@ def summarize(rows: list[dict]) -> dict:
 
 def write_results(path: Path, results: dict[str, list[dict]], runs: dict[str, dict]) -> dict:
     summary = {system: summarize(rows) for system, rows in results.items()}
+    one = summary.get("hf_paged", {}).get("max_rate_p99_ttft_under_1s")
+    for system, s in summary.items():  # data parallelism: the sustainable rate as a multiple of one replica's
+        if (data_parallel_size(system) or 1) > 1 and one and s["max_rate_p99_ttft_under_1s"] is not None:
+            s["dp_speedup"] = s["max_rate_p99_ttft_under_1s"] / one
     path.write_text(json.dumps({"runs": runs, "results": results, "summary": summary}, indent=1))
     return summary
 

@@ -10,6 +10,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -26,9 +29,9 @@ from hf_paged.serve.replica import ReplicaSpec  # noqa: E402
 from hf_paged.serve.router import ReplicaRouter  # noqa: E402
 
 try:
-    from tests.serve_helpers import ThreadedServer, broken_replica, tiny_replica, wait_until
+    from tests.serve_helpers import ThreadedServer, broken_replica, free_port, tiny_replica, wait_until
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from serve_helpers import ThreadedServer, broken_replica, tiny_replica, wait_until
+    from serve_helpers import ThreadedServer, broken_replica, free_port, tiny_replica, wait_until
 
 pytestmark = pytest.mark.xdist_group("serve_dp")
 
@@ -221,3 +224,40 @@ def test_a_replica_that_cannot_load_fails_the_start():
     router = ReplicaRouter(ReplicaSpec(broken_replica), ["cpu"])
     with pytest.raises(RuntimeError, match="replica 0 \\(cpu\\) failed to start:(.|\n)*no model to load on cpu"):
         router.start(timeout=120)
+
+
+@pytest.mark.slow
+def test_cli_serves_two_replicas_and_stops_them_on_sigint(tmp_path):
+    """`python -m hf_paged.serve DIR --data-parallel-size 2 --device cpu`: the replicas load the directory in their
+    own processes, and SIGINT to the front stops them all and exits 0."""
+    model, tok = tiny_replica("cpu")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hf_paged.serve", str(tmp_path), "--device", "cpu", "--data-parallel-size", "2",
+         "--num-blocks", "64", "--block-size", "4", "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        pids = [r["pid"] for r in httpx.get(f"{base}/health").json()["replicas"]]
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+        assert reply.status_code == 200 and reply.headers[REPLICA] in ("0", "1")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
