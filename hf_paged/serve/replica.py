@@ -3,7 +3,9 @@
 `replica_main` is the process's entry point (`multiprocessing`, spawn: CUDA cannot be forked). It loads the model
 with the spec's picklable `load(device)`, builds the `Engine`, reports ready (with the tokenizer and the limits the
 HTTP front needs to validate requests), then steps the engine in its main thread while a second thread reads commands
-from the front. The messages, all plain picklable tuples:
+from the front (a `multiprocessing` queue). Messages to the front go down a one-way pipe whose only write end is the
+replica's, so that the front reads end-of-file (not a hang on half a message) the moment the replica dies. The
+messages, all plain picklable tuples:
 
 * front -> replica: `("add", request_id, prompt_ids, SamplingParams)`, `("abort", request_id)`, `("stats", token)`,
   `("stop", grace_seconds)`.
@@ -75,10 +77,23 @@ def encode(out: RequestOutput, sent: dict[int, tuple[int, int]], prompt_sent: in
     return (out.request_id, out.finished, error, out.num_preemptions, out.metrics, prompt, completions)
 
 
+class _Sender:
+    """The replica's end of the pipe to the front, shared by its two threads (a `Connection` is not thread-safe).
+    A send blocks while the pipe is full: the front then reads slower than the engine steps, and waits for it."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def put(self, msg: tuple) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+
 class _Replica:
     """The engine loop and the command thread of a replica process."""
 
-    def __init__(self, engine: Engine, outputs) -> None:
+    def __init__(self, engine: Engine, outputs: _Sender) -> None:
         self.engine, self.outputs = engine, outputs
         self._lock = threading.Lock()
         self._live: dict[object, dict[int, tuple[int, int]]] = {}  # request id -> what was sent of it
@@ -218,8 +233,10 @@ def _ready_info(engine: Engine, tokenizer, device: str) -> dict:
             "stop_ids": tuple(engine.stop_token_ids())}
 
 
-def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, outputs) -> None:
-    """The replica process: load, build the engine, report ready, serve commands until told to stop."""
+def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, conn) -> None:
+    """The replica process: load, build the engine, report ready, serve commands until told to stop. `inbox`: the
+    front's command queue; `conn`: the write end of the pipe to the front."""
+    outputs = _Sender(conn)
     # Ctrl-C in a terminal signals the whole process group: the front alone shuts down, and stops the replicas
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -238,13 +255,11 @@ def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, outputs) -> 
             engine.warm_up(prefill_graphs=spec.prefill_graphs)
     except BaseException:  # noqa: BLE001 - the front reports it and refuses to start
         outputs.put(("failed", traceback.format_exc()))
-        outputs.close()
-        outputs.join_thread()
+        conn.close()
         return
     replica = _Replica(engine, outputs)
     threading.Thread(target=warm_up_grammars, args=(engine,), name="hf-paged-grammar-warm-up", daemon=True).start()
     threading.Thread(target=replica.commands, args=(inbox,), name="hf-paged-replica-commands", daemon=True).start()
     outputs.put(("ready", _ready_info(engine, tokenizer, device)))
     replica.run()
-    outputs.close()
-    outputs.join_thread()  # every output is flushed to the front before the process exits
+    conn.close()

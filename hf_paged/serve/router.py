@@ -3,8 +3,8 @@
 `ReplicaRouter` is what `build_app` serves instead of an `Engine` (`hf-paged serve --data-parallel-size N`). It
 offers the app the same calls as `EngineBridge` (submit, abort, limits, stats, health, shutdown), so the whole API
 layer (tokenising, chat templates, stop strings, tool calls, admission limits, latency metrics) runs once, in the
-front, as with one engine; only engine requests cross to the replicas (`hf_paged.serve.replica`, spawned
-`multiprocessing` processes, one command queue and one output queue each). This is vLLM's data-parallel layout (one
+front, as with one engine; only engine requests cross to the replicas (`hf_paged.serve.replica`: `multiprocessing`
+processes, each with a command queue and a one-way output pipe). This is vLLM's data-parallel layout (one
 API server, N engine cores) rather than N whole servers behind a proxy.
 
 * Routing: `AffinityPolicy` (prefix affinity on the tokenised prompt, least-outstanding-requests otherwise, an
@@ -25,7 +25,6 @@ import atexit
 import itertools
 import logging
 import multiprocessing
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -178,11 +177,13 @@ class ReplicaRouter:
         return self
 
     def _spawn(self, r: _Replica) -> None:
-        r.inbox, r.outbox = self._ctx.Queue(), self._ctx.Queue()
-        r.process = self._ctx.Process(target=replica_main, args=(self.spec, r.index, r.device, r.inbox, r.outbox),
+        r.inbox = self._ctx.Queue()
+        r.outbox, writer = self._ctx.Pipe(duplex=False)
+        r.process = self._ctx.Process(target=replica_main, args=(self.spec, r.index, r.device, r.inbox, writer),
                                       name=f"hf-paged-replica-{r.index}")
         r.state, r.started_at = "starting", time.monotonic()
         r.process.start()
+        writer.close()  # the replica's copy is the only write end left: its death is an end-of-file here
 
     def shutdown(self, grace: float = 5.0) -> None:
         """Refuse new requests, let each replica finish what runs for up to `grace` seconds, then stop them all
@@ -214,21 +215,26 @@ class ReplicaRouter:
         quick_failures = 0
         while True:
             try:
-                msg = r.outbox.get(timeout=_POLL)
-            except queue.Empty:
-                if r.process.is_alive():
+                msg = r.outbox.recv() if r.outbox.poll(_POLL) else None
+                if msg is None and r.process.is_alive():
                     continue
-                msg = None
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the replica closed its pipe: it exits, or died
                 msg = None
             if msg is not None:
                 self._handle(r, msg)
                 continue
+            r.process.join(timeout=10)
+            if r.process.is_alive():  # it closed the pipe but hangs: it serves nobody now
+                r.process.kill()
+                r.process.join(timeout=5)
             code = r.process.exitcode
             restart = self.restart and self._started and not self._closing
-            with self._lock:
+            with self._lock:  # from now on nothing is routed to it, and its queue is not written to
                 r.state = "restarting" if restart else ("stopped" if self._closing else "failed")
                 lost, r.pending = list(r.pending), set()
+                r.outbox.close()
+                r.inbox.close()
+                r.inbox.cancel_join_thread()  # commands nobody will read: do not wait for them at exit
             if not self._closing:
                 log.error("replica %d (%s, pid %s) exited with code %s; %d requests lost%s", r.index, r.device,
                           r.process.pid, code, len(lost), "; restarting it" if restart else "")
@@ -331,8 +337,8 @@ class ReplicaRouter:
                 return
             r = self._replicas[p.replica]
             r.pending.discard(request_id)
-            inbox = r.inbox
-        inbox.put(("abort", request_id))
+            if r.state == "ready":  # a replica that died took the request with it
+                r.inbox.put(("abort", request_id))
 
     def replica_of(self, request_id: str) -> int | None:
         p = self._pending.get(request_id)
@@ -386,12 +392,13 @@ class ReplicaRouter:
         """Every ready replica's `Engine.queue_stats()` summed (the prefix-cache hit rate: their mean), with the
         per-replica figures under "replicas" and the router's counts under "router". Blocking: call it in a thread."""
         waiters = {}
-        for r in self._replicas:
-            if r.state == "ready":
-                token = next(self._tokens)
-                waiter = r.stats_waiters[token] = [threading.Event(), None]
-                waiters[r.index] = waiter
-                r.inbox.put(("stats", token))
+        with self._lock:
+            for r in self._replicas:
+                if r.state == "ready":
+                    token = next(self._tokens)
+                    waiter = r.stats_waiters[token] = [threading.Event(), None]
+                    waiters[r.index] = waiter
+                    r.inbox.put(("stats", token))
         deadline = time.monotonic() + timeout
         total = dict.fromkeys(_STAT_KEYS, 0)
         rates, replicas = [], []
