@@ -135,6 +135,19 @@ def test_client_disconnect_frees_the_replica(server):
     assert re.search(r"^hf_paged_num_requests_waiting 0\.0$", text, re.M)
 
 
+def test_logprobs_echo_and_samples_cross_the_process_boundary(server):
+    reply = server["client"].completions.create(model="tiny", prompt="score me", max_tokens=5, temperature=0,
+                                                logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    assert choice.text == "score me" + _greedy(server, "score me", 5)
+    generated = choice.logprobs.tokens[-5:]
+    assert len(choice.logprobs.token_logprobs) == len("score me") + 5 and len(generated) == 5
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[-5:])
+    samples = server["client"].completions.create(model="tiny", prompt="sample", max_tokens=4, temperature=1.0,
+                                                  n=3, seed=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in samples.choices) == [0, 1, 2] and samples.usage.completion_tokens == 12
+
+
 def test_engine_refusal_is_400(server):
     reply = httpx.post(f"{server['base']}/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": "x" * 300, "max_tokens": 4})

@@ -25,6 +25,7 @@ import atexit
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,8 +81,12 @@ class _Pending:
 def _context():
     """The forkserver start method, its server having imported torch, transformers and the engine once: a replica
     then starts (and restarts) in the time of building its model, not of importing torch again, and still
-    from a process that never touched CUDA (which cannot be forked). Spawn where there is no forkserver."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    from a process that never touched CUDA (which cannot be forked). Spawn where there is no forkserver, or where
+    `HF_PAGED_REPLICA_START=spawn` asks for a fresh interpreter per replica (slower starts, nothing inherited)."""
+    method = os.environ.get("HF_PAGED_REPLICA_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"HF_PAGED_REPLICA_START must be forkserver or spawn, got {method!r}")
+    if method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["hf_paged.serve.replica"])
