@@ -46,7 +46,7 @@ def server():
     model, tok = tiny_replica("cpu")
     reference = hf_paged.Engine(model, tok, **ENGINE)  # what one engine answers, to compare the replicas with
     with ThreadedServer(app) as base:
-        yield {"base": base, "router": router, "reference": reference, "tok": tok,
+        yield {"base": base, "router": router, "reference": reference, "tok": tok, "app": app,
                "client": openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)}
     router.shutdown(1)
 
@@ -146,6 +146,26 @@ def test_logprobs_echo_and_samples_cross_the_process_boundary(server):
     samples = server["client"].completions.create(model="tiny", prompt="sample", max_tokens=4, temperature=1.0,
                                                   n=3, seed=3, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in samples.choices) == [0, 1, 2] and samples.usage.completion_tokens == 12
+
+
+def test_request_timeout_and_queue_bound_hold_across_the_front(server):
+    limits = server["app"].state.limits
+    body = {"model": "tiny", "prompt": "take your time", "max_tokens": 240, "ignore_eos": True}
+    limits.request_timeout = 0.05  # the next tickets' deadline: far less than 240 steps take
+    try:
+        reply = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=60)
+    finally:
+        limits.request_timeout = 60.0
+    assert reply.status_code == 504 and reply.json()["error"]["code"] == "request_timeout"
+    _idle(server)  # the abort reached the replica: nothing of it runs there
+    text = httpx.get(f"{server['base']}/metrics", timeout=10).text
+    assert re.search(r"^hf_paged_num_requests_running 0\.0$", text, re.M)
+    limits.max_queue_len, limits.queued = 1, 1  # as if one request waited for its first token somewhere
+    try:
+        refused = httpx.post(f"{server['base']}/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+    finally:
+        limits.max_queue_len, limits.queued = None, 0
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
 
 
 def test_engine_refusal_is_400(server):
