@@ -22,11 +22,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import hf_paged  # noqa: E402
+from hf_paged.engine import CompletionOutput, RequestOutput  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.serve.affinity import AffinityPolicy, prefix_hashes  # noqa: E402
 from hf_paged.serve.cli import parser, replica_devices, serve_main  # noqa: E402
-from hf_paged.serve.replica import ReplicaSpec  # noqa: E402
-from hf_paged.serve.router import ReplicaRouter  # noqa: E402
+from hf_paged.serve.replica import ReplicaSpec, encode  # noqa: E402
+from hf_paged.serve.router import ReplicaRouter, _Pending  # noqa: E402
 
 try:
     from tests.serve_helpers import ThreadedServer, broken_replica, free_port, tiny_replica, wait_until
@@ -216,6 +217,27 @@ def test_dead_replica_ends_a_stream_with_503(server):
     error = json.loads(events[-2])["error"]
     assert error["code"] == "replica_unavailable" and "exited" in error["message"]
     wait_until(lambda: _health(server)["status"] == "ok", timeout=60, what="the replica restarted")
+
+
+def test_outputs_travel_as_deltas_and_are_rebuilt_whole():
+    """A replica sends only what is new in each step's cumulative output; the front rebuilds the same outputs."""
+    steps = [([5], [(-0.1, [(5, -0.1)])], None, None), ([5, 6], [(-0.1, [(5, -0.1)]), (-0.2, [(6, -0.2)])], None,
+                                                         ([(-1.0, True)], [(0, [(9, -1.0)])])),
+             ([5, 6, 7], [(-0.1, [(5, -0.1)]), (-0.2, [(6, -0.2)]), (-0.3, [(7, -0.3)])], "length", None)]
+    sent, prompt_sent = {}, 0
+    pending = _Pending(None, None, 0, [1, 2])
+    for i, (tokens, logprobs, reason, prompt) in enumerate(steps):
+        out = RequestOutput("r", [1, 2], [CompletionOutput(0, list(tokens), reason, logprobs=list(logprobs))],
+                            finished=reason is not None, prompt_logprobs=prompt and prompt[0],
+                            prompt_top_logprobs=prompt and prompt[1])
+        message = encode(out, sent, prompt_sent)
+        assert message[6][0][2] == tokens[-1:]  # one new token, not the whole list
+        prompt_sent = len(out.prompt_logprobs or []) or prompt_sent
+        rebuilt = pending.assemble(message)
+        assert rebuilt.outputs[0].token_ids == tokens and rebuilt.outputs[0].logprobs == logprobs
+        assert rebuilt.finished == (i == 2) and (rebuilt.prompt_logprobs or []) == [(-1.0, True)] * (i >= 1)
+    failed = pending.assemble(("r", True, ("refused", "ValueError", "too long"), 0, {}, None, []))
+    assert type(failed.error).__name__ == "RequestRefused" and str(failed.error) == "too long"
 
 
 def test_policy_balances_and_pins():
