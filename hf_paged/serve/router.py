@@ -195,9 +195,10 @@ class ReplicaRouter:
         (whatever is left is aborted and answered with an error)."""
         self._accepting = False
         self._closing = True
-        for r in self._replicas:
-            if r.process is not None and r.process.is_alive():
-                r.inbox.put(("stop", grace))
+        with self._lock:
+            for r in self._replicas:
+                if r.process is not None and r.process.is_alive() and r.state in ("starting", "ready"):
+                    r.inbox.put(("stop", grace))  # one that is starting reads it once it is ready
         for r in self._replicas:
             if r.process is not None:
                 r.process.join(timeout=grace + 15)
@@ -279,8 +280,8 @@ class ReplicaRouter:
                 waiter[0].set()
 
     def _deliver(self, batch: list[tuple]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
+        found = []
+        with self._lock:  # held briefly: the event loop takes it to submit and abort
             for encoded in batch:
                 request_id, finished = encoded[0], encoded[1]
                 p = self._pending.pop(request_id, None) if finished else self._pending.get(request_id)
@@ -288,7 +289,10 @@ class ReplicaRouter:
                     continue  # aborted in the front already
                 if finished:
                     self._replicas[p.replica].pending.discard(request_id)
-                per_loop.setdefault(p.loop, []).append((p.queue, p.assemble(encoded)))
+                found.append((p, encoded))
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for p, encoded in found:  # a request's outputs are only rebuilt here, by its replica's watcher
+            per_loop.setdefault(p.loop, []).append((p.queue, p.assemble(encoded)))
         for loop, items in per_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -405,21 +409,28 @@ class ReplicaRouter:
                     waiters[r.index] = waiter
                     r.inbox.put(("stats", token))
         deadline = time.monotonic() + timeout
-        total = dict.fromkeys(_STAT_KEYS, 0)
-        rates, replicas = [], []
-        for r in self._replicas:
-            stats = {}
-            waiter = waiters.get(r.index)
-            if waiter is not None and waiter[0].wait(max(0.0, deadline - time.monotonic())):
-                stats = waiter[1]
-                for key in _STAT_KEYS:
-                    total[key] += stats.get(key, 0)
-                rates.append(stats.get("prefix_cache_hit_rate", 0.0))
-            replicas.append({"replica": r.index, "up": int(r.state == "ready"), "restarts": r.restarts,
-                             "routed": r.routed, "pending": len(r.pending), **stats})
-        total["prefix_cache_hit_rate"] = sum(rates) / len(rates) if rates else 0.0
-        total["replicas"] = replicas
-        policy = self.policy
-        total["router"] = {} if policy is None else {"prefix_hits": policy.prefix_hits, "key_hits": policy.key_hits,
-                                                     "balanced": policy.balanced}
-        return total
+        answers = {}
+        for index, (event, _) in waiters.items():
+            if event.wait(max(0.0, deadline - time.monotonic())):
+                answers[index] = waiters[index][1]
+        return _summed(self._replicas, answers, self.policy)
+
+
+def _summed(replicas: list[_Replica], answers: dict[int, dict], policy: AffinityPolicy | None) -> dict:
+    """The replicas' `queue_stats()` answers summed (the prefix-cache hit rate: their mean), with each replica's
+    figures under "replicas" and the routing counts under "router"."""
+    total = dict.fromkeys(_STAT_KEYS, 0)
+    rates, rows = [], []
+    for r in replicas:
+        stats = answers.get(r.index, {})
+        if r.index in answers:
+            for key in _STAT_KEYS:
+                total[key] += stats.get(key, 0)
+            rates.append(stats.get("prefix_cache_hit_rate", 0.0))
+        rows.append({"replica": r.index, "up": int(r.state == "ready"), "restarts": r.restarts, "routed": r.routed,
+                     "pending": len(r.pending), **stats})
+    total["prefix_cache_hit_rate"] = sum(rates) / len(rates) if rates else 0.0
+    total["replicas"] = rows
+    total["router"] = {} if policy is None else {"prefix_hits": policy.prefix_hits, "key_hits": policy.key_hits,
+                                                 "balanced": policy.balanced}
+    return total
