@@ -7,7 +7,8 @@ SGLang's cache-aware router's prefix tree per worker, flattened into vLLM-style 
 to the replica holding its longest known prefix when that prefix covers more than `min_match` of the prompt's full
 blocks (SGLang's cache threshold: a short shared head, such as a common system prompt, does not pull every request
 to one replica) and that replica has at most `imbalance` more requests outstanding than the least loaded one;
-otherwise it goes to the least loaded replica (ties in turn, so that idle replicas share sequential requests). Either way its prefixes now point at the chosen replica.
+otherwise it goes to the least loaded replica (ties in turn, so that idle replicas share sequential requests).
+Either way its prefixes now point at the chosen replica.
 
 An affinity key (the `X-HF-Paged-Affinity` request header: a conversation or user id an orchestrator already hashes
 on) pins: the first request of a key goes to the least loaded replica, and the key's later requests follow it while

@@ -48,9 +48,9 @@ AFFINITY_HEADER = "X-HF-Paged-Affinity"  # a routing key: requests with the same
 REPLICA_HEADER = "X-HF-Paged-Replica"  # the replica(s) that served a response (data-parallel serving)
 
 
-def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str | None = None, api_key: str | None = None,
-              shutdown_grace: float = 5.0, max_queue_len: int | None = None, request_timeout: float | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str | None = None,
+              api_key: str | None = None, shutdown_grace: float = 5.0, max_queue_len: int | None = None,
+              request_timeout: float | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (its tokenizer unless `tokenizer` is given), or the replicas of a
     started `ReplicaRouter` (the first replica's tokenizer unless given; shut down with the app).
 
@@ -161,8 +161,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
         given = body.prompts()
         prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p) for p in given]
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
-        gen = await new_generation(body, request, prompts, body.logprobs, constraint=constraint_of(body), echo=body.echo,
-                                   prompt_texts=texts, prompt_top=body.scores_prompt,
+        gen = await new_generation(body, request, prompts, body.logprobs, constraint=constraint_of(body),
+                                   echo=body.echo, prompt_texts=texts, prompt_top=body.scores_prompt,
                                    prompt_logprobs=body.prompt_logprobs)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=False)
@@ -203,7 +203,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
                                f" cannot be combined with {constraint[0]}", param="tool_choice")
             constraint = ("tool_choice", {"structural_tag": forced})
         keep = marker_ids(parser, tokenizer) if use_tools else frozenset()
-        gen = await new_generation(body, request, [prompt], body.num_logprobs, constraint=constraint, keep_special=keep)
+        gen = await new_generation(body, request, [prompt], body.num_logprobs, constraint=constraint,
+                                   keep_special=keep)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=True, tool_parser=parser if use_tools else None)
         response.headers.update(_replica_header(gen))

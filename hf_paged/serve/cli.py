@@ -90,9 +90,9 @@ def parser() -> argparse.ArgumentParser:
                    help="serve N replicas, one engine process per GPU (cuda:0 ... cuda:N-1; N CPU replicas with "
                         "--device cpu) behind one HTTP front that routes by prefix affinity and load (default: 1)")
     p.add_argument("--router-imbalance", type=int, default=8, metavar="K",
-                   help="with --data-parallel-size: a request follows its prefix (or its X-HF-Paged-Affinity key's "
-                        "replica for prefixes) unless that replica has K more requests in flight than the least "
-                        "loaded one (default: 8)")
+                   help="with --data-parallel-size: a request goes to the replica holding its prompt's prefix unless "
+                        "that replica has K more requests in flight than the least loaded one (default: 8); an "
+                        "X-HF-Paged-Affinity header pins whatever the load")
     p.add_argument("--log-level", default="info")
     return p
 

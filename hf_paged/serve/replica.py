@@ -74,7 +74,8 @@ def encode(out: RequestOutput, sent: dict[int, tuple[int, int]], prompt_sent: in
     if out.prompt_logprobs is not None and len(out.prompt_logprobs) > prompt_sent:
         prompt = (out.prompt_logprobs, out.prompt_top_logprobs)
     error = None if out.error is None else ("failed", type(out.error).__name__, str(out.error))
-    return (out.request_id, out.finished, error, out.num_preemptions, out.metrics, prompt, completions)
+    metrics = out.metrics if out.finished else {}  # the engine's timestamps, once (the front keeps its own)
+    return (out.request_id, out.finished, error, out.num_preemptions, metrics, prompt, completions)
 
 
 class _Sender:
