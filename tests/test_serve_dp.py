@@ -169,6 +169,17 @@ def test_request_timeout_and_queue_bound_hold_across_the_front(server):
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
 
 
+def test_structured_outputs_through_the_replicas(server):
+    pytest.importorskip("xgrammar")
+    for _ in range(2):  # both replicas (in turn when idle) compile and enforce it
+        reply = server["client"].completions.create(model="tiny", prompt="answer:", max_tokens=8, temperature=0,
+                                                    extra_body={"guided_choice": ["yes", "no"]})
+        assert reply.choices[0].text in ("yes", "no")
+    bad = httpx.post(f"{server['base']}/v1/completions", timeout=30,
+                     json={"model": "tiny", "prompt": "x", "max_tokens": 4, "guided_regex": "(unclosed"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"  # refused in the front
+
+
 def test_engine_refusal_is_400(server):
     reply = httpx.post(f"{server['base']}/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": "x" * 300, "max_tokens": 4})
