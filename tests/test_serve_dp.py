@@ -189,11 +189,12 @@ def test_engine_refusal_is_400(server):
 def test_dead_replica_gives_503_the_other_serves_and_it_restarts(server):
     base = server["base"]
     _idle(server)
-    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 200, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 240, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         whole = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
-        wait_until(lambda: any(r["pending"] for r in _health(server)["replicas"]), what="the request routed")
-        victim = next(r for r in _health(server)["replicas"] if r["pending"])
+        replicas = lambda: server["router"].health()[1]["replicas"]  # noqa: E731 - polled without HTTP
+        wait_until(lambda: any(r["pending"] for r in replicas()), what="the request routed")
+        victim = next(r for r in replicas() if r["pending"])
         os.kill(victim["pid"], signal.SIGKILL)
         reply = whole.result()
     assert reply.status_code == 503, reply.text
