@@ -285,6 +285,8 @@ def test_data_parallel_argument_errors(capsys):
     assert exit_info.value.code == 2 and "--data-parallel-size" in capsys.readouterr().err
     with pytest.raises(ValueError, match="devices"):
         ReplicaRouter(ReplicaSpec(tiny_replica), [])
+    with pytest.raises(ValueError, match="started ReplicaRouter"):
+        build_app(ReplicaRouter(ReplicaSpec(tiny_replica), ["cpu"]), tokenizer=object())
 
 
 def test_a_replica_that_cannot_load_fails_the_start():
@@ -328,3 +330,11 @@ def test_cli_serves_two_replicas_and_stops_them_on_sigint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_cli_reports_a_model_the_replicas_cannot_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main([str(tmp_path / "no-such-model"), "--device", "cpu", "--data-parallel-size", "2"])
+    message = str(exit_info.value.code)
+    assert message.startswith("hf-paged serve: replica") and "cannot load" in message and "no-such-model" in message

@@ -64,6 +64,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
     if tokenizer is None:
         raise ValueError("build_app needs a tokenizer: pass tokenizer= or build the engine with one")
     if isinstance(engine, ReplicaRouter):
+        if not engine.started:
+            raise ValueError("build_app needs a started ReplicaRouter: call router.start() first")
         bridge = engine
     else:
         if engine.tokenizer is None:

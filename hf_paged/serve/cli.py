@@ -203,7 +203,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         spec = ReplicaSpec(functools.partial(load_on, args), engine_kwargs(args), warm_up=not args.no_warm_up,
                            prefill_graphs=args.prefill_graphs, log_level=args.log_level,
                            threads=max(1, len(os.sched_getaffinity(0)) // len(devices)))
-        served = ReplicaRouter(spec, devices, imbalance=args.router_imbalance).start()
+        try:
+            served = ReplicaRouter(spec, devices, imbalance=args.router_imbalance).start()
+        except RuntimeError as error:  # a replica could not load the model: its traceback is in the message
+            raise SystemExit(f"hf-paged serve: {error}") from None
         tokenizer = served.tokenizer
     else:
         model, tokenizer = load(args)

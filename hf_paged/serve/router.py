@@ -149,6 +149,11 @@ class ReplicaRouter:
     def num_replicas(self) -> int:
         return len(self._replicas)
 
+    @property
+    def started(self) -> bool:
+        """`start()` returned: every replica got ready once (some may be restarting now)."""
+        return self._started
+
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 900.0) -> ReplicaRouter:
         """Spawn every replica and wait until all are ready; RuntimeError (with the replica's traceback) if one
