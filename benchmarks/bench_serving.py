@@ -16,6 +16,22 @@ length); compare its output tok/s with plain `hf_paged`'s on the same requests, 
 
     python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,hf_paged+json --rates inf \
         --num-requests 64 --output-len 512 --out results/
+
+Data parallelism: a system named `hf_paged_dpN` is the hf-paged server with `--data-parallel-size N` (N replicas, one
+per GPU, behind one front); `hf_paged_xN` is N independent one-GPU servers (`CUDA_VISIBLE_DEVICES=i` each, own ports)
+with the requests dealt to them in turn: what N GPUs give with no shared front, the yardstick for `hf_paged_dpN`.
+With `hf_paged` in the same run, the summary gives each one's sustainable rate (the
+highest rate whose p99 TTFT stays under 1 s) as a multiple of `hf_paged`'s (`dp_speedup` in the JSON), and its
+highest output tok/s over the rates as a multiple of `hf_paged`'s (`dp_throughput_ratio`: with `--rates inf` or
+rates past saturation, the capacity ratio, which needs no fine rate grid); on a 2-GPU machine:
+
+    python benchmarks/bench_serving.py --model llama-1b --systems hf_paged,hf_paged_dp2,hf_paged_x2 \
+        --rates 4,8,12,16,24,32,40,48,64,80,96,128 --num-requests 400 --out results/
+
+Each row also gives `server_cpu`: the CPU time of the server's main process over the rate's wall time (1.0: one core
+busy all along). With data parallelism that process is the HTTP front alone (the replicas are its children), so a
+front near 1.0 while the replicas' GPUs idle says the front, not the GPUs, bounds the rate (`hf_paged_xN`: the
+busiest of its servers).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,17 +108,41 @@ def make_requests(tokenizer, n: int, seed: int, max_len: int, output_len: int | 
     return out
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), None where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> subprocess.Popen:
-    if system == "hf_paged":
+def layout(system: str) -> tuple[int, int] | None:
+    """(servers, replicas per server) of an hf-paged system: `hf_paged` (1, 1), `hf_paged_dpN` (1, N),
+    `hf_paged_xN` (N, 1); None for another system."""
+    match = re.fullmatch(r"hf_paged(?:_(dp|x)(\d+))?", system)
+    if match is None:
+        return None
+    n = int(match.group(2) or 1)
+    return (1, n) if match.group(1) == "dp" else (n, 1)
+
+
+def launch_server(system: str, model_dir: Path, port: int, args, log: Path, gpu: int | None = None) -> subprocess.Popen:
+    """Start one server of `system` (on GPU `gpu` alone when given); `wait_ready` waits for its /health."""
+    shape = layout(system)
+    if shape is not None:
+        replicas = shape[1]
         dtype = "float32" if args.device == "cpu" else "bfloat16"
         cmd = [sys.executable, "-m", "hf_paged.serve", str(model_dir), "--port", str(port), "--dtype", dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+        if replicas > 1:
+            cmd += ["--data-parallel-size", str(replicas)]
         if args.device is not None:
             cmd += ["--device", args.device]
         if args.compile_decode:
@@ -110,19 +151,24 @@ def start_server(system: str, model_dir: Path, port: int, args, log: Path) -> su
         cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--port", str(port),
                "--continuous-batching", "--dtype", "bfloat16", "--device", "auto", "--log-level", "warning"]
     else:
-        raise SystemExit(f"unknown system {system!r} (hf_paged, transformers)")
+        raise SystemExit(f"unknown system {system!r} (hf_paged, hf_paged_dpN, hf_paged_xN, transformers)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if gpu is not None and args.device != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if args.trace:  # log JIT compilations and slow engine steps in the server's log (benchmarks/trace)
         trace = str(Path(__file__).resolve().parent / "trace")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [trace, env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(proc: subprocess.Popen, system: str, port: int, args, log: Path) -> None:
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{system} server exited ({proc.returncode}); see {log}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -152,13 +198,15 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
             "tpot": (end - stamps[0]) / max(1, max_tokens - 1), "output_tokens": max_tokens}
 
 
-async def run_rate(url, model, requests, rate: float, seed: int, extra) -> dict:
+async def run_rate(urls: list[str], model, requests, rate: float, seed: int, extra) -> dict:
+    """Send `requests` at `rate` (Poisson), dealt to `urls` in turn."""
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         tasks = []
         start = time.perf_counter()
-        for prompt, out_len in requests:
+        for i, (prompt, out_len) in enumerate(requests):
+            url = urls[i % len(urls)]
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, out_len, extra)))
             await asyncio.sleep(rng.exponential(1.0 / rate) if rate != float("inf") else 0)
         results = await asyncio.gather(*tasks)
@@ -230,24 +278,34 @@ def main(argv: list[str] | None = None) -> None:
     for system in args.systems.split(","):
         results[system] = []
         runs[system] = {k: v for k, v in vars(args).items() if k != "append"}
-        port = free_port()
         server, _, constraint = system.partition("+")  # hf_paged+json: constrained requests (STRUCTURED)
-        if constraint and (server != "hf_paged" or constraint not in STRUCTURED):
+        if constraint and (layout(server) is None or constraint not in STRUCTURED):
             raise SystemExit(f"unknown system {system!r}: only hf_paged takes +{'/+'.join(STRUCTURED)}")
-        proc = start_server(server, model_dir, port, args, out / f"server_{system}.log")
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        extra = {"ignore_eos": True, **STRUCTURED.get(constraint, {})} if server == "hf_paged" else {}
+        count = (layout(server) or (1, 1))[0]
+        ports = [free_port() for _ in range(count)]
+        logs = [out / (f"server_{system}.log" if count == 1 else f"server_{system}_{i}.log") for i in range(count)]
+        procs = [launch_server(server, model_dir, port, args, log, gpu=i if count > 1 else None)
+                 for i, (port, log) in enumerate(zip(ports, logs))]
+        urls = [f"http://127.0.0.1:{port}/v1/completions" for port in ports]
+        extra = {"ignore_eos": True, **STRUCTURED.get(constraint, {})} if layout(server) is not None else {}
         model = str(model_dir)  # transformers serve's /v1/models scans the hub cache; both take the path
         try:
-            asyncio.run(run_rate(url, model, warm_up, 8.0, args.seed, extra))
+            for proc, port, log in zip(procs, ports, logs):
+                wait_ready(proc, system, port, args, log)
+            asyncio.run(run_rate(urls, model, warm_up, 8.0, args.seed, extra))
             for rate, requests in zip(rates, per_rate):
-                row = asyncio.run(run_rate(url, model, requests, rate, args.seed, extra))
+                cpu = [process_cpu_s(proc.pid) for proc in procs]
+                row = asyncio.run(run_rate(urls, model, requests, rate, args.seed, extra))
+                used = [None if a is None or b is None else (b - a) / row["duration_s"]
+                        for a, b in zip(cpu, (process_cpu_s(proc.pid) for proc in procs))]
+                row["server_cpu"] = None if None in used else max(used)
                 results[system].append(row)
                 write_results(saved, results, runs)  # after every rate: a run cut short keeps what it measured
                 print(f"{system:13s} rate {rate:6.1f}/s  done {row['completed']:4d} fail {row['failed']:3d}  "
                       f"out {row['output_tok_s']:8.0f} tok/s  TTFT p50 {row['ttft_ms']['p50'] or 0:8.1f} "
                       f"p99 {row['ttft_ms']['p99'] or 0:8.1f} ms  TPOT p50 {row['tpot_ms']['p50'] or 0:6.1f} ms  "
-                      f"ITL p99 {row['itl_ms']['p99'] or 0:7.1f} ms  E2E p99 {row['e2e_ms']['p99'] or 0:8.0f} ms",
+                      f"ITL p99 {row['itl_ms']['p99'] or 0:7.1f} ms  E2E p99 {row['e2e_ms']['p99'] or 0:8.0f} ms  "
+                      f"server CPU {row['server_cpu'] or 0:4.2f}",
                       flush=True)
                 print("  slowest TTFT:", ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.1f} s)"
                                                    for r in row["slowest_ttft"]), flush=True)
@@ -257,11 +315,13 @@ def main(argv: list[str] | None = None) -> None:
                         or (row["ttft_ms"]["p99"] or 0) > args.stop_p99_ttft_ms):  # past what it can sustain
                     break
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            for proc in procs:
+                proc.send_signal(signal.SIGINT)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     summary = write_results(saved, results, runs)
     print("\n| system | rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p99 (ms) |"
           " E2E p50 / p99 (ms) |\n|---|---|---|---|---|---|---|")
@@ -271,8 +331,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {system} | {r['rate']:g} | {r['output_tok_s']:.0f} | {f('ttft_ms')} | {f('tpot_ms')} | "
                   f"{r['itl_ms']['p99'] or 0:.1f} | {f('e2e_ms')} |")
     for system, s in summary.items():
+        speedup = f"; {s['dp_speedup']:.2f}x hf_paged's rate" if s.get("dp_speedup") is not None else ""
+        if s.get("dp_throughput_ratio") is not None:
+            speedup += f"; highest output tok/s {s['dp_throughput_ratio']:.2f}x hf_paged's"
         print(f"{system}: highest rate with p99 TTFT < 1 s: {s['max_rate_p99_ttft_under_1s']}; "
-              f"lowest rate past 1 s: {s['min_rate_p99_ttft_over_1s']}")
+              f"lowest rate past 1 s: {s['min_rate_p99_ttft_over_1s']}{speedup}")
     plot(results, out / "bench_serving.png")
 
 
@@ -287,6 +350,17 @@ def summarize(rows: list[dict]) -> dict:
 
 def write_results(path: Path, results: dict[str, list[dict]], runs: dict[str, dict]) -> dict:
     summary = {system: summarize(rows) for system, rows in results.items()}
+    one = summary.get("hf_paged", {}).get("max_rate_p99_ttft_under_1s")
+    one_tok_s = max((r.get("output_tok_s", 0) for r in results.get("hf_paged", [])), default=0)
+    for system, s in summary.items():  # data parallelism: the sustainable rate as a multiple of one replica's
+        servers, replicas = layout(system) or (1, 1)
+        if servers * replicas <= 1:
+            continue
+        rate = s["max_rate_p99_ttft_under_1s"]
+        if one and rate is not None and np.isfinite(one) and np.isfinite(rate):  # `inf` (all at once) has no ratio
+            s["dp_speedup"] = rate / one
+        if one_tok_s:
+            s["dp_throughput_ratio"] = max(r.get("output_tok_s", 0) for r in results[system]) / one_tok_s
     path.write_text(json.dumps({"runs": runs, "results": results, "summary": summary}, indent=1))
     return summary
 

@@ -17,6 +17,8 @@
 #   python -c "from hf_paged.testing import smollm2_checkpoint as c; from transformers import AutoTokenizer as T; \
 #     T.from_pretrained(c()).save_pretrained('.wheels/smollm2-tokenizer')"
 # Usage there: bash benchmarks/gpu_serve.sh "$OUT"     (SYSTEMS, RATES, NUM_REQUESTS, RATE_TIMEOUT, TIMEOUT, TRACE=1)
+# Data parallelism (a 2-GPU machine): SYSTEMS="hf_paged hf_paged_dp2"; the second system's summary line gives its
+# sustainable rate and highest output tok/s as multiples of hf_paged's (bench_serving.py's docstring).
 set -u
 OUT=${1:?usage: gpu_serve.sh OUT_DIR}
 mkdir -p "$OUT"

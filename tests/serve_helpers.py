@@ -54,3 +54,17 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def tiny_replica(device: str):
+    """(model, tokenizer) of a data-parallel test replica (`ReplicaSpec.load`): the seeded tiny Llama of the server
+    tests with the byte tokenizer, the same in every replica process."""
+    from hf_paged.testing import byte_tokenizer, tiny_model
+
+    tok = byte_tokenizer()
+    return tiny_model("llama", vocab_size=len(tok)).to(device), tok
+
+
+def broken_replica(device: str):
+    """A replica loader that fails (a model that cannot be loaded): the router must refuse to start."""
+    raise OSError(f"no model to load on {device}")

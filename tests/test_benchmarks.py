@@ -360,7 +360,8 @@ COMMAND_LINES = {
     "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False})],
     "bench_serving": [(["--model", "llama-1b", "--model-dir", "/tmp/m", "--tokenizer", "t", "--systems", "hf_paged",
                         "--append", "--rates", "1,2,4", "--num-requests", "60", "--rate-timeout", "150", "--out", "o"],
-                       {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False})],
+                       {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False}),
+                      (["--systems", "hf_paged,hf_paged_dp2"], {"systems": "hf_paged,hf_paged_dp2"})],
     "bench_sharing": [(["--model", "tiny-32k", "--widths", "2,4"], {"model": "tiny-32k", "widths": "2,4"})],
     "bench_startup": [(["--models", "llama-1b", "--modes", "compiled", "--warm-runs", "3"],
                        {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
@@ -414,6 +415,22 @@ def test_benchmark_command_lines_parse(name, capsys):
         with pytest.raises(SystemExit) as bad:
             module.build_parser().parse_args(argv)
         assert bad.value.code == 2 and "usage:" in capsys.readouterr().err, (name, argv)
+
+
+def test_serving_benchmark_gives_data_parallel_speedups(tmp_path):
+    bench_serving = pytest.importorskip("bench_serving")
+    assert [bench_serving.layout(s) for s in ("hf_paged", "hf_paged_dp2", "hf_paged_x2", "transformers")] == [
+        (1, 1), (1, 2), (2, 1), None]
+
+    def row(rate, p99, tok_s):
+        return {"rate": rate, "failed": 0, "ttft_ms": {"p99": p99}, "output_tok_s": tok_s}
+
+    results = {"hf_paged": [row(8, 100, 800), row(16, 2000, 1000)],
+               "hf_paged_dp2": [row(8, 90, 800), row(16, 300, 1600), row(32, 5000, 1900)],
+               "hf_paged_x2": [row(8, 90, 800), row(16, 300, 2000)]}
+    summary = bench_serving.write_results(tmp_path / "r.json", results, {})
+    assert summary["hf_paged_dp2"]["dp_speedup"] == 2.0 and summary["hf_paged_dp2"]["dp_throughput_ratio"] == 1.9
+    assert summary["hf_paged_x2"]["dp_throughput_ratio"] == 2.0 and "dp_speedup" not in summary["hf_paged"]
 
 
 def test_startup_benchmark_refuses_zero_warm_runs_before_measuring(capsys):

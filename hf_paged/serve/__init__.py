@@ -7,5 +7,8 @@ prometheus-client): `pip install "hf-paged[serve]"`.
 from .app import build_app
 from .bridge import EngineBridge, RequestFailed
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .replica import ReplicaSpec
+from .router import ReplicaRouter
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "EngineBridge", "RequestFailed", "build_app"]
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "EngineBridge", "ReplicaRouter", "ReplicaSpec",
+           "RequestFailed", "build_app"]

@@ -3,6 +3,10 @@
 `build_app(engine, tokenizer)` is all an embedding program needs (serve it with uvicorn or any ASGI server); the
 engine steps in the app's background thread (`EngineBridge`) from the moment the app is built, and the app's
 lifespan end (server shutdown) closes it: in-flight requests are aborted and the KV pool goes back.
+
+`build_app(router)` serves a started `ReplicaRouter` instead (data parallelism: one engine process per device); the
+API layer is the same, the router routes each engine request (`X-HF-Paged-Affinity` header: a routing key) and
+every response names its replicas in `X-HF-Paged-Replica`.
 """
 
 from __future__ import annotations
@@ -13,16 +17,18 @@ import hmac
 import time
 
 from fastapi import FastAPI, Request
+from fastapi import Response as HeaderResponse
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine
-from .bridge import EngineBridge, RequestFailed
+from .bridge import EngineBridge, ReplicaUnavailable, RequestFailed
 from .generation import ChoiceDelta, Generation, PromptEcho
 from .limits import AdmissionLimits, RequestTimedOut
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from .router import ReplicaRouter
 from .stream import (
     DONE,
     chat_chunk,
@@ -33,16 +39,20 @@ from .stream import (
     prompt_logprobs_list,
     sse,
 )
-from .structured import constraint_of, warm_up_grammars
+from .structured import constraint_of
 from .tools import ToolStream, check_template, forced_calls, guess_parser, marker_ids, tool_parser
 
-__all__ = ["build_app"]
+__all__ = ["AFFINITY_HEADER", "REPLICA_HEADER", "build_app"]
+
+AFFINITY_HEADER = "X-HF-Paged-Affinity"  # a routing key: requests with the same one go to the same replica
+REPLICA_HEADER = "X-HF-Paged-Replica"  # the replica(s) that served a response (data-parallel serving)
 
 
-def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, api_key: str | None = None,
-              shutdown_grace: float = 5.0, max_queue_len: int | None = None, request_timeout: float | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving `engine` (its tokenizer unless `tokenizer` is given).
+def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str | None = None,
+              api_key: str | None = None, shutdown_grace: float = 5.0, max_queue_len: int | None = None,
+              request_timeout: float | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` (its tokenizer unless `tokenizer` is given), or the replicas of a
+    started `ReplicaRouter` (the first replica's tokenizer unless given; shut down with the app).
 
     `model_name`: the id clients pass as `model` (default: the model's `name_or_path`). `api_key`: when set, every
     `/v1` route needs `Authorization: Bearer <api_key>` (401 otherwise). `shutdown_grace`: seconds in-flight requests
@@ -53,10 +63,15 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
     if tokenizer is None:
         raise ValueError("build_app needs a tokenizer: pass tokenizer= or build the engine with one")
-    if engine.tokenizer is None:
-        engine.tokenizer = tokenizer  # stop strings are matched on detokenized text by the engine too
-    name = model_name or str(getattr(engine.model, "name_or_path", "") or "hf-paged")
-    bridge = EngineBridge(engine)
+    if isinstance(engine, ReplicaRouter):
+        if not engine.started:
+            raise ValueError("build_app needs a started ReplicaRouter: call router.start() first")
+        bridge = engine
+    else:
+        if engine.tokenizer is None:
+            engine.tokenizer = tokenizer  # stop strings are matched on detokenized text by the engine too
+        bridge = EngineBridge(engine)
+    name = model_name or bridge.model_name
     metrics = ServerMetrics()
     limits = AdmissionLimits(max_queue_len, request_timeout)
     parser = tool_parser(tool_call_parser or guess_parser(tokenizer))
@@ -65,7 +80,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
     async def lifespan(_app):
         # the grammar compiler's view of the tokenizer (a second or two for a 150k vocabulary) is built now, in a
         # thread, not when the first structured request arrives
-        warming = asyncio.ensure_future(asyncio.to_thread(warm_up_grammars, engine))
+        warming = asyncio.ensure_future(asyncio.to_thread(bridge.warm_up_grammars))
         yield
         warming.cancel()
         await asyncio.to_thread(bridge.shutdown, shutdown_grace)
@@ -108,8 +123,8 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
             raise ApiError(f"the model {requested!r} does not exist; this server serves {name!r}", status=404,
                            param="model", code="model_not_found")
 
-    async def new_generation(body, prompts: list[list[int]], logprobs: int | None, *, constraint=(None, {}),
-                             **kwargs) -> Generation:
+    async def new_generation(body, request: Request, prompts: list[list[int]], logprobs: int | None, *,
+                             constraint=(None, {}), **kwargs) -> Generation:
         """Admit the request (429 when the queue is full), compile its grammar (off the event loop) and start it."""
         param, fields = constraint
         ticket = limits.admit()
@@ -117,7 +132,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
             gen = Generation(bridge, tokenizer, metrics, prompts, n=body.n, temperature=body.temperature,
                              top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop or [], seed=body.seed,
                              logprobs=logprobs, ignore_eos=body.ignore_eos, constraint=fields, constraint_param=param,
-                             ticket=ticket, **kwargs)
+                             ticket=ticket, affinity=request.headers.get(AFFINITY_HEADER), **kwargs)
             await gen.compile_grammar()
             gen.start()
         except BaseException:
@@ -127,33 +142,33 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
 
     @app.get("/health")
     async def health():
-        if not bridge.alive:
-            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
-        return {"status": "ok"}
+        status, body = bridge.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus():
-        stats = await asyncio.to_thread(engine.queue_stats)
+        stats = await asyncio.to_thread(bridge.queue_stats)
         stats.update(queued=limits.queued, refused=limits.refused, timed_out=limits.timed_out)
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "hf-paged", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "hf-paged", "max_model_len": bridge.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request, response: HeaderResponse):
         check_model(body.model)
         body.check_scoring()
         given = body.prompts()
         prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p) for p in given]
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
-        gen = await new_generation(body, prompts, body.logprobs, constraint=constraint_of(body), echo=body.echo,
-                                   prompt_texts=texts, prompt_top=body.scores_prompt,
+        gen = await new_generation(body, request, prompts, body.logprobs, constraint=constraint_of(body),
+                                   echo=body.echo, prompt_texts=texts, prompt_top=body.scores_prompt,
                                    prompt_logprobs=body.prompt_logprobs)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=False)
+        response.headers.update(_replica_header(gen))
         choices = []
         for index, (text, logprobs, reason, prompt) in enumerate(await _run_whole(gen, request)):
             extra = {}
@@ -168,7 +183,7 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
                 "choices": choices, "usage": gen.usage}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: HeaderResponse):
         check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
@@ -190,9 +205,11 @@ def build_app(engine: Engine, tokenizer=None, *, model_name: str | None = None, 
                                f" cannot be combined with {constraint[0]}", param="tool_choice")
             constraint = ("tool_choice", {"structural_tag": forced})
         keep = marker_ids(parser, tokenizer) if use_tools else frozenset()
-        gen = await new_generation(body, [prompt], body.num_logprobs, constraint=constraint, keep_special=keep)
+        gen = await new_generation(body, request, [prompt], body.num_logprobs, constraint=constraint,
+                                   keep_special=keep)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=True, tool_parser=parser if use_tools else None)
+        response.headers.update(_replica_header(gen))
         choices = []
         for index, (text_out, logprobs, reason, _) in enumerate(await _run_whole(gen, request)):
             lp = chat_logprobs(tokenizer, logprobs) if body.logprobs else None
@@ -237,6 +254,8 @@ async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list,
         task.result()
     except RequestTimedOut as error:
         raise ApiError(str(error), status=504) from None
+    except ReplicaUnavailable as error:
+        raise ApiError(str(error), status=503, code="replica_unavailable") from None
     except RequestFailed as error:
         raise ApiError(str(error), status=500) from None
     finally:
@@ -266,13 +285,23 @@ def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: boo
                            "choices": [], "usage": gen.usage})
         except RequestTimedOut as error:
             yield sse(ApiError(str(error), status=504).body())
+        except ReplicaUnavailable as error:
+            yield sse(ApiError(str(error), status=503, code="replica_unavailable").body())
+        except ApiError as error:  # refused by a data-parallel replica after the stream had begun
+            yield sse(error.body())
         except RequestFailed as error:
             yield sse(ApiError(str(error), status=500).body())
         finally:
             gen.abort()  # the client went away (the task is cancelled) or we are done: free the blocks now
         yield DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **_replica_header(gen)})
+
+
+def _replica_header(gen: Generation) -> dict[str, str]:
+    """`X-HF-Paged-Replica: 0,1` when data-parallel replicas serve the request (nothing with one engine)."""
+    return {REPLICA_HEADER: ",".join(map(str, gen.replicas))} if gen.replicas else {}
 
 
 def _tool_deltas(deltas: list[ChoiceDelta], streams: dict | None, parser) -> dict | None:

@@ -15,8 +15,9 @@ import threading
 import time
 
 from ..engine import Engine, RequestOutput, SamplingParams
+from .structured import warm_up_grammars
 
-__all__ = ["EngineBridge", "RequestFailed"]
+__all__ = ["EngineBridge", "ReplicaUnavailable", "RequestFailed", "RequestRefused"]
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -28,6 +29,15 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 class RequestFailed(RuntimeError):
     """The engine failed a request (its step raised); answered with 500."""
+
+
+class RequestRefused(RequestFailed):
+    """A data-parallel replica's engine refused the request (`add_request` raised ValueError / TypeError there, after
+    the front had routed it); answered with 400, as the same refusal by a local engine."""
+
+
+class ReplicaUnavailable(RequestFailed):
+    """The data-parallel replica serving the request went away; answered with 503 (the client may retry)."""
 
 
 class EngineBridge:
@@ -45,9 +55,10 @@ class EngineBridge:
 
     # ------------------------------------------------------------------ event-loop side
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, affinity: str | None = None) -> asyncio.Queue:
         """Add a request; its outputs arrive on `queue` (a new one if None; several requests may share one), the
-        last one with `finished`. Raises the engine's ValueError / TypeError for a request it refuses."""
+        last one with `finished`. Raises the engine's ValueError / TypeError for a request it refuses. `affinity`
+        (a routing key of data-parallel serving, `ReplicaRouter`) means nothing to one engine."""
         if not self._accepting:
             raise RuntimeError("the server is shutting down")
         queue = asyncio.Queue() if queue is None else queue
@@ -77,6 +88,39 @@ class EngineBridge:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ what the app asks (as of a ReplicaRouter)
+    def replica_of(self, request_id: str) -> int | None:
+        return None
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.engine.model, "name_or_path", "") or "hf-paged")
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.max_model_len
+
+    def context_limit(self) -> int:
+        """Tokens a request (prompt and output) may hold: the model's context or the whole KV pool."""
+        pool = self.engine.block_manager.num_blocks * self.engine.cache.block_size
+        return pool if self.engine.max_model_len is None else min(pool, self.engine.max_model_len)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile `params`' grammar into the engine's cache (ValueError: invalid; ImportError: no xgrammar)."""
+        self.engine.structured.compiled(params)
+
+    def warm_up_grammars(self) -> bool:
+        return warm_up_grammars(self.engine)
+
+    def queue_stats(self) -> dict:
+        return self.engine.queue_stats()
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) of /health."""
+        if not self.alive:
+            return 503, {"status": "engine thread stopped"}
+        return 200, {"status": "ok"}
 
     # ------------------------------------------------------------------ stepping thread
     def _deliver(self, outs: list[RequestOutput]) -> None:

@@ -1,6 +1,9 @@
 """`hf-paged serve MODEL`: load a model (a local directory, a Hub id such as `Qwen/Qwen3-0.6B` through `from_pretrained`
 and the local Hugging Face cache, or a GGUF file), build the engine, serve it.
 
+`--data-parallel-size N` serves N replicas, one engine process per GPU (`cuda:0` ... `cuda:N-1`, or N CPU
+replicas with `--device cpu`) behind this process's HTTP front (`hf_paged.serve.router`).
+
 SIGINT / SIGTERM shut down cleanly: uvicorn stops accepting connections and lets in-flight requests run for
 `--shutdown-grace` seconds, then the app's lifespan end aborts what is left and closes the engine (the KV pool goes
 back); the process exits 0.
@@ -9,6 +12,8 @@ back); the process exits 0.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
 import os
 import sys
@@ -19,6 +24,8 @@ from ..cache import KV_CACHE_DTYPES
 from ..engine import Engine, default_max_num_batched_tokens
 from ..integrations.gguf import load_gguf
 from .app import build_app
+from .replica import ReplicaSpec
+from .router import ReplicaRouter
 from .tools import PARSERS
 
 __all__ = ["main", "serve_main", "parser"]
@@ -79,8 +86,60 @@ def parser() -> argparse.ArgumentParser:
                                                          "replacing the tokenizer's")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N replicas, one engine process per GPU (cuda:0 ... cuda:N-1; N CPU replicas with "
+                        "--device cpu) behind one HTTP front that routes by prefix affinity and load (default: 1)")
+    p.add_argument("--router-imbalance", type=int, default=8, metavar="K",
+                   help="with --data-parallel-size: a request goes to the replica holding its prompt's prefix unless "
+                        "that replica has K more requests in flight than the least loaded one (default: 8); an "
+                        "X-HF-Paged-Affinity header pins whatever the load")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def replica_devices(args, cuda_count: int | None = None) -> list[str]:
+    """The device of each replica of `--data-parallel-size`; ValueError naming the flag when they do not exist.
+    `cuda_count`: the GPUs visible (default: torch's count)."""
+    n = args.data_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--data-parallel-size must be a positive integer, got {n!r}")
+    if args.router_imbalance < 0:
+        raise ValueError(f"--router-imbalance must be >= 0, got {args.router_imbalance}")
+    if n == 1:
+        return [args.device or ("cuda" if torch.cuda.is_available() else "cpu")]
+    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    device = torch.device(args.device or ("cuda" if cuda_count else "cpu"))
+    if device.type == "cpu":
+        return ["cpu"] * n
+    if device.type != "cuda":
+        raise ValueError(f"--data-parallel-size takes --device cuda or cpu, got --device {args.device}")
+    if device.index is not None:
+        raise ValueError(f"--device {args.device} names one GPU; --data-parallel-size {n} uses cuda:0 ... "
+                         f"cuda:{n - 1} (pick the GPUs with CUDA_VISIBLE_DEVICES)")
+    if n > cuda_count:
+        raise ValueError(f"--data-parallel-size {n} needs {n} GPUs (one replica each), but {cuda_count} "
+                         f"{'is' if cuda_count == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
+    return [f"cuda:{i}" for i in range(n)]
+
+
+def engine_kwargs(args) -> dict:
+    """The `Engine` arguments of the command line (`max_num_batched_tokens` None: the device's default)."""
+    return dict(
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
+        admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
+        use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
+        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype,
+    )
+
+
+def load_on(args, device: str) -> tuple[object, object]:
+    """`load` on `device` (a replica's loader: `functools.partial(load_on, args)` pickles into its process)."""
+    args = copy.copy(args)
+    args.device = device
+    return load(args)
 
 
 def load(args) -> tuple[object, object]:
@@ -133,24 +192,33 @@ def _first_line(error: BaseException) -> str:
 def serve_main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        devices = replica_devices(args)
+    except ValueError as error:
+        p.error(str(error))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model, tokenizer = load(args)
-    device = next(model.parameters()).device
-    budget = args.max_num_batched_tokens or default_max_num_batched_tokens(device, serving=True)
-    engine = Engine(
-        model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-        preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
-        admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
-        use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
-        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype,
-    )
-    if not args.no_warm_up and engine.device.type == "cuda":
-        engine.warm_up(prefill_graphs=args.prefill_graphs)
+    if args.data_parallel_size > 1:
+        spec = ReplicaSpec(functools.partial(load_on, args), engine_kwargs(args), warm_up=not args.no_warm_up,
+                           prefill_graphs=args.prefill_graphs, log_level=args.log_level,
+                           threads=max(1, len(os.sched_getaffinity(0)) // len(devices)))
+        try:
+            served = ReplicaRouter(spec, devices, imbalance=args.router_imbalance).start()
+        except RuntimeError as error:  # a replica could not load the model: its traceback is in the message
+            raise SystemExit(f"hf-paged serve: {error}") from None
+        tokenizer = served.tokenizer
+    else:
+        model, tokenizer = load(args)
+        kwargs = engine_kwargs(args)
+        device = next(model.parameters()).device
+        kwargs["max_num_batched_tokens"] = kwargs["max_num_batched_tokens"] or default_max_num_batched_tokens(
+            device, serving=True)
+        served = Engine(model, tokenizer, **kwargs)
+        if not args.no_warm_up and served.device.type == "cuda":
+            served.warm_up(prefill_graphs=args.prefill_graphs)
     name = args.served_model_name or args.model
-    app = build_app(engine, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace,
+    app = build_app(served, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace,
                     max_queue_len=args.max_queue_len, request_timeout=args.request_timeout,
                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -160,7 +228,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         server.run()  # handles SIGINT/SIGTERM; returns after the lifespan shutdown closed the engine
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down cleanly
         pass
-    return 0 if engine.closed else 1
+    return 0 if isinstance(served, ReplicaRouter) or served.closed else 1
 
 
 _USAGE = "usage: hf-paged serve MODEL [options]   (hf-paged serve --help lists the options)"

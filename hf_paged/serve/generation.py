@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
 from ..engine.grammar import INSTALL_HINT
-from .bridge import EngineBridge, RequestFailed
+from .bridge import EngineBridge, ReplicaUnavailable, RequestFailed, RequestRefused
 from .limits import RequestTimedOut, Ticket
 from .metrics import ServerMetrics
 from .protocol import ApiError
@@ -70,15 +70,17 @@ class Generation:
                  logprobs: int | None, ignore_eos: bool = False, constraint: dict | None = None,
                  constraint_param: str | None = None, echo: bool = False, prompt_texts: list[str] | None = None,
                  prompt_top: int | None = None, prompt_logprobs: int | None = None, ticket: Ticket | None = None,
-                 keep_special: frozenset[int] = frozenset()) -> None:
+                 keep_special: frozenset[int] = frozenset(), affinity: str | None = None) -> None:
         """`constraint`: structured-output `SamplingParams` fields (from `constraint_param` of the request);
         `echo`: each choice's text starts with its prompt (`prompt_texts`, else decoded); `prompt_top`: score the
         prompt tokens with this many alternatives each; `ticket`: the request's place in the admission queue and
-        its deadline (`hf_paged.serve.limits`)."""
+        its deadline (`hf_paged.serve.limits`); `affinity`: the routing key of data-parallel serving (the
+        `X-HF-Paged-Affinity` header)."""
         self.bridge, self.tokenizer, self.metrics = bridge, tokenizer, metrics
         self.constraint, self.constraint_param = constraint or {}, constraint_param
         self.echo, self.prompt_top, self.prompt_logprobs, self.ticket = echo, prompt_top, prompt_logprobs, ticket
-        self.prompt_texts = prompt_texts
+        self.prompt_texts, self.affinity = prompt_texts, affinity
+        self.replicas: list[int] = []  # the data-parallel replicas serving it (none with one engine)
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.arrival = time.perf_counter()
@@ -91,12 +93,10 @@ class Generation:
         self._base: dict[str, int] = {}  # engine request id -> index of its first choice
         self._open: set[str] = set()
         self._first_token_seen = False
-        engine = bridge.engine
         sample = temperature > 0
-        pool_tokens = engine.block_manager.num_blocks * engine.cache.block_size
+        limit = bridge.context_limit()
         self._specs = []
         for i, ids in enumerate(prompts):
-            limit = pool_tokens if engine.max_model_len is None else min(pool_tokens, engine.max_model_len)
             room = limit - len(ids)
             if room < 1:
                 raise ApiError(f"the prompt has {len(ids)} tokens; this server takes at most {limit - 1} "
@@ -129,7 +129,7 @@ class Generation:
         if not self._specs or self._specs[0][2].constraint is None:
             return
         try:
-            await asyncio.to_thread(self.bridge.engine.structured.compiled, self._specs[0][2])
+            await asyncio.to_thread(self.bridge.compile_grammar, self._specs[0][2])
         except ValueError as error:
             raise ApiError(str(error), param=self.constraint_param) from None
         except ImportError:
@@ -140,9 +140,12 @@ class Generation:
         """Submit every engine request (all or none: a refused one aborts those already in)."""
         try:
             for request_id, ids, params, base in self._specs:
-                self.bridge.submit(request_id, ids, params, self.queue)
+                self.bridge.submit(request_id, ids, params, self.queue, affinity=self.affinity)
                 self._base[request_id] = base
                 self._open.add(request_id)
+                replica = self.bridge.replica_of(request_id)
+                if replica is not None and replica not in self.replicas:
+                    self.replicas.append(replica)
         except (ValueError, TypeError) as error:
             self.abort()
             param = "prompt" if "prompt" in str(error) else self.constraint_param
@@ -166,6 +169,10 @@ class Generation:
         try:
             while self._open:
                 for out in await self._latest():
+                    if isinstance(out.error, RequestRefused):  # by a data-parallel replica's engine
+                        raise ApiError(str(out.error), param="prompt" if "prompt" in str(out.error) else None)
+                    if isinstance(out.error, ReplicaUnavailable):
+                        raise out.error
                     if out.error is not None:
                         raise RequestFailed(
                             f"the engine failed this request: {type(out.error).__name__}: {out.error}")

@@ -1,6 +1,8 @@
 """Prometheus metrics of one server: engine state read at scrape time, latencies observed as tokens go out.
 
-Each app has its own `CollectorRegistry`, so several apps (tests, embedding) never collide in the global one.
+Each app has its own `CollectorRegistry`, so several apps (tests, embedding) never collide in the global one. With
+data-parallel replicas the engine series are the replicas' sums (the prefix-cache hit rate: their mean), the
+`hf_paged_replica_*` series give each replica's, and the request / latency series are counted once, in the front.
 """
 
 from __future__ import annotations
@@ -44,6 +46,36 @@ class _EngineCollector:
         yield CounterMetricFamily("hf_paged_preemptions", "Requests preempted (recompute or swap)",
                                   value=s.get("preemptions", 0))
         yield CounterMetricFamily("hf_paged_engine_steps", "Engine steps run", value=s.get("steps", 0))
+        yield from _replica_families(s.get("replicas"), s.get("router"))
+
+
+# per-replica series of data-parallel serving (`ReplicaRouter.queue_stats`): (name, help, key, kind)
+_REPLICA_SERIES = (
+    ("hf_paged_replica_up", "1 while the replica serves, 0 while it is down or restarting", "up", "gauge"),
+    ("hf_paged_replica_restarts", "Times the replica process was restarted", "restarts", "counter"),
+    ("hf_paged_replica_requests_routed", "Engine requests routed to the replica", "routed", "counter"),
+    ("hf_paged_replica_requests_in_flight", "Engine requests in flight on the replica", "pending", "gauge"),
+    ("hf_paged_replica_num_requests_running", "Requests running on the replica's device", "running", "gauge"),
+    ("hf_paged_replica_num_requests_waiting", "Requests waiting on the replica", "waiting", "gauge"),
+    ("hf_paged_replica_kv_blocks_used", "KV-cache blocks in use on the replica", "kv_blocks_used", "gauge"),
+    ("hf_paged_replica_prefix_cache_hit_rate", "The replica's prefix-cache hit rate", "prefix_cache_hit_rate",
+     "gauge"),
+)
+
+
+def _replica_families(replicas: list[dict] | None, router: dict | None):
+    """Series labelled `replica` (the unlabelled ones above are the replicas' sums), and the router's counts."""
+    if not replicas:
+        return
+    for name, doc, key, kind in _REPLICA_SERIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["replica"])
+        for r in replicas:
+            family.add_metric([str(r["replica"])], r.get(key, 0))
+        yield family
+    for key, doc in (("prefix_hits", "Requests routed to the replica holding their longest known prefix"),
+                     ("key_hits", "Requests routed by their X-HF-Paged-Affinity key"),
+                     ("balanced", "Requests with a known prefix routed elsewhere because its replica was busier")):
+        yield CounterMetricFamily(f"hf_paged_router_{key}", doc, value=(router or {}).get(key, 0))
 
 
 class ServerMetrics:
