@@ -163,12 +163,12 @@ def write_kv(
         _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
         _check_caches(key_cache, value_cache, dev, same_head_dim=False)
         if value.shape[:2] != key.shape[:2] or value.shape[-1] != value_cache.shape[-1]:
-            raise ValueError(f"value must be [{key.shape[0]}, {key.shape[1]}, {value_cache.shape[-1]}] to match key "
-                             f"and value_cache, got {tuple(value.shape)}")
+            raise ValueError(f"key/value: value must be [{key.shape[0]}, {key.shape[1]}, {value_cache.shape[-1]}] to "
+                             f"match key and value_cache, got {tuple(value.shape)}")
     _, hkv, bs, d = key_cache.shape
     _check_scales(key_cache, k_scale, v_scale)
     if key.shape[1:] != (hkv, d):
-        raise ValueError(f"key must be [T, {hkv}, {d}] to match the cache, got {tuple(key.shape)}")
+        raise ValueError(f"key/value must be [T, {hkv}, {d}] to match the cache, got key {tuple(key.shape)}")
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must have shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
