@@ -288,3 +288,43 @@ def test_a_tensor_parallel_rank_writing_its_share_splits_every_layer():
     odd = PagedCache(config=tiny_config("mimo_v2_flash", num_key_value_heads=1), num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="cannot be split"):
         odd.update(torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 128), 1)
+
+
+# ----------------------------------------------------------------------------------------------- KV sharing
+
+SHARING = {
+    "gemma4_text": dict(GEMMA4, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                        num_kv_shared_layers=2),
+    "gemma3n_text": dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                         num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 6),
+}
+
+
+@pytest.mark.parametrize("family", list(SHARING))
+def test_layers_reading_an_earlier_layers_kv_hold_no_blocks_and_match_transformers(family):
+    """Gemma 3n / 4: the last `num_kv_shared_layers` layers read the K/V of the last earlier layer of their type
+    (their modeling code hands them that layer's pool views); they write none and get no blocks."""
+    overrides = dict(SHARING[family])
+    if family == "gemma3n_text":
+        overrides["intermediate_size"] = [tiny_config(family).intermediate_size[0]] * 6
+    m = tiny_model(family, **overrides)
+    m.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert "kv_sharing" in support.model_features(m)
+    prompts = random_prompts(LENGTHS, seed=4, vocab=200)
+    refs = [dense_generate(m, input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(m, num_blocks=96, block_size=4)
+    engine.runner.decode_mode = "static"
+    assert greedy(engine, prompts) == refs
+    cache = engine.cache
+    assert cache.kv_layers == [0, 1, 2, 3]  # layers 4 and 5 read layers 2 and 3
+    assert cache.layer_caches(4) == cache.layer_caches(2) and cache.layer_caches(5) == cache.layer_caches(3)
+    with pytest.raises(ValueError, match="no K/V of its own"):
+        cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 4)
+    assert_no_leaks(engine)
+    engine.close()
+    ids, mask = padded_batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    ref = dense_generate(m, **kwargs)
+    with paged(m):
+        assert torch.equal(m.generate(**kwargs, past_key_values=PagedCache(config=m.config, block_size=4)), ref)

@@ -77,6 +77,7 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
     "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
     "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
     "value_head_dim", "per_layer_head_dim",  # hf_paged.cache.kv_pool: each layer shape its own tensors
+    "kv_sharing",  # layers handed an earlier layer's pool views (hf_paged.cache.memory.kv_shared_sources)
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
     "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
 })

@@ -14,7 +14,8 @@ import torch
 from .kv_pool import KVShape
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
-           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "layer_kv_shapes"]
+           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "layer_kv_shapes",
+           "kv_shared_sources"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
@@ -183,6 +184,22 @@ def kv_layer_indices(config) -> list[int]:
     if not isinstance(layer_types, (list, tuple)) or num_layers is None or len(layer_types) != num_layers:
         return list(range(end))
     return [i for i, kind in enumerate(layer_types[:end]) if str(kind) not in _NO_KV_LAYER_TYPES]
+
+
+def kv_shared_sources(config) -> dict[int, int]:
+    """`{layer: the layer whose K/V it reads}` of the last `num_kv_shared_layers` layers (Gemma 3n, Gemma 4): each
+    reads the K/V of the last earlier layer of its type, which its modeling code hands it (the pool's views, as that
+    layer's `Cache.update` returned them); it writes none and has no blocks of its own (`kv_layer_indices`)."""
+    text = _text(config)
+    shared = getattr(text, "num_kv_shared_layers", None)
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    num_layers = len(layer_types)
+    if not isinstance(shared, int) or not 0 < shared < num_layers:
+        return {}
+    first = num_layers - shared
+    earlier = layer_types[:first]
+    return {layer: first - 1 - earlier[::-1].index(layer_types[layer]) for layer in range(first, num_layers)
+            if layer_types[layer] in earlier}
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -37,6 +37,7 @@ from .memory import (
     check_pool_arguments,
     cpu_pool_memory,
     kv_layer_indices,
+    kv_shared_sources,
     memory_fraction,
     parse_memory,
     pool_budget,
@@ -145,6 +146,9 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         # the layers that keep K/V, and each one's index in the pool (hybrid models: not the recurrent layers)
         self.kv_layers: list[int] = kv_layers if kv_layers is not None else list(range(self.num_layers))
         self._kv_index = {layer: i for i, layer in enumerate(self.kv_layers)}
+        # layers that read another layer's K/V (Gemma 3n / 4 KV sharing): its views and scales are theirs too
+        self._kv_sources = kv_shared_sources(config) if kv_layers is not None else {}
+        self._kv_index.update({layer: self._kv_index[source] for layer, source in self._kv_sources.items()})
         self._set_shapes(pool_kv_shapes(config if num_layers == config_layers else None, len(self.kv_layers),
                                         num_kv_heads, head_dim, kv_shapes))
         self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
@@ -304,6 +308,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             key_cache._hf_paged_scales = value_cache._hf_paged_scales = self.layer_scales(layer)  # FP8: the kernels'
             self._layer_views[layer] = (key_cache, value_cache)
+        for layer, source in self._kv_sources.items():  # (the compiled step's op looks its layer's views up)
+            self._layer_views[layer] = self._layer_views[source]
 
     def _grow_pool(self, required: int) -> None:
         """A growing pool takes at least `required` blocks in all (twice its size if that is more), within its cap;
@@ -362,7 +368,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
                           min_blocks=batch * (-(-q_len // self.block_size) + 1), layer_idx=layer_idx)
         shape = self._layer_shapes[layer_idx]
         if shape is None:
-            self.layer_caches(layer_idx)  # raises, naming the layer's type
+            raise ValueError(f"layer {layer_idx} keeps no K/V of its own in this PagedCache (its config's layer type "
+                             f"is {self._layer_type(layer_idx)!r}; K/V layers: {self.kv_layers})")
         if (value_states.shape[:3] != key_states.shape[:3] or key_states.shape[-1] != shape.key_dim
                 or value_states.shape[-1] != shape.value_dim
                 or shape.values_are_keys and value_states.data_ptr() != key_states.data_ptr()):
