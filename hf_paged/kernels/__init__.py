@@ -2,9 +2,10 @@
 
 The contract (each function's docstring has its details):
 
-* Pool layout: a cache's pool is one tensor ``pool[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
-  layer ``l`` uses ``key_cache = pool[l, 0]`` and ``value_cache = pool[l, 1]``, each
-  ``[num_blocks, num_kv_heads, block_size, head_dim]``. Token slot ``block_id * block_size + offset``; slot -1 means
+* Pool layout: a layer's caches are ``key_cache [num_blocks, num_kv_heads, block_size, head_dim]`` and
+  ``value_cache [num_blocks, num_kv_heads, block_size, head_dim_v]`` (the same tensor where the values are the keys);
+  a cache of layers of one shape keeps them in one tensor ``pool[num_layers, 2, num_blocks, ...]``, K at ``pool[l, 0]``
+  and V at ``pool[l, 1]`` (`hf_paged.cache.kv_pool` groups layers of other shapes). Token slot ``block_id * block_size + offset``; slot -1 means
   "do not write".
 * Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). A cache may also
   be ``float8_e4m3fn`` (an FP8 KV cache: half a bf16 cache's bytes), with ``k_scale`` / ``v_scale``: float32 device
