@@ -286,14 +286,18 @@ def _kv_heads_written(module) -> int | None:
 def _unexpected_kv_heads(model, written: dict[int, tuple[int, str]]) -> list[str]:
     """`module: heads written (config: heads)` of the attention modules whose KV heads are not their layer's
     `layer_kv_shapes` (on a tensor-parallel rank: not the same share of it for every layer), all of them when the
-    config's shapes cannot be read and the modules differ."""
+    config's shapes cannot be read and the modules differ. Only layers that keep K/V count."""
     try:
         config = _get_config(model)
         expected = dict(zip(kv_layer_indices(config), (s.kv_heads for s in layer_kv_shapes(config))))
     except Exception:  # noqa: BLE001 - no per-layer shapes: differing heads are then unexpected
         expected = {}
-    shares = {expected[layer] / heads if layer in expected else 0.0 for layer, (heads, _) in written.items()}
-    if len(shares) <= 1 and all(share >= 1 and share == int(share) for share in shares):
+    if expected:  # (modules at layers without K/V, a hybrid's recurrent mixers, write into no pool)
+        written = {layer: entry for layer, entry in written.items() if layer in expected}
+        shares = {expected[layer] / heads for layer, (heads, _) in written.items()}
+        if len(shares) <= 1 and all(share >= 1 and share == int(share) for share in shares):
+            return []
+    elif len({heads for heads, _ in written.values()}) <= 1:
         return []
     return [f"{name}: {heads} (config: {expected.get(layer)})" for layer, (heads, name) in sorted(written.items())]
 

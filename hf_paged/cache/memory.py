@@ -98,8 +98,10 @@ def _text(config):
 
 def attention_heads(config) -> tuple[int, int]:
     """(num_heads, num_kv_heads) of a decoder config (whole model, before any tensor-parallel split), whatever the
-    family calls them."""
+    family calls them (of the first layer that keeps K/V, where layers differ: Gemma 4)."""
     text = _text(config)
+    if getattr(text, "is_heterogeneous", False):  # per-layer attributes: transformers raises on the global ones
+        text = text.per_layer_config[kv_layer_indices(config)[0]]
     # encoder-decoder families used as causal LMs (BartForCausalLM, ...): their decoder's sizes, which
     # num_attention_heads (mapped to the encoder's) need not equal
     num_heads = getattr(text, "decoder_attention_heads", None) or getattr(text, "num_attention_heads", None)
