@@ -328,3 +328,25 @@ def test_layers_reading_an_earlier_layers_kv_hold_no_blocks_and_match_transforme
     ref = dense_generate(m, **kwargs)
     with paged(m):
         assert torch.equal(m.generate(**kwargs, past_key_values=PagedCache(config=m.config, block_size=4)), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "gemma4_text-sharing"])
+def test_compiled_decode_step_matches_transformers(family):
+    """The compiled step writes each layer's new K/V in its fused op (`attention.compiled_op`): values of their own
+    width, and layers that read another layer's K/V through that layer's views."""
+    if family == "mimo_v2_flash":
+        m = model(family)
+    else:
+        m = tiny_model("gemma4_text", **SHARING["gemma4_text"])
+        m.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    prompts = random_prompts(LENGTHS, seed=4, vocab=200)
+    refs = [dense_generate(m, input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    torch._dynamo.reset()
+    engine = hf_paged.Engine(m, num_blocks=96, block_size=4, max_num_seqs=8, compile_decode=True)
+    assert greedy(engine, prompts, new=6) == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
+    assert_no_leaks(engine)
+    engine.close()
+    torch._dynamo.reset()

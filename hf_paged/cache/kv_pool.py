@@ -16,6 +16,13 @@ Every group shares the cache's one block manager and block tables: block id ``b`
 layer, so copy-on-write, swapping, prefix caching and growth apply the same block ids to each tensor (the block dim
 of every tensor is ``dim() - 4``, which `kernels.copy_blocks` takes). Nothing here runs per layer on the hot path:
 `layer_views` is computed once per allocation (and growth) and the cache hands those views out.
+
+Where the shapes come from: `memory.layer_kv_shapes(config)` (per-layer head sizes and KV heads, a value width,
+MLA's latent: ``kv_lora_rank`` set gives one head of ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys),
+or `PagedCache(kv_shapes=[...])`, one `KVShape` per K/V layer. `PagedCache.update` checks what a layer writes against
+its shape (a ValueError naming both); a values-are-keys layer must be given the keys themselves as its values
+(``update(latent, latent, layer)``), and its FP8 value scale is kept equal to its key scale. `PoolShapes` is the
+cache's side of this: the shapes, the classic one-tensor `pool` view and the bytes of a block.
 """
 
 from __future__ import annotations

@@ -228,6 +228,8 @@ def pool_kv_shapes(config, num_kv_layers: int, num_kv_heads: int | None, head_di
     if config is None:
         return [KVShape(int(num_kv_heads), int(head_dim), int(head_dim))] * num_kv_layers
     shapes = layer_kv_shapes(config)
+    if len(shapes) != num_kv_layers:  # a layer count overridden (`num_layers`): the first layer's shape for all
+        shapes = shapes[:1] * num_kv_layers
     if len(set(shapes)) == 1:
         first = shapes[0]
         heads = first.kv_heads if num_kv_heads is None else int(num_kv_heads)

@@ -124,12 +124,10 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     ):
         self._fixed_kv_heads = num_kv_heads is not None or kv_shapes is not None
         kv_layers = None
-        config_layers = None
         if config is not None:
-            config_layers = attention_shape(config)[0]
             if num_layers is None:
                 kv_layers = kv_layer_indices(config)
-            num_layers = config_layers if num_layers is None else num_layers
+            num_layers = attention_shape(config)[0] if num_layers is None else num_layers
         if num_layers is None or config is None and (num_kv_heads is None or head_dim is None) and kv_shapes is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
         check_pool_arguments(block_size, num_blocks, dtype)
@@ -149,8 +147,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         # layers that read another layer's K/V (Gemma 3n / 4 KV sharing): its views and scales are theirs too
         self._kv_sources = kv_shared_sources(config) if kv_layers is not None else {}
         self._kv_index.update({layer: self._kv_index[source] for layer, source in self._kv_sources.items()})
-        self._set_shapes(pool_kv_shapes(config if num_layers == config_layers else None, len(self.kv_layers),
-                                        num_kv_heads, head_dim, kv_shapes))
+        self._set_shapes(pool_kv_shapes(config, len(self.kv_layers), num_kv_heads, head_dim, kv_shapes))
         self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
         if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
             raise ValueError(f"num_state_slots must be a positive int, got {num_state_slots!r}")
