@@ -57,16 +57,18 @@ def test_latent_attention_is_refused_naming_why():
         hf_paged.enable(model)
 
 
-def test_layers_writing_different_kv_head_counts_are_refused_up_front():
+def test_layers_writing_kv_head_counts_their_config_does_not_say_are_refused_up_front():
     """MiMo-V2-Flash's sliding-window layers write twice the KV heads of its global ones (in its modeling code, not its
-    config). With V as wide as K (so `value_head_dim` does not refuse it first) it must be refused before anything
-    runs, naming the shape, not fail inside the engine on the pool's shape."""
-    model = tiny_model("mimo_v2_flash")
-    config = model.config
-    config.v_head_dim = config.head_dim
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    config): the pool knows that rule (`cache.layer_kv_shapes`), so `cache_shape` is not reported. A model whose
+    attention modules write head counts its config does not say must be refused before anything runs, naming the
+    shape, not fail inside the engine on the pool's shape."""
+    mimo = tiny_model("mimo_v2_flash")
+    assert "cache_shape" not in support.model_features(mimo)
+    model = tiny_model("llama")  # 2 KV heads of 16 in every layer; layer 1 made to write 1
+    attention = model.model.layers[1].self_attn
+    attention.k_proj = torch.nn.Linear(model.config.hidden_size, attention.head_dim)
     features = support.model_features(model)
-    assert "value_head_dim" not in features and "KV heads" in features["cache_shape"]
+    assert "KV heads" in features["cache_shape"] and "config: 2" in features["cache_shape"]
     for build in (lambda: hf_paged.Engine(model, num_blocks=16, block_size=4), lambda: hf_paged.enable(model)):
         with pytest.raises(ValueError, match="cache_shape"):
             build()

@@ -207,6 +207,36 @@ def test_write_kv(backend, dtype, src_dtype, d):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("dv", [16, None], ids=["values-narrower", "values-are-keys"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_write_kv_values_of_another_width_or_none(backend, dv, fp8):
+    """K and V of different widths (MiMo-V2-Flash: 48 and 16) are written each into its own cache; with `value` and
+    `value_cache` None (a layer whose values are its keys) only the keys are written."""
+    nb, h, bs, T, d = 5, 2, 8, 9, 48
+    g = _gen(3)
+    dtype = kernels.FP8_DTYPE if fp8 else torch.float32
+    kc = torch.zeros(nb, h, bs, d, device=DEVICE).to(dtype)
+    vc = torch.zeros(nb, h, bs, dv, device=DEVICE).to(dtype) if dv else None
+    k = (torch.randn(T, h, d, generator=g) * 0.1).to(DEVICE)
+    v = (torch.randn(T, h, dv, generator=g) * 0.1).to(DEVICE) if dv else None
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[4] = -1
+    slots = slots.to(torch.int32).to(DEVICE)
+    scales = dict(k_scale=torch.full((h,), 0.01, device=DEVICE), v_scale=torch.full((1,), 0.02, device=DEVICE)) \
+        if fp8 else {}
+    kernels.write_kv(k, v, kc, vc, slots, **scales)
+    exp_k = torch.zeros(nb, h, bs, d, device=DEVICE).to(dtype)
+    exp_v = torch.zeros(nb, h, bs, dv, device=DEVICE).to(dtype) if dv else None
+    reference.write_kv(k, v, exp_k, exp_v, slots, **scales)
+    assert torch.equal(kc.view(torch.uint8), exp_k.view(torch.uint8))
+    assert int((kc.float() != 0).any(-1).sum()) == (T - 1) * h
+    if dv:
+        assert torch.equal(vc.view(torch.uint8), exp_v.view(torch.uint8)) and bool((vc.float() != 0).any())
+    with pytest.raises(ValueError, match="both"):
+        kernels.write_kv(k, k if v is None else v, kc, None, slots, **scales)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_write_kv_into_pool_view(backend):
     """Writing through pool[l, 0] / pool[l, 1] views touches only that layer."""
     pool = torch.zeros(3, 2, 4, 2, 16, 32, device=DEVICE)

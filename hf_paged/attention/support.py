@@ -19,7 +19,7 @@ import functools
 import inspect
 import textwrap
 
-from ..cache import attention_shape
+from ..cache import attention_shape, kv_layer_indices, layer_kv_shapes
 from . import adapters
 from .recurrent import is_mixer_class
 
@@ -45,8 +45,8 @@ FEATURES: dict[str, str] = {
     "softcap": "attention-logit soft-capping",
     "sinks": "attention sinks (`s_aux`: per-head logits added to the softmax denominator)",
     "chunked_attention": "chunked (block-local) attention",
-    "value_head_dim": "K and V of different head sizes (multi-head latent attention)",
-    "per_layer_head_dim": "head sizes that differ between layers (one KV pool holds one head size)",
+    "value_head_dim": "K and V of different head sizes (MiMo-V2-Flash; multi-head latent attention)",
+    "per_layer_head_dim": "head sizes or KV heads that differ between layers (Gemma 4's global layers)",
     "mask_only_window": "a sliding window applied only through the model's mask, not passed to the attention function",
     "recurrent_state": "Mamba / linear-attention / convolution layers: each sequence's recurrent state in a slot",
     "unslotted_state": ("a recurrent state kept outside transformers' cache API (the model's own cache object or "
@@ -66,16 +66,18 @@ FEATURES: dict[str, str] = {
     "attention_adapter": ("attention the model computes itself, routed to the paged attention by a per-family adapter "
                           "(hf_paged.attention.adapters)"),
     "unknown_attention_kwargs": "arguments to the attention function whose meaning hf-paged does not know",
-    "cache_shape": "K/V shapes that differ from what the config says (layers, KV heads, head size)",
+    "cache_shape": ("K/V shapes that differ from what the config says (layers, KV heads, head size; "
+                    "`hf_paged.cache.layer_kv_shapes`)"),
     "remote_code": "a trust_remote_code model class",
 }
 
-# What the paged kernels and attention function handle (K/V of different head sizes: the kernels do, the pool does
-# not yet, so "value_head_dim" stays out). When a kernel feature lands, add its name here: that is
+# What the paged kernels and attention function handle. When a kernel feature lands, add its name here: that is
 # the only change needed for the gate, the sweep and the generated docs.
 HANDLED_FEATURES: frozenset[str] = frozenset({
     "full_attention", "gqa", "scaling", "head_dim", "mixture_of_experts", "final_logit_softcapping",
     "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
+    "value_head_dim", "per_layer_head_dim",  # hf_paged.cache.kv_pool: each layer shape its own tensors
+    "kv_sharing",  # layers handed an earlier layer's pool views (hf_paged.cache.memory.kv_shared_sources)
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
     "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
 })
@@ -142,11 +144,15 @@ def _config_features(config) -> dict[str, str]:
     found: dict[str, str] = {}
     try:
         attention_shape(config)
+        shapes = {(s.kv_heads, s.key_dim) for s in layer_kv_shapes(config)}
     except ValueError:
-        pass  # not a decoder config with attention sizes: other checks name what it is
-    except Exception as error:  # noqa: BLE001 - e.g. transformers' per-layer attribute error (Gemma 4)
+        shapes = set()  # not a decoder config with attention sizes: other checks name what it is
+    except Exception as error:  # noqa: BLE001 - a per-layer attribute error transformers raises
+        shapes = set()
         if "per-layer" in str(error) or "per_layer" in str(error):
             found["per_layer_head_dim"] = f"{type(config).__name__}: {str(error).split('.')[0]}"
+    if len(shapes) > 1:  # (Gemma 4: the global layers' head_dim and KV heads; MiMo-V2-Flash: sliding layers' heads)
+        found["per_layer_head_dim"] = "(KV heads, head dim) per layer: " + ", ".join(f"{s}" for s in sorted(shapes))
     layer_types = _layer_types(config)
     window = _attr(config, "sliding_window")
     sliding = [i for i, t in enumerate(layer_types) if "sliding" in t or t in ("local", "window_attention")]
@@ -277,13 +283,32 @@ def _kv_heads_written(module) -> int | None:
     return width // head_dim
 
 
+def _unexpected_kv_heads(model, written: dict[int, tuple[int, str]]) -> list[str]:
+    """`module: heads written (config: heads)` of the attention modules whose KV heads are not their layer's
+    `layer_kv_shapes` (on a tensor-parallel rank: not the same share of it for every layer), all of them when the
+    config's shapes cannot be read and the modules differ. Only layers that keep K/V count."""
+    try:
+        config = _get_config(model)
+        expected = dict(zip(kv_layer_indices(config), (s.kv_heads for s in layer_kv_shapes(config))))
+    except Exception:  # noqa: BLE001 - no per-layer shapes: differing heads are then unexpected
+        expected = {}
+    if expected:  # (modules at layers without K/V, a hybrid's recurrent mixers, write into no pool)
+        written = {layer: entry for layer, entry in written.items() if layer in expected}
+        shares = {expected[layer] / heads for layer, (heads, _) in written.items()}
+        if len(shares) <= 1 and all(share >= 1 and share == int(share) for share in shares):
+            return []
+    elif len({heads for heads, _ in written.values()}) <= 1:
+        return []
+    return [f"{name}: {heads} (config: {expected.get(layer)})" for layer, (heads, name) in sorted(written.items())]
+
+
 def _model_features(model) -> dict[str, str]:
     """Features visible in the model's modules (without running it)."""
     found: dict[str, str] = {}
     attention_classes, recurrent_classes, not_routed, unslotted, adapted = set(), set(), set(), set(), set()
     adapter_handles: set[str] = set()
     attention_types: set[type] = set()
-    kv_heads: dict[int, str] = {}  # KV heads an attention module writes -> the first module writing that many
+    written: dict[int, tuple[int, str]] = {}  # layer -> (KV heads its attention module writes, the module)
     try:  # composite models: only the decoder runs under hf-paged (a vision / audio tower keeps its own attention)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     except Exception:  # noqa: BLE001 - models without a separable decoder
@@ -319,17 +344,17 @@ def _model_features(model) -> dict[str, str]:
                 continue
             attention_types.add(cls)
             heads = _kv_heads_written(module)
-            if heads is not None:
-                kv_heads.setdefault(heads, name)
+            if heads is not None and isinstance(getattr(module, "layer_idx", None), int):
+                written.setdefault(module.layer_idx, (heads, name))
             if reason is not None:
                 not_routed.add(f"{cls_name} ({adapter.family} adapter: {reason})")
             elif _routes_through_interface(cls) is False:
                 not_routed.add(cls_name)
             for name, detail in _dataflow_features(cls):
                 found.setdefault(name, detail)
-    if len(kv_heads) > 1:  # (MiMo-V2-Flash: its sliding-window layers write twice the KV heads of the others)
-        found["cache_shape"] = ("layers write different numbers of KV heads (" + ", ".join(
-            f"{name}: {heads}" for heads, name in sorted(kv_heads.items())) + "); one KV pool holds one shape")
+    wrong = _unexpected_kv_heads(model, written)
+    if wrong:  # the pool gives each layer the heads its config says (`layer_kv_shapes`); these write others
+        found["cache_shape"] = "layers write KV heads their config does not say (" + ", ".join(wrong) + ")"
     if adapted:
         found["attention_adapter"] = f"{sorted(adapted)} routed by hf_paged.attention.adapters"
     if attention_types and not any("sliding_window" in (_forward_source(c) or "") for c in attention_types):

@@ -136,31 +136,40 @@ class KVScales:
     """The scales of an FP8 pool: `tensor [kv layers, 2, kv heads]` float32 on the pool's device (K at 0, V at 1; a
     per-layer scale repeated over the heads), and the layers still to calibrate (`pending`, their pool indices).
 
-    `kv_scales` and `layers` (the model layer of each pool index) as `PagedCache` takes them; scales with one value
-    per head for another head count (a tensor-parallel rank's share) use their largest value, a scale that fits
-    every head."""
+    `kv_scales` and `layers` (the model layer of each pool index) as `PagedCache` takes them; `num_kv_heads`: every
+    layer's, or each one's (layers that differ in shape: the tensor holds the most, a layer uses its first ones);
+    `values_are_keys`: per pool index, whether the layer's values are its keys (stored once, so read with the key
+    scale: its value scale is kept equal to it). Scales with one value per head for another head count (a
+    tensor-parallel rank's share) use their largest value, a scale that fits every head."""
 
-    def __init__(self, kv_scales, layers: list[int], num_kv_heads: int, device: torch.device) -> None:
+    def __init__(self, kv_scales, layers: list[int], num_kv_heads: int | list[int], device: torch.device,
+                 values_are_keys: list[bool] | None = None) -> None:
         given, calibrate_rest = _per_layer(kv_scales, layers)
-        self.tensor = torch.ones((len(layers), 2, num_kv_heads), dtype=torch.float32, device=device)
+        heads = [num_kv_heads] * len(layers) if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        self.heads = heads
+        self.shared = {i for i, same in enumerate(values_are_keys or ()) if same}
+        self.tensor = torch.ones((len(layers), 2, max(heads)), dtype=torch.float32, device=device)
         self.pending: set[int] = set()
         for index, layer in enumerate(layers):
             if layer not in given:
                 if calibrate_rest:
                     self.pending.add(index)
                 continue
-            for kind, scale in enumerate(given[layer]):
-                if scale.numel() not in (1, num_kv_heads):
+            for kind, scale in enumerate(given[layer][:1] if index in self.shared else given[layer]):
+                if scale.numel() not in (1, heads[index]):
                     scale = scale.max().reshape(1)
                 if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
                     raise ValueError(f"kv_scales: layer {layer}'s {'kv'[kind]}_scale must be positive and finite, "
                                      f"got {scale.tolist()}")
-                self.tensor[index, kind] = scale.to(device)
+                self.tensor[index, kind, :heads[index]] = scale.to(device)
+            if index in self.shared:
+                self.tensor[index, 1] = self.tensor[index, 0]
         self.source = "calibrated" if len(self.pending) == len(layers) else "given" if not self.pending else "mixed"
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_scale, v_scale) of pool layer `index`, each `[kv heads]` (views: set in place by calibration)."""
-        return self.tensor[index, 0], self.tensor[index, 1]
+        """(k_scale, v_scale) of pool layer `index`, each `[its kv heads]` (views: set in place by calibration)."""
+        heads = self.heads[index]
+        return self.tensor[index, 0, :heads], self.tensor[index, 1, :heads]
 
     def calibrate(self, index: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Set pool layer `index`'s scales from the tokens `keys`/`values [T, H, D]` that `slot_mapping` writes
@@ -172,6 +181,8 @@ class KVScales:
         for kind, (x, span) in enumerate(((keys, K_RANGE), (values, V_RANGE))):
             amax = torch.where(written, x.abs(), 0).amax().float()
             self.tensor[index, kind] = torch.where(amax > 0, amax / span, torch.ones_like(amax))
+        if index in self.shared:  # values are the keys, stored with the key scale
+            self.tensor[index, 1] = self.tensor[index, 0]
 
     def __repr__(self) -> str:
         return f"KVScales(layers={self.tensor.shape[0]}, source={self.source!r}, pending={len(self.pending)})"

@@ -43,7 +43,7 @@ class PagedLayer(CacheLayerMixin):
         self._layer_idx = layer_idx
 
     def lazy_initialization(self, key_states, value_states):  # the pool is allocated by the cache
-        self._cache._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1])
+        self._cache._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1], layer_idx=self._layer_idx)
 
     def update(self, key_states, value_states, *args, **kwargs):
         return self._cache.update(key_states, value_states, self._layer_idx)

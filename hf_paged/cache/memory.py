@@ -11,12 +11,18 @@ import re
 
 import torch
 
-__all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments", "kv_bytes_per_token", "attention_heads", "attention_shape",
-           "kv_layer_indices"]
+from .kv_pool import KVShape
+
+__all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
+           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "layer_kv_shapes",
+           "kv_shared_sources"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
 _NO_KV_LAYER_TYPES = frozenset({"linear_attention", "conv", "moe", "mlp", "mamba", "recurrent"})
+# families whose sliding-window layers write more KV heads than `num_key_value_heads` says, a fact of their modeling
+# code, not of their config (MiMo-V2-Flash: `num_key_value_heads * 2` on its sliding layers)
+_SLIDING_KV_HEAD_FACTOR = {"mimo_v2_flash": 2}
 
 
 def parse_memory(value: int | float | str | None, name: str) -> int | None:
@@ -92,8 +98,10 @@ def _text(config):
 
 def attention_heads(config) -> tuple[int, int]:
     """(num_heads, num_kv_heads) of a decoder config (whole model, before any tensor-parallel split), whatever the
-    family calls them."""
+    family calls them (of the first layer that keeps K/V, where layers differ: Gemma 4)."""
     text = _text(config)
+    if getattr(text, "is_heterogeneous", False):  # per-layer attributes: transformers raises on the global ones
+        text = text.per_layer_config[kv_layer_indices(config)[0]]
     # encoder-decoder families used as causal LMs (BartForCausalLM, ...): their decoder's sizes, which
     # num_attention_heads (mapped to the encoder's) need not equal
     num_heads = getattr(text, "decoder_attention_heads", None) or getattr(text, "num_attention_heads", None)
@@ -110,14 +118,60 @@ def attention_heads(config) -> tuple[int, int]:
 
 
 def attention_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them (of its first layer
+    that keeps K/V where layers differ: `layer_kv_shapes` gives each one's)."""
     text = _text(config)
     num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
     if num_layers is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
+    if getattr(text, "is_heterogeneous", False):  # Gemma 4: `head_dim` etc. are per layer (transformers raises)
+        first = layer_kv_shapes(config)[0]
+        return int(num_layers), first.kv_heads, first.key_dim
     num_heads, num_kv_heads = attention_heads(config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), num_kv_heads, int(head_dim)
+
+
+def _layer_config(text, layer: int):
+    """Layer `layer`'s config of a heterogeneous config (transformers' `per_layer_config`), else the config itself."""
+    return text.per_layer_config[layer] if getattr(text, "is_heterogeneous", False) else text
+
+
+def layer_kv_shapes(config) -> list[KVShape]:
+    """The `KVShape` of every layer that keeps K/V (`kv_layer_indices` order), as the config says (whole model,
+    before any tensor-parallel split).
+
+    * multi-head latent attention (`kv_lora_rank` set: DeepSeek V2/V3, Kimi, ...): one head of
+      ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys (the latent, stored once);
+    * per-layer head sizes and KV heads (transformers' `per_layer_config`: Gemma 4's global layers);
+    * a value width of its own (`v_head_dim`: MiMo-V2-Flash), and the sliding layers' KV heads of the families whose
+      modeling code multiplies them (`_SLIDING_KV_HEAD_FACTOR`).
+    """
+    text = _text(config)
+    layers = kv_layer_indices(config)
+    rank = getattr(text, "kv_lora_rank", None)
+    if isinstance(rank, int) and rank > 0:
+        width = rank + int(getattr(text, "qk_rope_head_dim", None) or 0)
+        return [KVShape(1, width, width, values_are_keys=True) for _ in layers]
+    heterogeneous = getattr(text, "is_heterogeneous", False)
+    if not heterogeneous:
+        _, kv_heads, head_dim = attention_shape(config)
+    layer_types = getattr(text, "layer_types", None) or ()
+    factor = _SLIDING_KV_HEAD_FACTOR.get(getattr(text, "model_type", None), 1)
+    shapes = []
+    for layer in layers:
+        if heterogeneous:
+            own = _layer_config(text, layer)
+            heads = int(getattr(own, "num_key_value_heads", None) or own.num_attention_heads)
+            key_dim = int(getattr(own, "head_dim", None) or own.hidden_size // own.num_attention_heads)
+        else:
+            own, heads, key_dim = text, kv_heads, head_dim
+        value_dim = getattr(own, "v_head_dim", None)
+        value_dim = int(value_dim) if isinstance(value_dim, int) and value_dim > 0 else key_dim
+        if factor > 1 and layer < len(layer_types) and "sliding" in str(layer_types[layer]):
+            heads *= factor
+        shapes.append(KVShape(heads, key_dim, value_dim))
+    return shapes
 
 
 def kv_layer_indices(config) -> list[int]:
@@ -126,12 +180,67 @@ def kv_layer_indices(config) -> list[int]:
     text = _text(config)
     num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
     layer_types = getattr(text, "layer_types", None)
+    # Gemma 3n / 4: the last `num_kv_shared_layers` layers read the K/V of an earlier layer and write none
+    shared = getattr(text, "num_kv_shared_layers", None)
+    end = int(num_layers or 0) - (shared if isinstance(shared, int) and 0 < shared < (num_layers or 0) else 0)
     if not isinstance(layer_types, (list, tuple)) or num_layers is None or len(layer_types) != num_layers:
-        return list(range(int(num_layers or 0)))
-    return [i for i, kind in enumerate(layer_types) if str(kind) not in _NO_KV_LAYER_TYPES]
+        return list(range(end))
+    return [i for i, kind in enumerate(layer_types[:end]) if str(kind) not in _NO_KV_LAYER_TYPES]
+
+
+def kv_shared_sources(config) -> dict[int, int]:
+    """`{layer: the layer whose K/V it reads}` of the last `num_kv_shared_layers` layers (Gemma 3n, Gemma 4): each
+    reads the K/V of the last earlier layer of its type, which its modeling code hands it (the pool's views, as that
+    layer's `Cache.update` returned them); it writes none and has no blocks of its own (`kv_layer_indices`)."""
+    text = _text(config)
+    shared = getattr(text, "num_kv_shared_layers", None)
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    num_layers = len(layer_types)
+    if not isinstance(shared, int) or not 0 < shared < num_layers:
+        return {}
+    first = num_layers - shared
+    earlier = layer_types[:first]
+    return {layer: first - 1 - earlier[::-1].index(layer_types[layer]) for layer in range(first, num_layers)
+            if layer_types[layer] in earlier}
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over all layers that keep K/V."""
-    _, num_kv_heads, head_dim = attention_shape(config)
-    return 2 * len(kv_layer_indices(config)) * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of K and V for one token over all layers that keep K/V, each layer its own shape (`layer_kv_shapes`)."""
+    elements = sum(shape.elements_per_token for shape in layer_kv_shapes(config))
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_kv_shapes(config, num_kv_layers: int, num_kv_heads: int | None, head_dim: int | None,
+                   kv_shapes: list[KVShape] | None) -> list[KVShape]:
+    """The shape of each of a `PagedCache`'s `num_kv_layers` pool layers, from the first of these that says it:
+
+    * `kv_shapes` (one `KVShape` per pool layer, given by the caller: e.g. an adapter that knows what it writes);
+    * `config` (`layer_kv_shapes`), with `num_kv_heads` / `head_dim` overriding it: on a model whose layers share
+      one shape they replace it; where layers differ, `num_kv_heads` is the first layer's heads on one
+      tensor-parallel rank and every layer's heads are split alike (`head_dim` cannot be overridden there);
+    * `num_kv_heads` and `head_dim` alone (no config): every layer alike.
+    """
+    if kv_shapes is not None:
+        shapes = list(kv_shapes)
+        if len(shapes) != num_kv_layers or not all(isinstance(s, KVShape) for s in shapes):
+            raise ValueError(f"kv_shapes must hold one KVShape per K/V layer ({num_kv_layers}), got {kv_shapes!r}")
+        return shapes
+    if config is None:
+        return [KVShape(int(num_kv_heads), int(head_dim), int(head_dim))] * num_kv_layers
+    shapes = layer_kv_shapes(config)
+    if len(shapes) != num_kv_layers:  # a layer count overridden (`num_layers`): the first layer's shape for all
+        shapes = shapes[:1] * num_kv_layers
+    if len(set(shapes)) == 1:
+        first = shapes[0]
+        heads = first.kv_heads if num_kv_heads is None else int(num_kv_heads)
+        key_dim = first.key_dim if head_dim is None else int(head_dim)
+        value_dim = key_dim if first.value_dim == first.key_dim else first.value_dim
+        return [KVShape(heads, key_dim, value_dim, first.values_are_keys)] * len(shapes)
+    if head_dim is not None:
+        raise ValueError("head_dim cannot be overridden for a model whose layers differ in shape; pass kv_shapes")
+    if num_kv_heads is not None and num_kv_heads != shapes[0].kv_heads:
+        if num_kv_heads < 1 or shapes[0].kv_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} is no share of the first layer's {shapes[0].kv_heads} "
+                             "KV heads")
+        shapes = [s.split_heads(shapes[0].kv_heads // num_kv_heads) for s in shapes]
+    return shapes

@@ -12,7 +12,9 @@ Two ways to drive it:
 
 Either way `update()` returns the layer's *pool* tensors `[num_blocks, kv_heads, block_size, head_dim]`, tagged with
 the cache, and the registered attention function (`hf_paged.attention`) reads them through the block
-tables of the current step. Nothing is ever gathered into a dense cache on the hot path.
+tables of the current step. Nothing is ever gathered into a dense cache on the hot path. The tensors are a `KVPool`'s
+(`hf_paged.cache.kv_pool`): layers of different shapes (head sizes, KV heads, value widths, values that are the keys)
+each keep their own, all under one block manager.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .. import kernels
 from ..core import BlockManager
 from .drop_in_rows import DropInRows
 from .gradients import cut_gradients
+from .kv_pool import KVPool, KVShape, PoolShapes
 from .kv_quant import FP8_DTYPE, KVScales, resolve_kv_cache_dtype
 from .layers import PagedLayer, window_bound
 from .memory import (
@@ -34,9 +37,11 @@ from .memory import (
     check_pool_arguments,
     cpu_pool_memory,
     kv_layer_indices,
+    kv_shared_sources,
     memory_fraction,
     parse_memory,
     pool_budget,
+    pool_kv_shapes,
 )
 from .state_pool import StateKey, StateSpec
 from .states import RecurrentStates
@@ -51,7 +56,7 @@ class CacheFullError(RuntimeError):
     """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
 
 
-class PagedCache(DropInRows, Cache):
+class PagedCache(PoolShapes, DropInRows, Cache):
     """KV cache in fixed-size blocks shared by reference between sequences (vLLM's PagedAttention for transformers).
 
     Args:
@@ -73,8 +78,11 @@ class PagedCache(DropInRows, Cache):
         kv_cache_memory: bytes (or "2GiB") for the pool; overrides the automatic size.
         num_cpu_blocks: size of the CPU swap pool (engine preemption by swapping), 0 = no swap.
         num_layers, num_kv_heads, head_dim: override what `config` says (e.g. the KV heads of one tensor-parallel
-            rank). Without an override, a pool allocated on first use takes its KV head count from the key states
-            it is given, so the drop-in cache follows a model sharded by transformers' tensor parallelism.
+            rank; where layers differ in shape, the first K/V layer's, every layer split alike). Without an
+            override, a pool allocated on first use takes its KV head count from the key states it is given, so the
+            drop-in cache follows a model sharded by transformers' tensor parallelism.
+        kv_shapes: one `KVShape` per K/V layer (heads, key width, value width, whether the values are the keys),
+            overriding what the config says (`memory.layer_kv_shapes`, `memory.pool_kv_shapes`).
         num_state_slots, num_state_checkpoints, state_specs: hybrid models' recurrent states
             (`hf_paged.cache.state_pool`): slots for sequences, slots for prefix-cache checkpoints, and the states'
             shapes, all known up front (the engine's). Default: the drop-in cache learns the states from the first
@@ -86,7 +94,8 @@ class PagedCache(DropInRows, Cache):
 
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
     reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`), the memory
-    arithmetic (`hf_paged.cache.memory`), an FP8 pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and
+    arithmetic (`hf_paged.cache.memory`), the layers' K/V shapes and tensors (`kv_pool.PoolShapes`, `KVPool`), an FP8
+    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and
     batch operations (`DropInRows`) live apart.
     """
 
@@ -111,17 +120,15 @@ class PagedCache(DropInRows, Cache):
         num_cpu_state_slots: int = 0,
         kv_cache_dtype: str | torch.dtype = "auto",
         kv_scales=None,
+        kv_shapes: list[KVShape] | None = None,
     ):
-        self._fixed_kv_heads = num_kv_heads is not None
+        self._fixed_kv_heads = num_kv_heads is not None or kv_shapes is not None
         kv_layers = None
         if config is not None:
-            config_layers, config_kv_heads, config_head_dim = attention_shape(config)
             if num_layers is None:
                 kv_layers = kv_layer_indices(config)
-            num_layers = config_layers if num_layers is None else num_layers
-            num_kv_heads = config_kv_heads if num_kv_heads is None else num_kv_heads
-            head_dim = config_head_dim if head_dim is None else head_dim
-        if num_layers is None or num_kv_heads is None or head_dim is None:
+            num_layers = attention_shape(config)[0] if num_layers is None else num_layers
+        if num_layers is None or config is None and (num_kv_heads is None or head_dim is None) and kv_shapes is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
         check_pool_arguments(block_size, num_blocks, dtype)
         gpu_memory_utilization = memory_fraction(gpu_memory_utilization)
@@ -133,10 +140,14 @@ class PagedCache(DropInRows, Cache):
         self._kv_scales_arg = kv_scales
         self.kv_scales: KVScales | None = None
         self.config = config
-        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.num_layers = int(num_layers)
         # the layers that keep K/V, and each one's index in the pool (hybrid models: not the recurrent layers)
         self.kv_layers: list[int] = kv_layers if kv_layers is not None else list(range(self.num_layers))
         self._kv_index = {layer: i for i, layer in enumerate(self.kv_layers)}
+        # layers that read another layer's K/V (Gemma 3n / 4 KV sharing): its views and scales are theirs too
+        self._kv_sources = kv_shared_sources(config) if kv_layers is not None else {}
+        self._kv_index.update({layer: self._kv_index[source] for layer, source in self._kv_sources.items()})
+        self._set_shapes(pool_kv_shapes(config, len(self.kv_layers), num_kv_heads, head_dim, kv_shapes))
         self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
         if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
             raise ValueError(f"num_state_slots must be a positive int, got {num_state_slots!r}")
@@ -151,8 +162,7 @@ class PagedCache(DropInRows, Cache):
         self.grow = (num_blocks is None and self.kv_cache_memory is None) if grow is None else grow
         self._device = torch.device(device) if device is not None else None
         self._dtype = dtype
-        self.pool: torch.Tensor | None = None
-        self.cpu_pool: torch.Tensor | None = None
+        self.kv: KVPool | None = None
         self.block_manager: BlockManager | None = None
         self._layer_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
@@ -178,22 +188,17 @@ class PagedCache(DropInRows, Cache):
 
     @property
     def device(self) -> torch.device | None:
-        return self.pool.device if self.pool is not None else self._device
+        return self.kv.device if self.kv is not None else self._device
 
     @property
     def dtype(self) -> torch.dtype | None:
         """The pool's storage dtype (``float8_e4m3fn`` for an FP8 pool)."""
-        return self.pool.dtype if self.pool is not None else self.kv_cache_dtype or self._dtype
+        return self.kv.dtype if self.kv is not None else self.kv_cache_dtype or self._dtype
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype of the K/V written and of the queries: the pool's, or the model's for an FP8 pool."""
-        return self._compute_dtype if self.pool is not None else self._dtype
-
-    def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one block in all K/V layers, stored as `dtype` (default: this pool's, one byte for FP8)."""
-        element = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return 2 * len(self.kv_layers) * self.num_kv_heads * self.block_size * self.head_dim * element
+        return self._compute_dtype if self.kv is not None else self._dtype
 
     @property
     def kv_scales_pending(self) -> bool:
@@ -214,6 +219,8 @@ class PagedCache(DropInRows, Cache):
         if k_scale is None and keys.dtype != key_cache.dtype:
             keys, values = keys.to(key_cache.dtype), values.to(key_cache.dtype)
         self.calibrate_layer(layer_idx, keys, values, step)
+        if value_cache is key_cache:  # values are the keys (`kv_pool`): stored once
+            values = value_cache = None
         kernels.write_kv(keys, values, key_cache, value_cache, step.slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def calibrate_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, step: StepMetadata) -> None:
@@ -238,30 +245,31 @@ class PagedCache(DropInRows, Cache):
             )
         return int(num_blocks)
 
-    def _ensure_pool(
-        self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None, min_blocks: int = 0
-    ) -> None:
+    def _ensure_pool(self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None,
+                     min_blocks: int = 0, layer_idx: int | None = None) -> None:
         """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights).
 
         `min_blocks`: what the first forward needs (a growing pool starts there).
 
-        `kv_heads`: the heads of the key states being written. A rank of a tensor-parallel model writes its share of
-        the config's KV heads; the pool is sized for what it gets, unless `num_kv_heads` was given explicitly.
+        `kv_heads`: the heads of the key states `layer_idx` (default: the first K/V layer) is writing. A rank of a
+        tensor-parallel model writes its share of the config's KV heads; the pool is sized for what it gets (every
+        layer split alike), unless `num_kv_heads` or `kv_shapes` was given explicitly.
         """
         if self._released:
             raise RuntimeError("this PagedCache's pool was released (its engine is closed): create a new one")
-        if self.pool is not None:
-            if kv_heads is not None and kv_heads != self.num_kv_heads:
-                raise ValueError(
-                    f"the model writes {kv_heads} KV heads per layer but this PagedCache holds {self.num_kv_heads}"
-                )
-            return
-        if kv_heads is not None and kv_heads != self.num_kv_heads:
-            if self._fixed_kv_heads or self.num_kv_heads % kv_heads:
-                raise ValueError(
-                    f"the model writes {kv_heads} KV heads per layer but this PagedCache holds {self.num_kv_heads}"
-                )
-            self.num_kv_heads = kv_heads  # one tensor-parallel rank's share
+        shape = self._layer_shapes[layer_idx] if layer_idx is not None else self.kv_shapes[0]
+        expected = shape.kv_heads if shape is not None else kv_heads
+        if self.kv is not None or kv_heads is None or kv_heads == expected:
+            if kv_heads is not None and kv_heads != expected:
+                raise ValueError(f"the model writes {kv_heads} KV heads in layer {layer_idx} but this PagedCache "
+                                 f"holds {expected} there")
+            if self.kv is not None:
+                return
+        elif self._fixed_kv_heads or expected % kv_heads:
+            raise ValueError(f"the model writes {kv_heads} KV heads in layer {layer_idx} but this PagedCache holds "
+                             f"{expected} there")
+        else:  # one tensor-parallel rank's share
+            self._set_shapes([s.split_heads(expected // kv_heads) for s in self.kv_shapes])
         device = self._device or torch.device(device)
         self._compute_dtype = self._dtype or dtype  # what the model writes; stored as `kv_cache_dtype` if set
         dtype = self.kv_cache_dtype or self._compute_dtype
@@ -271,15 +279,11 @@ class PagedCache(DropInRows, Cache):
             num_blocks = max(_GROW_MIN_BLOCKS, min_blocks)
         else:
             num_blocks = self._auto_num_blocks(device, dtype)
-        shape = (len(self.kv_layers), 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.pool = torch.zeros(shape, device=device, dtype=dtype)
-        if self.num_cpu_blocks > 0:
-            cpu_shape = (len(self.kv_layers), 2, self.num_cpu_blocks, self.num_kv_heads, self.block_size,
-                         self.head_dim)
-            self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.kv = KVPool(self.kv_shapes, num_blocks, self.block_size, device, dtype, self.num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
         if self.kv_cache_dtype is not None:
-            self.kv_scales = KVScales(self._kv_scales_arg, self.kv_layers, self.num_kv_heads, device)
+            self.kv_scales = KVScales(self._kv_scales_arg, self.kv_layers, [s.kv_heads for s in self.kv_shapes],
+                                      device, values_are_keys=[s.values_are_keys for s in self.kv_shapes])
         self._tag_layers()
         if self._state_config[0] is not None:  # the engine's: every state known, slots sized up front
             self._ensure_states(device)
@@ -295,37 +299,35 @@ class PagedCache(DropInRows, Cache):
     def _tag_layers(self) -> None:
         self._layer_views = [None] * self.num_layers
         for index, layer in enumerate(self.kv_layers):
-            key_cache, value_cache = self.pool[index, 0], self.pool[index, 1]
+            key_cache, value_cache = self.kv.layer_views(index)
             # the attention function finds the step metadata through this tag; a weak reference, so dropping the
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             key_cache._hf_paged_scales = value_cache._hf_paged_scales = self.layer_scales(layer)  # FP8: the kernels'
             self._layer_views[layer] = (key_cache, value_cache)
+        for layer, source in self._kv_sources.items():  # (the compiled step's op looks its layer's views up)
+            self._layer_views[layer] = self._layer_views[source]
 
     def _grow_pool(self, required: int) -> None:
         """A growing pool takes at least `required` blocks in all (twice its size if that is more), within its cap;
         the blocks are copied, ids and tables stay. Leaves it as it is when even `required` does not fit."""
         old = self.block_manager.num_blocks
-        per_block = self.bytes_per_block(self.pool.dtype)
-        if self.pool.device.type == "cuda":
-            cap = old + max(0, pool_budget(self.pool.device, self.gpu_memory_utilization)) // per_block
+        per_block = self.bytes_per_block(self.kv.dtype)
+        if self.kv.device.type == "cuda":
+            cap = old + max(0, pool_budget(self.kv.device, self.gpu_memory_utilization)) // per_block
         else:
             cap = max(old, cpu_pool_memory() // per_block)
         new = min(max(2 * old, required), cap)
         if new < required:
             return
-        pool = torch.zeros((*self.pool.shape[:2], new, *self.pool.shape[3:]), device=self.pool.device,
-                           dtype=self.pool.dtype)
-        pool[:, :, :old].copy_(self.pool)
-        self.pool = pool
+        self.kv.grow(new)
         self.block_manager.grow(new)
         self._tag_layers()
 
     def release_pool(self) -> None:
         """Free the pool's memory now (a closing engine). The block manager and its statistics stay; the cache holds
         nothing any more and must not be used for another forward."""
-        self.pool = None
-        self.cpu_pool = None
+        self.kv = None
         self._layer_views = []
         if self.states is not None:
             self.states.release()
@@ -333,8 +335,9 @@ class PagedCache(DropInRows, Cache):
         self._released = True
 
     def layer_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) of one layer, each `[num_blocks, kv_heads, block_size, head_dim]`."""
-        if self.pool is None:
+        """(key_cache, value_cache) of one layer, each `[num_blocks, kv_heads, block_size, head_dim]` (the same tensor
+        twice for a layer whose values are its keys)."""
+        if self.kv is None:
             raise RuntimeError("the pool is not allocated yet")
         views = self._layer_views[layer_idx]
         if views is None:
@@ -354,23 +357,28 @@ class PagedCache(DropInRows, Cache):
             # hf_paged's compiled decode step: the attention op writes and reads in one call
             # (`hf_paged.attention.compiled_op.write_and_decode`), so hand the new tokens through
             return key_states, value_states
-        if key_states.shape[-1] != value_states.shape[-1]:
-            # the kernels handle Dv != Dk; the pool stores K and V with one head dim (separate pools: not yet)
-            raise ValueError(
-                f"PagedCache: K and V head dims differ ({key_states.shape[-1]} vs {value_states.shape[-1]}, "
-                "e.g. DeepSeek V2/V3 multi-head latent attention); the paged KV pool does not support this yet"
-            )
-        if key_states.dim() != 4:
-            raise ValueError(f"expected key states [batch, heads, tokens, head_dim], got {tuple(key_states.shape)}")
-        batch, _, q_len, _ = key_states.shape
-        self._ensure_pool(key_states.device, key_states.dtype, key_states.shape[1],
-                          min_blocks=batch * (-(-q_len // self.block_size) + 1))
+        if key_states.dim() != 4 or value_states.dim() != 4:
+            raise ValueError(f"expected key/value states [batch, heads, tokens, head_dim], got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        batch, heads, q_len, _ = key_states.shape
+        self._ensure_pool(key_states.device, key_states.dtype, heads,
+                          min_blocks=batch * (-(-q_len // self.block_size) + 1), layer_idx=layer_idx)
+        shape = self._layer_shapes[layer_idx]
+        if shape is None:
+            raise ValueError(f"layer {layer_idx} keeps no K/V of its own in this PagedCache (its config's layer type "
+                             f"is {self._layer_type(layer_idx)!r}; K/V layers: {self.kv_layers})")
+        if (value_states.shape[:3] != key_states.shape[:3] or key_states.shape[-1] != shape.key_dim
+                or value_states.shape[-1] != shape.value_dim
+                or shape.values_are_keys and value_states.data_ptr() != key_states.data_ptr()):
+            raise ValueError(f"layer {layer_idx} writes keys {tuple(key_states.shape)} and values "
+                             f"{tuple(value_states.shape)} but this PagedCache holds {shape} there (values_are_keys: "
+                             "pass the keys themselves as the values)")
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             key_states, value_states = cut_gradients(key_states, value_states)
         self._enter(layer_idx, 0, batch, q_len, key_states.device)
         # [B, H, q, D] -> [B*q, H, D] in row-major token order, matching slot_mapping
-        keys = key_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
-        values = value_states.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        keys = key_states.transpose(1, 2).reshape(-1, heads, shape.key_dim)
+        values = keys if shape.values_are_keys else value_states.transpose(1, 2).reshape(-1, heads, shape.value_dim)
         self.write_layer(layer_idx, keys, values, self._step)
         return self.layer_caches(layer_idx)
 
@@ -467,9 +475,9 @@ class PagedCache(DropInRows, Cache):
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.pool.device)
-            dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.pool.device)
-            kernels.copy_blocks(self.pool, src, dst)
+            src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.kv.device)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.kv.device)
+            self.kv.copy_blocks(src, dst)
 
     def _new_seq(self, num_tokens: int) -> int:
         seq = self._next_seq_id
@@ -495,7 +503,7 @@ class PagedCache(DropInRows, Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return self.pool is not None
+        return self.kv is not None
 
     @property
     def batch_size(self) -> int:
@@ -521,7 +529,8 @@ class PagedCache(DropInRows, Cache):
     def __repr__(self) -> str:
         blocks = self.num_blocks if self.num_blocks is not None else "auto"
         return (
-            f"PagedCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"PagedCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            f"{'' if len(set(self.kv_shapes)) == 1 else ' (first layer; shapes differ)'}, "
             f"block_size={self.block_size}, num_blocks={blocks}, sequences={len(self._rows)})"
         )
 

@@ -2,9 +2,10 @@
 
 The contract (each function's docstring has its details):
 
-* Pool layout: a cache's pool is one tensor ``pool[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``;
-  layer ``l`` uses ``key_cache = pool[l, 0]`` and ``value_cache = pool[l, 1]``, each
-  ``[num_blocks, num_kv_heads, block_size, head_dim]``. Token slot ``block_id * block_size + offset``; slot -1 means
+* Pool layout: a layer's caches are ``key_cache [num_blocks, num_kv_heads, block_size, head_dim]`` and
+  ``value_cache [num_blocks, num_kv_heads, block_size, head_dim_v]`` (the same tensor where the values are the keys);
+  a cache of layers of one shape keeps them in one tensor ``pool[num_layers, 2, num_blocks, ...]``, K at ``pool[l, 0]``
+  and V at ``pool[l, 1]`` (`hf_paged.cache.kv_pool` groups layers of other shapes). Token slot ``block_id * block_size + offset``; slot -1 means
   "do not write".
 * Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). A cache may also
   be ``float8_e4m3fn`` (an FP8 KV cache: half a bf16 cache's bytes), with ``k_scale`` / ``v_scale``: float32 device
@@ -16,7 +17,8 @@ The contract (each function's docstring has its details):
   ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
   masked (:mod:`hf_paged.kernels.triton_dims`).
-* :func:`write_kv` ``(key [T,Hkv,D], value, key_cache, value_cache, slot_mapping [T])``: in place, slot < 0 skipped.
+* :func:`write_kv` ``(key [T,Hkv,D], value [T,Hkv,Dv], key_cache, value_cache, slot_mapping [T])``: in place, slot
+  < 0 skipped; value and value_cache None for a layer whose values are its keys.
 * :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
   kv_start [B] | None, *, split_counters=None, ...) -> [B,Hq,Dv]``: one query token per sequence at position
   ``seq_lens[b] - 1`` over keys ``[kv_start[b], seq_lens[b])``; an empty range gives zeros (never NaN). Split-K on
@@ -137,39 +139,52 @@ def _triton_module(name: str):
 # --------------------------------------------------------------------------- #
 def write_kv(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``key`` / ``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (slot < 0 skipped).
+    """Write ``key [T, Hkv, D]`` / ``value [T, Hkv, Dv]`` into the caches at ``slot_mapping [T]`` (slot < 0 skipped).
 
-    ``slot = block_id * block_size + offset``. One fused launch for K and V on the Triton path. An FP8 cache stores
-    ``clamp(key / k_scale, -448, 448)`` rounded to nearest even (and V alike); its key / value may be any float type.
+    ``slot = block_id * block_size + offset``. One fused launch for K and V on the Triton path when ``Dv == D`` (one
+    launch each otherwise). ``value`` and ``value_cache`` both None: a layer whose values are its keys (stored once,
+    `hf_paged.cache.kv_pool`), only the keys are written. An FP8 cache stores ``clamp(key / k_scale, -448, 448)``
+    rounded to nearest even (and V alike); its key / value may be any float type.
     """
     _check_tensor("key", key, 3, _FLOAT_DTYPES)
     dev = key.device
-    _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
-    if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
-    _, hkv, bs, d = _check_caches(key_cache, value_cache, dev)
+    if (value is None) != (value_cache is None):
+        raise ValueError("value and value_cache must both be given, or both be None (values are the keys)")
+    if value is None:
+        _check_caches(key_cache, key_cache, dev)
+    else:
+        _check_tensor("value", value, 3, _FLOAT_DTYPES, dev)
+        _check_caches(key_cache, value_cache, dev, same_head_dim=False)
+        if value.shape[:2] != key.shape[:2] or value.shape[-1] != value_cache.shape[-1]:
+            raise ValueError(f"key/value: value must be [{key.shape[0]}, {key.shape[1]}, {value_cache.shape[-1]}] to "
+                             f"match key and value_cache, got {tuple(value.shape)}")
+    _, hkv, bs, d = key_cache.shape
     _check_scales(key_cache, k_scale, v_scale)
     if key.shape[1:] != (hkv, d):
-        raise ValueError(f"key/value must be [T, {hkv}, {d}] to match the cache, got {tuple(key.shape)}")
+        raise ValueError(f"key/value must be [T, {hkv}, {d}] to match the cache, got key {tuple(key.shape)}")
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES, dev)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must have shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     if key.shape[0] == 0:
         return
     if get_backend(dev) == "triton":
-        _check_triton_dims(d, bs)
+        _check_triton_dims(d, bs, value.shape[-1] if value is not None else None)
         _check_triton_device(key)
-        _triton_module("triton_cache").write_kv(
-            _last_contig(key), _last_contig(value), key_cache, value_cache, slot_mapping.contiguous(), k_scale, v_scale
-        )
+        mod, slots = _triton_module("triton_cache"), slot_mapping.contiguous()
+        if value is not None and value.shape[-1] == d:
+            mod.write_kv(_last_contig(key), _last_contig(value), key_cache, value_cache, slots, k_scale, v_scale)
+            return
+        mod.write_kv(_last_contig(key), None, key_cache, None, slots, k_scale, None)
+        if value is not None:
+            mod.write_kv(_last_contig(value), None, value_cache, None, slots, v_scale, None)
     else:
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 

@@ -69,31 +69,34 @@ def _bytes(cache: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 def write_kv(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """``key_cache[slot // bs, :, slot % bs] = key`` for every token with slot >= 0 (quantised for an FP8 cache)."""
+    """``key_cache[slot // bs, :, slot % bs] = key`` for every token with slot >= 0 (quantised for an FP8 cache); the
+    values likewise, unless `value` is None (a layer whose values are its keys)."""
     block_size = key_cache.shape[2]
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
     valid = slots >= 0
     if not bool(valid.all()):
         slots = slots[valid]
         key = key[valid]
-        value = value[valid]
+        value = value[valid] if value is not None else None
     if slots.numel() == 0:
         return
     blk = torch.div(slots, block_size, rounding_mode="floor")
     off = slots - blk * block_size
     if k_scale is not None:
-        key, value = quantize(key, k_scale), quantize(value, v_scale)
+        key = quantize(key, k_scale)
+        value = quantize(value, v_scale) if value is not None else None
     # advanced indices separated by a slice: result dims are [n, Hkv, D]
     _bytes(key_cache)[blk, :, off] = _bytes(key.to(key_cache.dtype))
-    _bytes(value_cache)[blk, :, off] = _bytes(value.to(value_cache.dtype))
+    if value is not None:
+        _bytes(value_cache)[blk, :, off] = _bytes(value.to(value_cache.dtype))
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

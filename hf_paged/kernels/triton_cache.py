@@ -42,6 +42,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_FP8: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -55,24 +56,31 @@ def _write_kv_kernel(
                   D_PAD)
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
-    v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
     kc = KC + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = VC + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
     if QUANT:  # an FP8 cache: one scale per KV head (stride 1) or one for all (stride 0)
         ks = tl.load(KS + offs_h * stride_s, mask=offs_h < num_heads, other=1.0)[:, None]
-        vs = tl.load(VS + offs_h * stride_s, mask=offs_h < num_heads, other=1.0)[:, None]
     else:
         ks = 1.0
-        vs = 1.0
     tl.store(kc, _to_cache(k, ks, QUANT, SOFT_FP8, KC.dtype.element_ty), mask=m)
-    tl.store(vc, _to_cache(v, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=m)
+    if HAS_V:  # (else one tensor alone: values of another width, or a layer whose values are its keys)
+        v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
+        vc = VC + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
+        if QUANT:
+            vs = tl.load(VS + offs_h * stride_s, mask=offs_h < num_heads, other=1.0)[:, None]
+        else:
+            vs = 1.0
+        tl.store(vc, _to_cache(v, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=m)
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """K and V of one width in one launch; `value` None: `key` alone into `key_cache` (the dispatcher launches values
+    of another width the same way, as their own "keys")."""
     T, H, D = key.shape
     if T == 0:
         return
     bs = key_cache.shape[2]
+    has_v = value is not None
+    value, value_cache = (value, value_cache) if has_v else (key, key_cache)
     # at most ~4K elements per program (K and V each)
     d_pad = padded_dim(D)
     block_h = min(triton.next_power_of_2(H), max(1, 4096 // d_pad))
@@ -103,6 +111,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_s
         BLOCK_H=block_h,
         QUANT=k_scale is not None,
         SOFT_FP8=k_scale is not None and not key.is_cuda,
+        HAS_V=has_v,
         num_warps=4 if block_h * d_pad >= 1024 else 1,
     )
 

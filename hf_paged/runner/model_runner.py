@@ -37,7 +37,6 @@ import torch
 from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
 from ..cache.host_ints import int_tensor
-from ..cache.kv_quant import as_bytes
 from ..core import SchedulerOutput
 from .graphs import GraphCapture
 from .model_ref import ModelRef
@@ -175,13 +174,12 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
     def apply_block_ops(self, sched: SchedulerOutput) -> None:
         """Swap out, then swap in, then copy-on-write: before this step's forward writes anything."""
         cache = self.cache
-        pool, cpu_pool = as_bytes(cache.pool), as_bytes(cache.cpu_pool)  # (an FP8 pool's, indexed as bytes)
-        if sched.swap_out:
+        if sched.swap_out:  # every layer group's tensors (`cache.kv_pool.KVPool`)
             gpu, cpu = torch.tensor(sched.swap_out).T
-            cpu_pool[:, :, cpu] = pool[:, :, gpu.to(self.device)].to("cpu")
+            cache.kv.swap_out(gpu, cpu)
         if sched.swap_in:
             cpu, gpu = torch.tensor(sched.swap_in).T
-            pool[:, :, gpu.to(self.device)] = cpu_pool[:, :, cpu].to(self.device, non_blocking=True)
+            cache.kv.swap_in(cpu, gpu)
         cache._copy_blocks(sched.copies)
         cache.apply_state_ops()  # recurrent-state slots: forks, fresh zeros, swaps, checkpoints (hybrid models)
 
@@ -357,7 +355,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             "point_block": torch.zeros(n, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
             # the fused decode op's split counters (`StepMetadata.split_counters`); each launch leaves them at zero
-            "counters": torch.zeros(n * self.cache.num_kv_heads, dtype=torch.int32, device=dev),
+            "counters": torch.zeros(n * self.cache.max_kv_heads, dtype=torch.int32, device=dev),
         }
         # Host sides of the uploads, twice: a copy from pinned memory is read by the GPU after copy_() returns, and a
         # pipelined step writes its inputs before the step launched just before it has run. Alternating two sets,

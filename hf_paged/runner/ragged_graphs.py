@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..cache import StepMetadata, attention_heads
+from ..cache import StepMetadata, attention_heads, layer_kv_shapes
 from ..core import SchedulerOutput
 from . import recording
 from .graphs import replayer
@@ -109,9 +109,11 @@ class RaggedGraphs:
         if "ragged" in self._host_sets[0]:
             return
         if self._ragged_tile is None:
-            heads, kv_heads = attention_heads(self.cache.config)
-            self._ragged_tile = kernels.prefill_query_tile(heads, kv_heads, self.cache.head_dim, self.device,
-                                                           self.cache.compute_dtype)
+            heads, _ = attention_heads(self.cache.config)  # (whole model: the group sizes are every rank's)
+            # layers of different shapes (`cache.kv_pool`) may tile differently: a piece must fit every layer's tile
+            self._ragged_tile = min(
+                kernels.prefill_query_tile(heads, s.kv_heads, s.key_dim, self.device, self.cache.compute_dtype)
+                for s in set(layer_kv_shapes(self.cache.config)))
         t = self._ragged_capacity = self.ragged_graph_tokens  # set `ragged_graph_tokens` before the first ragged step
         nv, rows = self._ragged_sizes(t)
         # two flat buffers, one upload each a step. The kernels' index vectors are int32, as the eager path makes them:

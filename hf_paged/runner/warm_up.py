@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from .. import kernels
-from ..cache import attention_heads
+from ..cache import attention_heads, layer_kv_shapes
 from . import recording
 
 __all__ = ["COMPILER_MODULES", "WarmUpForwards"]
@@ -65,9 +65,11 @@ class WarmUpForwards:
         JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
         (slot -1) and every table points at block 0.
         """
-        heads, kv_heads = attention_heads(self.cache.config)  # the group size: the same on every TP rank
-        lengths = kernels.prefill_tile_lengths(heads, kv_heads, self.cache.head_dim, max_tokens, self.device,
-                                               self.cache.compute_dtype)
+        heads, _ = attention_heads(self.cache.config)  # the group sizes: the same on every TP rank
+        # every layer shape's tile shapes (Gemma 4's global layers tile by their own head size and group)
+        lengths = sorted({q_len for s in set(layer_kv_shapes(self.cache.config))
+                          for q_len in kernels.prefill_tile_lengths(heads, s.kv_heads, s.key_dim, max_tokens,
+                                                                    self.device, self.cache.compute_dtype)})
         with torch.inference_mode():
             for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
@@ -90,19 +92,18 @@ class WarmUpForwards:
             return
         self._ensure_buffers()
         self._dummy_rows()
-        key_cache, value_cache = self.cache.layer_caches(self.cache.kv_layers[0])
         heads, kv_heads = attention_heads(self.cache.config)
-        local_kv = key_cache.shape[1]  # this rank's
-        local_q = local_kv * max(1, heads // max(1, kv_heads))
+        local_q = self.cache.num_kv_heads * max(1, heads // max(1, kv_heads))  # this rank's (first layer's group)
         max_context = self.max_blocks_per_seq * self.block_size
+        shapes = set(self.cache.kv_shapes)  # (layers of other shapes launch other variants)
         seen = set()
         with torch.inference_mode():
             for batch in sorted(self._bucket_sizes, reverse=True):
-                variant = kernels.decode_variant(batch, local_q, local_kv, key_cache.shape[-1], max_context,
-                                                 self.device, value_cache.shape[-1])
-                if variant in seen:
+                variants = {kernels.decode_variant(batch, local_q, s.kv_heads, s.key_dim, max_context, self.device,
+                                                   s.value_dim) for s in shapes}
+                if variants <= seen:
                     continue
-                seen.add(variant)
+                seen |= variants
                 self._run_model(batch)  # compiled (and compiling, the first time) with `compile_decode`
 
     def warm_up_uploads(self) -> None:
