@@ -11,6 +11,7 @@ from .memory import (
     attention_shape,
     kv_bytes_per_token,
     kv_layer_indices,
+    latent_kv_width,
     memory_fraction,
     parse_memory,
 )
@@ -20,4 +21,4 @@ from .step import StepMetadata
 
 __all__ = ["CacheFullError", "KVScales", "KV_CACHE_DTYPES", "PagedCache", "StateKey", "StatePool", "StateSpec",
            "StepMetadata", "attention_heads", "attention_shape", "checkpoint_kv_scales", "device_table",
-           "kv_bytes_per_token", "kv_layer_indices", "memory_fraction", "parse_memory", "resolve_kv_cache_dtype"]
+           "kv_bytes_per_token", "kv_layer_indices", "latent_kv_width", "memory_fraction", "parse_memory", "resolve_kv_cache_dtype"]

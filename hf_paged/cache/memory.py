@@ -12,6 +12,7 @@ import re
 import torch
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments", "kv_bytes_per_token", "attention_heads", "attention_shape",
+           "latent_kv_width",
            "kv_layer_indices"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
@@ -90,9 +91,20 @@ def _text(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def latent_kv_width(config) -> int | None:
+    """The width of one token's latent of a multi-head latent attention config (`kv_lora_rank + qk_rope_head_dim`:
+    576 for DeepSeek-V2/V3), which its layers store as one KV head (`hf_paged.attention.adapters.mla`); None for
+    other configs."""
+    text = _text(config)
+    rank = getattr(text, "kv_lora_rank", None)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    return rank + int(getattr(text, "qk_rope_head_dim", None) or 0)
+
+
 def attention_heads(config) -> tuple[int, int]:
     """(num_heads, num_kv_heads) of a decoder config (whole model, before any tensor-parallel split), whatever the
-    family calls them."""
+    family calls them (a latent-attention config: one KV head, the latent)."""
     text = _text(config)
     # encoder-decoder families used as causal LMs (BartForCausalLM, ...): their decoder's sizes, which
     # num_attention_heads (mapped to the encoder's) need not equal
@@ -102,7 +114,9 @@ def attention_heads(config) -> tuple[int, int]:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     if getattr(text, "decoder_attention_heads", None):  # multi-head decoders; num_key_value_heads maps to the encoder
         num_kv_heads = num_heads
-    if getattr(text, "new_decoder_architecture", False) is True:  # Falcon-40B/180B: grouped K/V, multi_query ignored
+    if latent_kv_width(config) is not None:  # multi-head latent attention: every query head reads the one latent
+        num_kv_heads = 1
+    elif getattr(text, "new_decoder_architecture", False) is True:  # Falcon-40B/180B: grouped K/V, multi_query ignored
         num_kv_heads = getattr(text, "num_kv_heads", None) or num_kv_heads
     elif getattr(text, "multi_query", False) is True:  # GPT-BigCode, Falcon-7B: one KV head
         num_kv_heads = 1
@@ -110,13 +124,14 @@ def attention_heads(config) -> tuple[int, int]:
 
 
 def attention_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them."""
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them (a latent-attention
+    config: 1 KV head of `latent_kv_width`)."""
     text = _text(config)
     num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
     if num_layers is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
     num_heads, num_kv_heads = attention_heads(config)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    head_dim = latent_kv_width(config) or getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), num_kv_heads, int(head_dim)
 
 
