@@ -172,3 +172,12 @@ def test_gate_accepts_adapted_mla_and_refuses_the_rest():
         hf_paged.enable(model)
     record = check_architecture("deepseek_v32", timeout_s=120)  # sparse attention (an indexer): still refused
     assert record["verdict"] == "refused" and "sparse_attention" in record["unhandled"]
+
+
+def test_a_latent_wider_than_the_triton_kernels_take_is_refused_up_front_on_their_devices():
+    """DeepSeek's 576-wide latent on a device whose kernels are Triton's (heads up to 256): refused by the gate,
+    naming the width, rather than by the first kernel call of a step; the torch backend (CPU) takes any width."""
+    assert mla.wide_latent_refusal(576, torch.device("cpu")) is None
+    assert mla.wide_latent_refusal(256, torch.device("cuda")) is None
+    if hf_paged.kernels.triton_available():
+        assert "576" in mla.wide_latent_refusal(576, torch.device("cuda"))

@@ -60,14 +60,19 @@ def _check_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
             raise ValueError(f"{name} must hold 1 or {hkv} (KV heads) contiguous values, got shape {tuple(scale.shape)}")
 
 
+# the widest head the Triton kernels take (a padded tile of up to 256 lanes); multi-head latent attention's 576-wide
+# latent (`hf_paged.attention.adapters.mla`) is wider, and is refused on that backend until the kernels take it
+TRITON_MAX_HEAD_DIM = 256
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
 def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not 1 <= d <= 256:  # any size: one that is no power of two is computed padded (`triton_dims`)
-            raise ValueError(f"Triton kernels support {name} from 1 to 256, got {d}")
+        if not 1 <= d <= TRITON_MAX_HEAD_DIM:  # any size: one that is no power of two is computed padded (`triton_dims`)
+            raise ValueError(f"Triton kernels support {name} from 1 to {TRITON_MAX_HEAD_DIM}, got {d}")
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 
