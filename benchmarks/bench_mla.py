@@ -13,9 +13,8 @@ physical blocks), three ways that compute the same thing (the expanded K/V are m
 Each is timed (CUDA: `triton.testing.do_bench` median; CPU: median of `--reps` wall-clock runs) and given its
 bytes: the K/V it must read (the latent once, or expanded K and V) plus, for ``latent``, the two absorbed weights. The
 bound is those bytes at the device's copy bandwidth (CUDA, measured) and the fraction is bound / measured time (on
-the CPU no bound is given). Outputs are checked against ``sdpa`` (max abs error). A system the kernels refuse is recorded with the reason (today's
-Triton kernels take heads of up to 256 values, so on CUDA the 576-wide latent of the ``lite`` shape is refused:
-run ``HF_PAGED_BACKEND=torch`` for the reference path's figures, or ``--shape tiny``). Then the KV bytes per token of the
+the CPU no bound is given). Outputs are checked against ``sdpa`` (max abs error). A system the kernels refuse is recorded with the reason (the Triton
+kernels take the 576-wide latent in 16-bit types for up to 32 query heads per KV head, not in float32). Then the KV bytes per token of the
 model shape (all layers, latent vs expanded) and the largest running batch at `--budget-context` tokens each in a
 `--kv-budget` pool. Prints a markdown table, writes ``mla.json`` and ``mla.png`` (if matplotlib is installed) under
 ``--out``.

@@ -91,6 +91,8 @@ DECODE_CASES = [
     # head dims that are no power of two (phi-3's 96, phi-2's 80): padded tiles, masked lanes
     pytest.param(torch.bfloat16, 6, 2, 96, 16, [1, 50, 130], [0, 7, 0], [None, 3], id="bf16-gqa3-bs16-d96"),
     pytest.param(torch.float32, 4, 4, 80, 8, [9, 37, 2], None, [None, 2], id="f32-mha-bs8-d80"),
+    # multi-head latent attention (hf_paged.attention.adapters.mla): 16 heads over one 576-wide latent, small tiles
+    pytest.param(torch.bfloat16, 16, 1, 576, 16, [1, 40, 19], [0, 3, 0], [None, 2], id="bf16-mla-bs16-d576"),
 ]
 
 
@@ -133,6 +135,7 @@ PREFILL_CASES = [
     pytest.param(torch.float16, 14, 2, 64, 16, [(12, 30, 4), (5, 5, 0)], 1, id="f16-gqa7-bs16-d64"),
     pytest.param(torch.bfloat16, 6, 2, 96, 16, [(20, 45, 3), (1, 9, 0)], 2, id="bf16-gqa3-bs16-d96"),
     pytest.param(torch.float32, 4, 4, 80, 8, [(17, 17, 0), (3, 30, 0)], 0, id="f32-mha-bs8-d80"),
+    pytest.param(torch.bfloat16, 20, 1, 576, 16, [(9, 20, 0), (1, 7, 0)], 1, id="bf16-mla-g20-bs16-d576"),
 ]
 
 

@@ -251,7 +251,7 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
                              f"counters, got {split_counters.numel()}")
     _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs, value_cache.shape[-1])
+        _check_triton_dims(d, bs, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
         _check_triton_device(query)
         if new_kv is not None:
             new_kv = (_last_contig(new_kv[0]), _last_contig(new_kv[1]), new_kv[2].contiguous())
@@ -354,7 +354,7 @@ def paged_prefill(
                 alibi_slopes=alibi_slopes)
     _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs, value_cache.shape[-1])
+        _check_triton_dims(d, bs, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
         _check_triton_device(query)
         return _triton_module("triton_prefill").paged_prefill(
             _last_contig(query),

@@ -35,10 +35,10 @@ Everything else is the module's own: `q_a_proj`/`q_a_layernorm`/`q_b_proj` (or `
 The latent path runs when the cache is a `PagedCache` (or one that says it holds latents, `holds_latent_kv`: the
 run-time probe's recording cache, which stands for one); any other cache (a `DynamicCache` filled in the model's own
 layout) and no cache at all get the module's own forward. Refused: a `kv_b_proj` that is not a plain bias-free
-`nn.Linear` (a quantised checkpoint's packed weight cannot be split per head), and a latent wider than the Triton
-kernels' widest head (256) on a device that runs them: DeepSeek's 576-wide latent runs on the torch backend (CPU)
-only, until the kernels take it (under Triton's interpreter they compute a 576-wide head correctly once the limit
-is lifted; on a GPU their tiles of 1,024 lanes are unmeasured).
+`nn.Linear` (a quantised checkpoint's packed weight cannot be split per head), and, on a device whose kernels are
+Triton's, a latent over 256 values in float32 or read by more than 32 query heads (DeepSeek-V2/V3's 128 heads):
+the kernels take DeepSeek's 576-wide latent only in small 16-bit tiles (`kernels.checks.triton_dims_refusal`), so
+DeepSeek-V2-Lite (16 heads) and GLM-4.7-Flash (20) run on CUDA, the 128-head models on the torch backend only.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 
 from ...cache import PagedCache
 from ...kernels import get_backend
-from ...kernels.checks import TRITON_MAX_HEAD_DIM
+from ...kernels.checks import triton_dims_refusal
 from .registry import Adapter, attend, family_module, register
 
 __all__ = ["mla_forward", "mla_forward_v2", "absorbed_weights", "holds_latent", "wide_latent_refusal"]
@@ -58,21 +58,22 @@ def holds_latent(cache) -> bool:
     return isinstance(cache, PagedCache) or getattr(cache, "holds_latent_kv", False) is True
 
 
-def wide_latent_refusal(width: int, device: torch.device) -> str | None:
-    """Why a latent `width` values wide cannot be attended on `device` (None when it can): the Triton kernels take
-    heads of up to `TRITON_MAX_HEAD_DIM` (256) values, and DeepSeek's latent is 576 (the torch backend, the CPU's,
-    takes any width). Said up front rather than by the first kernel call of a serving step."""
-    if width > TRITON_MAX_HEAD_DIM and get_backend(device) == "triton":
-        return (f"its latent is {width} values wide (kv_lora_rank + qk_rope_head_dim) and the Triton kernels take "
-                f"heads of up to {TRITON_MAX_HEAD_DIM}")
-    return None
+def wide_latent_refusal(width: int, heads: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a latent `width` values wide, read by `heads` query heads, in `dtype`, cannot be attended on `device` (None
+    when it can): the Triton kernels take heads over 256 values (DeepSeek's latent is 576) only in 16-bit types and
+    for at most 32 query heads per KV head (`kernels.checks.triton_dims_refusal`); the torch backend, the CPU's, takes
+    any. Said up front rather than by the first kernel call of a serving step."""
+    if get_backend(device) != "triton":
+        return None
+    return triton_dims_refusal(width, heads, torch.empty((), dtype=dtype).element_size())
 
 
 def _refuse(module: torch.nn.Module) -> str | None:
     proj = getattr(module, "kv_b_proj", None)
     if type(proj) is not torch.nn.Linear or proj.bias is not None:
         return f"kv_b_proj is {type(proj).__name__} (a bias-free nn.Linear is split per head for the absorbed query)"
-    return wide_latent_refusal(module.kv_lora_rank + module.qk_rope_head_dim, proj.weight.device)
+    return wide_latent_refusal(module.kv_lora_rank + module.qk_rope_head_dim, module.num_heads, proj.weight.dtype,
+                               proj.weight.device)
 
 
 def absorbed_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
