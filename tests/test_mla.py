@@ -3,8 +3,8 @@
 What must hold, on each MLA family's tiny seeded model (float32, CPU):
 
 * the absorbed latent attention of one layer equals the model's own expanded attention (the same module, no cache);
-* greedy tokens of the engine (eager and static decode, a tiny pool that preempts by recompute and by swap, the prefix
-  cache hit on a second run) and of the drop-in `PagedCache` / `generate(cache_implementation="paged")` on a
+* greedy tokens of the engine (eager and static decode, the compiled step with no graph break, a tiny pool that
+  preempts by recompute and by swap, the prefix cache hit on a second run) and of the drop-in `PagedCache` / `generate(cache_implementation="paged")` on a
   left-padded batch equal transformers' `DynamicCache` greedy generate; beam search (3 beams) equals transformers';
 * the pool holds one KV head of `kv_lora_rank + qk_rope_head_dim` per layer, and what that costs per token;
 * the gate accepts the adapted families and still refuses what the adapter does not handle.
@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 from transformers import DynamicCache, GenerationConfig
 
 import hf_paged
@@ -135,6 +136,22 @@ def test_engine_paths_stay_exact_on_deepseek_v3(options):
     assert [r.outputs[0].token_ids for r in results] == want
     if "preemption_mode" in options:
         assert engine.scheduler.num_preemptions[options["preemption_mode"]] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_compiled_decode_step_stays_exact(family):
+    """`compile_decode=True` (Dynamo + Inductor, the CPU's static path): the adapted forward traced, the latent
+    attention one `hf_paged::write_and_decode` op, no graph break; tokens equal transformers'."""
+    model = _model(family, {})
+    prompts = random_prompts((7, 12, 3, 9), seed=6, vocab=model.config.vocab_size)
+    want = [greedy_reference(model, p, 8) for p in prompts]
+    counters.clear()
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=8, compile_decode=True)
+    results = engine.generate(prompts, max_new_tokens=8)
+    assert [r.outputs[0].token_ids for r in results] == want
+    assert engine.runner.graph_steps > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_beam_search_equals_transformers_on_deepseek_v3():
