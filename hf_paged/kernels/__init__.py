@@ -15,7 +15,8 @@ The contract (each function's docstring has its details):
   them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
   ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
-  masked (:mod:`hf_paged.kernels.triton_dims`).
+  masked (:mod:`hf_paged.kernels.triton_dims`). Heads up to 576 (multi-head latent attention's latent) run in
+  smaller tiles, in 16-bit types and for at most 32 query heads per KV head (`checks.triton_dims_refusal`).
 * :func:`write_kv` ``(key [T,Hkv,D], value, key_cache, value_cache, slot_mapping [T])``: in place, slot < 0 skipped.
 * :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
   kv_start [B] | None, *, split_counters=None, ...) -> [B,Hq,Dv]``: one query token per sequence at position
