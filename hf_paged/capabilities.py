@@ -71,7 +71,12 @@ class Capabilities:
 
 
 class _RecordingCache(DynamicCache):
-    """A DynamicCache that remembers which tensors `update()` handed back, per layer."""
+    """A DynamicCache that remembers which tensors `update()` handed back, per layer.
+
+    It stands for the `PagedCache` the model will run with, so adapted latent-attention layers store their latent in
+    it as they do in the pool (`holds_latent_kv`, read by `hf_paged.attention.adapters.mla`)."""
+
+    holds_latent_kv = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -41,6 +41,11 @@ MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"
 # and ModernBERT-decoder (interface-routed; its LM head is called `decoder`, which the gate once took for the stack)
 ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese",
            "modernbert-decoder")
+# multi-head latent attention (issue 54): the latent in the pool, attention absorbed (hf_paged.attention.adapters.mla)
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash", "axk1")
+# latent-attention families the adapter does not take: sparse (indexer) attention, Kimi-Linear's recurrent layers
+MLA_REFUSED = {"deepseek_v32": "sparse_attention", "glm_moe_dsa": "sparse_attention", "hy_v4": "sparse_attention",
+               "axk2": "sparse_attention", "kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
           "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid")
@@ -100,6 +105,19 @@ def test_adapted_families_pass():
     adapted = [a for a in ADAPTED if "attention_adapter" in _records()[a]["features"]]
     assert adapted == list(ADAPTED[:-1])
     assert all("alibi" in _records()[a]["observed"] for a in ("bloom", "mpt"))  # the slopes reached the kernels
+
+
+@pytest.mark.slow
+def test_latent_attention_families_pass_and_the_others_are_refused():
+    failing = {a: _records()[a]["reason"] for a in MLA if _records()[a]["verdict"] != "pass"}
+    assert not failing
+    for arch in MLA:  # routed by the adapter, K/V as the pool returned them, of one width (the latent)
+        record = _records()[arch]
+        assert "attention_adapter" in record["features"] and record["interface_routed"], arch
+        assert "value_head_dim" not in record["observed"], arch
+    for arch, feature in MLA_REFUSED.items():
+        record = _records()[arch]
+        assert record["verdict"] == "refused" and feature in record["unhandled"], (arch, record)
 
 
 @pytest.mark.slow

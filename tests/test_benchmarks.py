@@ -312,6 +312,27 @@ def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
     for system in ("hf_paged", "grouped_mm"):
         assert record[system]["us"] > 0 and record[system]["error"] < 1e-4
 
+def test_mla_harness_runs_on_the_cpu_and_checks_its_outputs(tmp_path):
+    """bench_mla's CPU smoke run: every system agrees with SDPA, the bytes and the KV budget figures add up."""
+    bench_mla = pytest.importorskip("bench_mla")
+    bench_mla.main(["--device", "cpu", "--batches", "2", "--contexts", "40", "--reps", "1", "--kv-budget", "1MiB",
+                    "--budget-context", "64", "--out", str(tmp_path)])
+    import json
+
+    result = json.loads((tmp_path / "mla.json").read_text())
+    (record,) = result["records"]
+    shape = bench_mla.SHAPES["tiny"]
+    assert record["latent_kernel"]["bytes"] == 2 * 40 * (shape["rank"] + shape["rope"]) * 4
+    assert record["expanded"]["bytes"] == 2 * 40 * shape["heads"] * (shape["nope"] + shape["rope"] + shape["v"]) * 4
+    for system in ("latent", "expanded", "sdpa"):
+        assert record[system]["us"] > 0 and record[system]["error"] < 1e-4
+    per_token = result["kv_bytes_per_token"]
+    assert per_token["latent"] == shape["layers"] * (shape["rank"] + shape["rope"]) * 4
+    assert per_token["latent_stored_twice"] == 2 * per_token["latent"]
+    assert result["max_running_batch"]["latent"] == 1024**2 // (per_token["latent"] * 64)
+    assert (tmp_path / "mla.png").exists() or pytest.importorskip("matplotlib") is None
+
+
 # ------------------------------------------------------------------------------------------------ command lines
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -352,6 +373,9 @@ COMMAND_LINES = {
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
                        {"tokenizer": "t", "requests": 400, "batch_size": 64, "kv_cache_dtype": "auto"}),
                       (["--tokenizer", "t", "--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"})],
+    "bench_mla": [([], {"out": "benchmarks/results", "shape": None, "kv_budget": "40GiB", "budget_context": 4096}),
+                  (["--device", "cpu", "--shape", "tiny", "--batches", "1,4", "--contexts", "64,256", "--out", "r"],
+                   {"device": "cpu", "shape": "tiny", "batches": [1, 4], "contexts": [64, 256], "out": "r"})],
     "bench_moe": [(["--out", "r"], {"shapes": "olmoe,qwen3-moe,gpt-oss,mixtral", "rows": "1,2,4,8,16,32,64,128,256,512",
                                      "tune": False, "tiny": False}),
                   (["--device", "cpu", "--tiny", "--shapes", "gpt-oss", "--rows", "1,3", "--tune"],
@@ -378,6 +402,7 @@ COMMAND_LINES = {
 BAD_COMMAND_LINES = {
     "bench_generate": [["--workload", "nope"], ["--num-requests", "many"], ["--kv-cache-dtype", "int4"]],
     "bench_kv_fp8_accuracy": [["--dtype", "int8"]],
+    "bench_mla": [["--shape", "v3"], ["--batches", "0"], ["--contexts", "a,b"]],
     "bench_lm_eval": [[]],  # --tokenizer is required
     "bench_startup": [["--bytecode", "compiled"]],
     "probe_compiled": [["--dtype", "float16"]],

@@ -46,10 +46,22 @@ def test_gate_and_probe_agree_on_sinks():
     assert "sinks" in capabilities.inspect_model(model).features  # s_aux arrived at the attention function
 
 
-def test_latent_attention_is_refused_naming_why():
+def test_latent_attention_is_routed_by_its_adapter_and_refused_where_the_adapter_cannot_take_it():
+    """DeepSeek-V3's MLA layers run through the `mla` adapter (the latent in the pool, attention absorbed); the probe
+    sees one KV head of the latent's width arrive from `Cache.update()`. A variant the adapter refuses (a kv_b_proj
+    with a bias) is refused as before: the K/V the attention function gets are expanded from the cached latent."""
     model = tiny_model("deepseek_v3")
     features = support.model_features(model)
-    assert {"latent_kv", "kv_after_update", "value_head_dim"} <= set(features)
+    assert "attention_adapter" in features and not {"latent_kv", "kv_after_update", "value_head_dim"} & set(features)
+    caps = capabilities.inspect_model(model)
+    assert caps.interface_routed and "value_head_dim" not in caps.features
+    width = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    assert {(c.key_shape[1], c.key_shape[-1], c.query_shape[-1]) for c in caps.calls} == {(1, width, width)}
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj"):
+            module.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(module.kv_b_proj.out_features))
+    features = support.model_features(model)
+    assert {"latent_kv", "kv_after_update", "value_head_dim", "not_interface_routed"} <= set(features)
     caps = capabilities.inspect_model(model)
     assert not caps.interface_routed  # the attention function gets K/V expanded from the cached latent
     assert caps.features["value_head_dim"] == "K head dim 16 != V head dim 8"

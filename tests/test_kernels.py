@@ -91,6 +91,8 @@ DECODE_CASES = [
     # head dims that are no power of two (phi-3's 96, phi-2's 80): padded tiles, masked lanes
     pytest.param(torch.bfloat16, 6, 2, 96, 16, [1, 50, 130], [0, 7, 0], [None, 3], id="bf16-gqa3-bs16-d96"),
     pytest.param(torch.float32, 4, 4, 80, 8, [9, 37, 2], None, [None, 2], id="f32-mha-bs8-d80"),
+    # multi-head latent attention (hf_paged.attention.adapters.mla): 16 heads over one 576-wide latent, small tiles
+    pytest.param(torch.bfloat16, 16, 1, 576, 16, [1, 40, 19], [0, 3, 0], [None, 2], id="bf16-mla-bs16-d576"),
 ]
 
 
@@ -133,6 +135,7 @@ PREFILL_CASES = [
     pytest.param(torch.float16, 14, 2, 64, 16, [(12, 30, 4), (5, 5, 0)], 1, id="f16-gqa7-bs16-d64"),
     pytest.param(torch.bfloat16, 6, 2, 96, 16, [(20, 45, 3), (1, 9, 0)], 2, id="bf16-gqa3-bs16-d96"),
     pytest.param(torch.float32, 4, 4, 80, 8, [(17, 17, 0), (3, 30, 0)], 0, id="f32-mha-bs8-d80"),
+    pytest.param(torch.bfloat16, 20, 1, 576, 16, [(9, 20, 0), (1, 7, 0)], 1, id="bf16-mla-g20-bs16-d576"),
 ]
 
 
@@ -324,8 +327,15 @@ def test_triton_dim_checks(monkeypatch):
     q = torch.zeros(2, 4, 320, device=DEVICE)
     bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     sl = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="head_dim from 1 to 256, got 320"):
+    # a head over 256 values (multi-head latent attention's 576) only in small 16-bit tiles, for up to 32 query heads
+    with pytest.raises(ValueError, match="head_dim of 320 .over 256. only in 16-bit types"):
         kernels.paged_decode(q, kc, kc, bt, sl, 1.0)
+    wide = torch.zeros(4, 1, 8, 640, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim from 1 to 576, got 640"):
+        kernels.paged_decode(torch.zeros(2, 4, 640, device=DEVICE, dtype=torch.bfloat16), wide, wide, bt, sl, 1.0)
+    latent = torch.zeros(4, 1, 8, 576, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 32 query heads per KV head, got 64"):
+        kernels.paged_decode(torch.zeros(2, 64, 576, device=DEVICE, dtype=torch.bfloat16), latent, latent, bt, sl, 1.0)
     kc = torch.zeros(4, 2, 12, 64, device=DEVICE)
     with pytest.raises(ValueError, match="block_size"):
         kernels.paged_decode(torch.zeros(2, 4, 64, device=DEVICE), kc, kc, bt, sl, 1.0)

@@ -302,8 +302,9 @@ def _unexpected_kv_heads(model, written: dict[int, tuple[int, str]]) -> list[str
     return [f"{name}: {heads} (config: {expected.get(layer)})" for layer, (heads, name) in sorted(written.items())]
 
 
-def _model_features(model) -> dict[str, str]:
-    """Features visible in the model's modules (without running it)."""
+def _model_features(model) -> tuple[dict[str, str], frozenset[str]]:
+    """Features visible in the model's modules (without running it), and the config features its attention adapters
+    handle for it (`Adapter.handles`: a latent-attention model whose every attention module is adapted)."""
     found: dict[str, str] = {}
     attention_classes, recurrent_classes, not_routed, unslotted, adapted = set(), set(), set(), set(), set()
     adapter_handles: set[str] = set()
@@ -335,7 +336,7 @@ def _model_features(model) -> dict[str, str]:
         if "Attention" in cls_name and getattr(module, "is_causal", True) is False:
             found["non_causal"] = f"{cls_name}.is_causal=False (bidirectional attention)"
         adapter = adapters.adapter_for(cls)
-        if "Attention" in cls_name and (hasattr(module, "layer_idx") or adapter) and cls_name not in recurrent_classes:
+        if (("Attention" in cls_name and hasattr(module, "layer_idx")) or adapter) and cls_name not in recurrent_classes:
             attention_classes.add(cls_name)
             reason = adapters.refusal(module) if adapter is not None else None
             if adapter is not None and reason is None:  # routed by its adapter, which passes windows itself
@@ -374,14 +375,15 @@ def _model_features(model) -> dict[str, str]:
         takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
         takes_positions = True
-    if not takes_positions and not (adapted and not attention_types and "no_position_ids" in adapter_handles):
+    handled = frozenset(adapter_handles) if adapted and not attention_types else frozenset()
+    if not takes_positions and "no_position_ids" not in handled:
         found["no_position_ids"] = (f"{type(model).__name__}.forward takes no position_ids: positions come from the "
                                     "cache length, which a ragged continuous batch cannot give per sequence")
     remote = [c for c in type(model).__mro__ if (c.__module__ or "").startswith("transformers_modules")]
     if remote:
         found["remote_code"] = (f"the model class {type(model).__name__} is remote code ({remote[0].__module__}); "
                                 "load it without trust_remote_code")
-    return found
+    return found, handled
 
 
 def model_features(model_or_config) -> dict[str, str]:
@@ -394,7 +396,9 @@ def model_features(model_or_config) -> dict[str, str]:
         for name, detail in _config_features(cfg).items():
             found.setdefault(name, detail)
     if model_or_config is not config:
-        found.update(_model_features(model_or_config))
+        modules, handled = _model_features(model_or_config)
+        found = {name: detail for name, detail in found.items() if name not in handled}
+        found.update(modules)
     return found
 
 

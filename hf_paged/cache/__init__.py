@@ -12,6 +12,7 @@ from .memory import (
     attention_shape,
     kv_bytes_per_token,
     kv_layer_indices,
+    latent_kv_width,
     layer_kv_shapes,
     memory_fraction,
     parse_memory,
@@ -22,4 +23,5 @@ from .step import StepMetadata
 
 __all__ = ["CacheFullError", "KVPool", "KVScales", "KVShape", "KV_CACHE_DTYPES", "PagedCache", "StateKey", "StatePool", "StateSpec",
            "StepMetadata", "attention_heads", "attention_shape", "checkpoint_kv_scales", "device_table",
-           "kv_bytes_per_token", "kv_layer_indices", "layer_kv_shapes", "memory_fraction", "parse_memory", "resolve_kv_cache_dtype"]
+           "kv_bytes_per_token", "kv_layer_indices", "latent_kv_width", "layer_kv_shapes", "memory_fraction",
+           "parse_memory", "resolve_kv_cache_dtype"]

@@ -14,8 +14,8 @@ import torch
 from .kv_pool import KVShape
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
-           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "layer_kv_shapes",
-           "kv_shared_sources"]
+           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "latent_kv_width",
+           "layer_kv_shapes", "kv_shared_sources"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
@@ -96,9 +96,21 @@ def _text(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def latent_kv_width(config) -> int | None:
+    """The width of one token's latent of a multi-head latent attention config (`kv_lora_rank + qk_rope_head_dim`:
+    576 for DeepSeek-V2/V3), which its layers store as one KV head (`hf_paged.attention.adapters.mla`); None for
+    other configs."""
+    text = _text(config)
+    rank = getattr(text, "kv_lora_rank", None)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    return rank + int(getattr(text, "qk_rope_head_dim", None) or 0)
+
+
 def attention_heads(config) -> tuple[int, int]:
     """(num_heads, num_kv_heads) of a decoder config (whole model, before any tensor-parallel split), whatever the
-    family calls them (of the first layer that keeps K/V, where layers differ: Gemma 4)."""
+    family calls them (of the first layer that keeps K/V, where layers differ: Gemma 4; a latent-attention config: one
+    KV head, the latent)."""
     text = _text(config)
     if getattr(text, "is_heterogeneous", False):  # per-layer attributes: transformers raises on the global ones
         text = text.per_layer_config[kv_layer_indices(config)[0]]
@@ -110,7 +122,9 @@ def attention_heads(config) -> tuple[int, int]:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     if getattr(text, "decoder_attention_heads", None):  # multi-head decoders; num_key_value_heads maps to the encoder
         num_kv_heads = num_heads
-    if getattr(text, "new_decoder_architecture", False) is True:  # Falcon-40B/180B: grouped K/V, multi_query ignored
+    if latent_kv_width(config) is not None:  # multi-head latent attention: every query head reads the one latent
+        num_kv_heads = 1
+    elif getattr(text, "new_decoder_architecture", False) is True:  # Falcon-40B/180B: grouped K/V, multi_query ignored
         num_kv_heads = getattr(text, "num_kv_heads", None) or num_kv_heads
     elif getattr(text, "multi_query", False) is True:  # GPT-BigCode, Falcon-7B: one KV head
         num_kv_heads = 1
@@ -119,7 +133,8 @@ def attention_heads(config) -> tuple[int, int]:
 
 def attention_shape(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a decoder config, whatever the family calls them (of its first layer
-    that keeps K/V where layers differ: `layer_kv_shapes` gives each one's)."""
+    that keeps K/V where layers differ: `layer_kv_shapes` gives each one's; a latent-attention config: 1 KV head of
+    `latent_kv_width`)."""
     text = _text(config)
     num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
     if num_layers is None:
@@ -128,7 +143,7 @@ def attention_shape(config) -> tuple[int, int, int]:
         first = layer_kv_shapes(config)[0]
         return int(num_layers), first.kv_heads, first.key_dim
     num_heads, num_kv_heads = attention_heads(config)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    head_dim = latent_kv_width(config) or getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), num_kv_heads, int(head_dim)
 
 

@@ -16,7 +16,8 @@ The contract (each function's docstring has its details):
   them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
   ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
-  masked (:mod:`hf_paged.kernels.triton_dims`).
+  masked (:mod:`hf_paged.kernels.triton_dims`). Heads up to 576 (multi-head latent attention's latent) run in
+  smaller tiles, in 16-bit types and for at most 32 query heads per KV head (`checks.triton_dims_refusal`).
 * :func:`write_kv` ``(key [T,Hkv,D], value [T,Hkv,Dv], key_cache, value_cache, slot_mapping [T])``: in place, slot
   < 0 skipped; value and value_cache None for a layer whose values are its keys.
 * :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
@@ -266,7 +267,7 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
                              f"counters, got {split_counters.numel()}")
     _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs, value_cache.shape[-1])
+        _check_triton_dims(d, bs, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
         _check_triton_device(query)
         if new_kv is not None:
             new_kv = (_last_contig(new_kv[0]), _last_contig(new_kv[1]), new_kv[2].contiguous())
@@ -369,7 +370,7 @@ def paged_prefill(
                 alibi_slopes=alibi_slopes)
     _check_options(query.shape[1], query.device, **opts)
     if get_backend(query.device) == "triton":
-        _check_triton_dims(d, bs, value_cache.shape[-1])
+        _check_triton_dims(d, bs, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
         _check_triton_device(query)
         return _triton_module("triton_prefill").paged_prefill(
             _last_contig(query),

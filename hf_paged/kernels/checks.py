@@ -60,14 +60,44 @@ def _check_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
             raise ValueError(f"{name} must hold 1 or {hkv} (KV heads) contiguous values, got shape {tuple(scale.shape)}")
 
 
+# the widest head the Triton kernels take in general (a padded tile of up to 256 lanes), and the wider heads they take
+# in smaller tiles (`triton_decode._CONFIGS`, `triton_prefill._config`): multi-head latent attention's latent
+# (`hf_paged.attention.adapters.mla`: 576 values, a 1,024-lane tile) over at most TRITON_MAX_WIDE_GROUP query heads
+# per KV head, in 16-bit types. Measured on the H200 at 576 with 16 query heads (bf16): the default tiles need
+# 297 KB (decode) and 786 KB (prefill) of shared memory, more than its 227 KB; the small tiles fit and agree with the
+# torch reference (decode with split counters and kv_start, the fused K/V write, CUDA-graph replay, varlen prefill,
+# K/V write; 16, 20 and 32 query heads). Wider groups (DeepSeek-V3's 128 heads) or float32 tiles would not fit:
+# refused, naming why.
+TRITON_MAX_HEAD_DIM = 256
+TRITON_MAX_WIDE_HEAD_DIM = 576
+TRITON_MAX_WIDE_GROUP = 32
+
+
+def triton_dims_refusal(head_dim: int, group: int = 1, element_size: int = 2) -> str | None:
+    """Why the Triton kernels cannot take heads of `head_dim` values read by `group` query heads each, in tiles of
+    `element_size`-byte elements (None when they can)."""
+    if 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
+        return None
+    if head_dim < 1 or head_dim > TRITON_MAX_WIDE_HEAD_DIM:
+        return f"Triton kernels support head_dim from 1 to {TRITON_MAX_WIDE_HEAD_DIM}, got {head_dim}"
+    if group > TRITON_MAX_WIDE_GROUP or element_size > 2:
+        return (f"Triton kernels take a head_dim of {head_dim} (over {TRITON_MAX_HEAD_DIM}) only in 16-bit types with "
+                f"at most {TRITON_MAX_WIDE_GROUP} query heads per KV head, got {group} in {element_size}-byte "
+                "elements (its tiles would not fit the GPU's shared memory)")
+    return None
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
+def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None, group: int = 1,
+                       element_size: int = 2) -> None:
+    # any size: one that is no power of two is computed padded (`triton_dims`); wide ones only in small tiles
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not 1 <= d <= 256:  # any size: one that is no power of two is computed padded (`triton_dims`)
-            raise ValueError(f"Triton kernels support {name} from 1 to 256, got {d}")
+        reason = triton_dims_refusal(d, group, element_size)
+        if reason is not None:
+            raise ValueError(reason.replace("head_dim", name))
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 
