@@ -290,11 +290,11 @@ def test_validation_errors(monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_dim_checks(monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
-    kc = torch.zeros(4, 2, 8, 320, device=DEVICE)
-    q = torch.zeros(2, 4, 320, device=DEVICE)
+    kc = torch.zeros(4, 2, 8, 1040, device=DEVICE)  # wider than the wide kernels take (1,024)
+    q = torch.zeros(2, 4, 1040, device=DEVICE)
     bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     sl = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="head_dim from 1 to 256, got 320"):
+    with pytest.raises(ValueError, match="head_dim from 1 to 1024, got 1040"):
         kernels.paged_decode(q, kc, kc, bt, sl, 1.0)
     kc = torch.zeros(4, 2, 12, 64, device=DEVICE)
     with pytest.raises(ValueError, match="block_size"):

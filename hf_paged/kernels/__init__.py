@@ -13,9 +13,11 @@ The contract (each function's docstring has its details):
   key scale joins the logit scale, the value scale multiplies the output, both in float32). The query and the new
   K/V may then be any float type; the output takes the query's. Scales are read on the device: CUDA graphs keep
   them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
-  ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
+  ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 1,024 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
-  masked (:mod:`hf_paged.kernels.triton_dims`).
+  masked (:mod:`hf_paged.kernels.triton_dims`). Heads over 256 (MLA's 576-value latent, Gemma 4's 512) run in wide
+  kernels (:mod:`hf_paged.kernels.triton_wide`: a key head in two tiles, at most 16 query heads per decode program,
+  the latent read once when ``value_cache`` is ``key_cache`` or a view of its first columns).
 * :func:`write_kv` ``(key [T,Hkv,D], value, key_cache, value_cache, slot_mapping [T])``: in place, slot < 0 skipped.
 * :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
   kv_start [B] | None, *, split_counters=None, ...) -> [B,Hq,Dv]``: one query token per sequence at position
@@ -81,6 +83,7 @@ from .checks import (
     _check_triton_device,
     _check_triton_dims,
     _last_contig,
+    triton_wide_heads,
 )
 
 __all__ = [
@@ -255,7 +258,8 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
         _check_triton_device(query)
         if new_kv is not None:
             new_kv = (_last_contig(new_kv[0]), _last_contig(new_kv[1]), new_kv[2].contiguous())
-        return _triton_module("triton_decode").paged_decode(
+        wide = triton_wide_heads(d, value_cache.shape[-1])
+        return _triton_module("triton_decode_wide" if wide else "triton_decode").paged_decode(
             _last_contig(query),
             key_cache,
             value_cache,
@@ -356,7 +360,8 @@ def paged_prefill(
     if get_backend(query.device) == "triton":
         _check_triton_dims(d, bs, value_cache.shape[-1])
         _check_triton_device(query)
-        return _triton_module("triton_prefill").paged_prefill(
+        wide = triton_wide_heads(d, value_cache.shape[-1])
+        return _triton_module("triton_prefill_wide" if wide else "triton_prefill").paged_prefill(
             _last_contig(query),
             key_cache,
             value_cache,
@@ -385,7 +390,7 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
     lengths = [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_q)]
     if get_backend(torch.device(device)) != "triton":
         return lengths[:1]
-    module = _triton_module("triton_prefill")
+    module = _triton_module("triton_prefill_wide" if triton_wide_heads(head_dim) else "triton_prefill")
     group = max(1, num_q_heads // max(1, num_kv_heads))
     on_cuda = torch.device(device).type == "cuda"
     seen, picked = set(), []
@@ -407,8 +412,8 @@ def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, devic
         return 32
     group = max(1, num_q_heads // max(1, num_kv_heads))
     elem = dtype.itemsize
-    block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda",
-                                                       elem)[0]
+    module = _triton_module("triton_prefill_wide" if triton_wide_heads(head_dim) else "triton_prefill")
+    block_m = module._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda", elem)[0]
     return max(1, block_m // group)
 
 
@@ -419,8 +424,9 @@ def decode_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     (`hf_paged.runner.warm_up`). One key for every batch on the torch backend."""
     if get_backend(torch.device(device)) != "triton":
         return ()
-    return _triton_module("triton_decode").launch_variant(batch, num_q_heads, num_kv_heads, head_dim,
-                                                          head_dim_v or head_dim, max_context, device)
+    module = _triton_module("triton_decode_wide" if triton_wide_heads(head_dim, head_dim_v) else "triton_decode")
+    return module.launch_variant(batch, num_q_heads, num_kv_heads, head_dim, head_dim_v or head_dim, max_context,
+                                 device)
 
 
 def copy_blocks(

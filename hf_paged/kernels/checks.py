@@ -64,10 +64,22 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
+# The widest key / value head the Triton attention kernels take. Heads up to TRITON_NARROW_HEAD_DIM are one padded
+# register tile (`triton_dims`); wider ones (MLA's 576-value latent, Gemma 4's 512) run in kernels of their own that
+# take a key head in two tiles and a block of query heads per program (`triton_wide`).
+TRITON_MAX_HEAD_DIM = 1024
+TRITON_NARROW_HEAD_DIM = 256
+
+
+def triton_wide_heads(head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether keys of `head_dim` / values of `head_dim_v` values take the wide kernels (`triton_wide`)."""
+    return max(head_dim, head_dim_v or head_dim) > TRITON_NARROW_HEAD_DIM
+
+
 def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not 1 <= d <= 256:  # any size: one that is no power of two is computed padded (`triton_dims`)
-            raise ValueError(f"Triton kernels support {name} from 1 to 256, got {d}")
+        if not 1 <= d <= TRITON_MAX_HEAD_DIM:  # any size: one that is no power of two is computed padded
+            raise ValueError(f"Triton kernels support {name} from 1 to {TRITON_MAX_HEAD_DIM}, got {d}")
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 
