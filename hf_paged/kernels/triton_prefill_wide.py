@@ -31,9 +31,10 @@ _LOG2E = 1.4426950408889634
 
 def _config(G: int, D: int, max_seqlen_q: int, on_cuda: bool, elem_bytes: int = 2, Dv: int | None = None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a wide head (see the module docstring); `triton_prefill._config`'s
-    signature, so the kernels' warm-up helpers ask either alike."""
+    signature, so the kernels' warm-up helpers ask either alike. They do not know the value width: without `Dv`, the
+    values are taken to be at most 512 wide (MLA's latent, Gemma 4's heads)."""
     _, dt = key_split(D)
-    small = padded_dim(Dv or D) > 512 or dt > 128 or elem_bytes > 2
+    small = padded_dim(Dv or min(D, 512)) > 512 or dt > 128 or elem_bytes > 2
     cap = 16 if small else 32
     block_m = min(cap, max(16, triton.next_power_of_2(G * max(1, max_seqlen_q))))
     return (block_m, 16, 8, 1) if small else (block_m, 32, 8, 1)
