@@ -205,8 +205,50 @@ def test_wide_launch_helpers():
     assert triton_wide.values_are_keys(kc, kc[..., :512])
     assert not triton_wide.values_are_keys(kc, kc[..., :512].clone())
     assert not triton_wide.values_are_keys(kc, kc[..., 64:])  # another start: not the main tile
-    assert kernels.prefill_query_tile(16, 1, 576, DEVICE) == 2  # 32 rows over 16 heads (interpreter tiles)
-    assert kernels.prefill_tile_lengths(16, 1, 576, 64, DEVICE)[0] == 2
-    assert kernels.decode_variant(4, 16, 1, 576, 4096, DEVICE, 512) == (False, False)
+    assert kernels.prefill_query_tile(16, 1, 576, "cpu") == 2  # 32 rows over 16 heads
+    assert kernels.prefill_tile_lengths(16, 1, 576, 64, "cpu") == [2]  # one tile for every query length
+    assert kernels.decode_variant(4, 16, 1, 576, 4096, "cpu", 512) == (False, False)  # no splits off the GPU
     assert triton_decode_wide._config(576, 512) == (16, 32, 4, 2)
     assert triton_prefill_wide._config(16, 576, 512, True) == (32, 32, 8, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hkv,g,dk,dv,latent", [(1, 16, 576, 512, True), (1, 128, 576, 512, True),
+                                                (2, 8, 512, 512, False)])
+def test_cuda_wide_realistic(hkv, g, dk, dv, latent):
+    """bf16 on the GPU at the real widths (DeepSeek-V2-Lite's and V3's latent, a Gemma 4 global layer): the tiles
+    compile (shared memory, registers) and agree with the torch reference, decode (heuristic splits, split counters,
+    the fused write, an FP8 latent) and prefill after a cached prefix."""
+    torch.manual_seed(0)
+    seq_lens = [1000, 37, 517, 2048]
+    bs = 16
+    per = [-(-n // bs) for n in seq_lens]
+    nb = sum(per)
+    kc = torch.randn(nb, hkv, bs, dk, device="cuda", dtype=torch.bfloat16)
+    vc = kc[..., :dv] if latent else torch.randn(nb, hkv, bs, dv, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(len(seq_lens), max(per), dtype=torch.int32, device="cuda")
+    perm, i = torch.randperm(nb, device="cuda").to(torch.int32), 0
+    for s, n in enumerate(per):
+        bt[s, :n] = perm[i:i + n]
+        i += n
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(seq_lens), hkv * g, dk, device="cuda", dtype=torch.bfloat16)
+    opts = {} if latent else dict(sliding_window=300, softcap=30.0)
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out = kernels.paged_decode(q, kc, vc, bt, sl, SCALE, split_counters=counters, **opts)
+    ref = reference.paged_decode(q, kc, vc, bt, sl, SCALE, **opts)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert not counters.any()
+    if latent:  # an FP8 latent, one scale for keys and values
+        scale = kc.float().abs().amax().reshape(1) / 448.0
+        kc8 = (kc.float() / scale).to(kernels.FP8_DTYPE)
+        out = kernels.paged_decode(q, kc8, kc8[..., :dv], bt, sl, SCALE, k_scale=scale, v_scale=scale)
+        ref = reference.paged_decode(q, kc8, kc8[..., :dv], bt, sl, SCALE, k_scale=scale, v_scale=scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    q_lens = [200, 37, 17, 64]  # new queries after cached prefixes (and one fresh prompt)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), hkv * g, dk, device="cuda", dtype=torch.bfloat16)
+    out = kernels.paged_prefill(q, kc, vc, bt, cu, sl, SCALE, max(q_lens), **opts)
+    ref = reference.paged_prefill(q, kc, vc, bt, cu, sl, SCALE, max(q_lens), **opts)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
