@@ -193,6 +193,15 @@ def test_wide_fp8_cache():
            reference.paged_prefill(q, kc, vc, bt, cu, sl, SCALE, 7, k_scale=scale, v_scale=scale))
 
 
+def test_wide_dims_taken_up_to_1024():
+    from hf_paged.kernels import checks
+
+    assert checks.triton_dims_refusal(576, 128, 2) is None and checks.triton_dims_refusal(1024, 1, 4) is None
+    assert "1024, got 1040" in checks.triton_dims_refusal(1040)
+    assert checks.triton_wide_heads(576, 512) and checks.triton_wide_heads(128, 512)
+    assert not checks.triton_wide_heads(256, 256) and not checks.triton_wide_heads(192, 128)
+
+
 def test_wide_launch_helpers():
     """The warm-up helpers ask the wide kernels' tiles; a latent view counts as the keys only when it is one."""
     from hf_paged.kernels import triton_decode_wide, triton_prefill_wide, triton_wide

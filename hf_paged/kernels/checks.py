@@ -76,10 +76,21 @@ def triton_wide_heads(head_dim: int, head_dim_v: int | None = None) -> bool:
     return max(head_dim, head_dim_v or head_dim) > TRITON_NARROW_HEAD_DIM
 
 
+def triton_dims_refusal(head_dim: int, group: int = 1, element_size: int = 2) -> str | None:
+    """Why the Triton kernels cannot take heads of `head_dim` values (None when they can). Any number of query heads
+    per KV head (`group`) and any element size are taken: a wide head's program holds a block of 16 query heads,
+    and its tiles shrink for float32 (`triton_decode_wide`, `triton_prefill_wide`); the arguments let a caller (the
+    MLA adapter) ask before it builds anything."""
+    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:  # any size: one that is no power of two is computed padded
+        return f"Triton kernels support head_dim from 1 to {TRITON_MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
 def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        if not 1 <= d <= TRITON_MAX_HEAD_DIM:  # any size: one that is no power of two is computed padded
-            raise ValueError(f"Triton kernels support {name} from 1 to {TRITON_MAX_HEAD_DIM}, got {d}")
+        reason = triton_dims_refusal(d)
+        if reason is not None:
+            raise ValueError(reason.replace("head_dim", name))
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
         raise ValueError(f"Triton kernels support block_size a power of two in [8, 256], got {block_size}")
 
