@@ -217,7 +217,7 @@ def test_wide_launch_helpers():
     assert kernels.prefill_query_tile(16, 1, 576, "cpu") == 2  # 32 rows over 16 heads
     assert kernels.prefill_tile_lengths(16, 1, 576, 64, "cpu") == [2]  # one tile for every query length
     assert kernels.decode_variant(4, 16, 1, 576, 4096, "cpu", 512) == (False, False)  # no splits off the GPU
-    assert triton_decode_wide._config(576, 512) == (16, 32, 4, 2)
+    assert triton_decode_wide._config(576, 512) == (16, 32, 8, 2)
     assert triton_prefill_wide._config(16, 576, 512, True) == (32, 32, 8, 1)
 
 

@@ -9,10 +9,13 @@ kernel as in `triton_decode`; with several, a separate combine kernel runs (the 
 own position writes the step's K/V (the same bytes), so none reads the slot before its own write.
 
 Options: kv_start, sliding window, chunked attention, softcap, sinks, ALiBi, an FP8 cache, the fused K/V write.
-Launch tiles (`_config`): BLOCK_H 16 query heads, BLOCK_N 32 keys in 4 warps, 2 stages (vLLM's grouped MLA decode
-tile): a ``[512, 32]`` key tile, the 64-wide rest and a ``[32, 512]`` value tile, double-buffered, take about 140 KB of
-shared memory in 16-bit types, inside an H100/H200's 227 KB; wider values (> 512) or a wider key rest (> 128) or
-float32 take 16 keys. Not yet timed on a GPU (`benchmarks/bench_decode_kernel.py`'s MLA and Gemma 4 shapes).
+Launch tiles (`_config`): BLOCK_H 16 query heads, BLOCK_N 32 keys, 2 stages (vLLM's grouped MLA decode tile): a
+``[512, 32]`` key tile, the 64-wide rest and a ``[32, 512]`` value tile, double-buffered, take about 140 KB of shared
+memory in 16-bit types, inside an H100/H200's 227 KB. 8 warps, not vLLM's 4: the ``16 x 512`` float32 accumulator,
+the query and a key tile kept for the values come near 255 registers a thread in 4 (the MLA helper's padded
+1,024-lane tile spilled at 4 warps on the H200, 9x slower, and was fastest at 32 keys / 8 warps / 2 stages). Wider
+values (> 512), a wider key rest (> 128) or float32 take 16 keys. Not yet timed on a GPU
+(`benchmarks/bench_decode_kernel.py --shapes wide --sweep`).
 
 Imported lazily by :mod:`hf_paged.kernels` (needs triton).
 """
@@ -38,7 +41,7 @@ def _config(d: int, dv: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a wide head: see the module docstring."""
     _, dt = key_split(d)
     small = padded_dim(dv) > 512 or dt > 128 or elem_bytes > 2
-    return (BLOCK_H, 16, 8, 2) if small else (BLOCK_H, 32, 4, 2)
+    return (BLOCK_H, 16, 8, 2) if small else (BLOCK_H, 32, 8, 2)
 
 
 def default_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
