@@ -11,8 +11,10 @@ For each shape (bf16, block_size 16, shuffled physical blocks) it times, with
 
 Wide heads (over 256 values) run the wide kernel (`hf_paged.kernels.triton_decode_wide`): a DeepSeek-V2-Lite MLA
 step (one 576-value latent per token, 16 query heads, the values the latent's first 512 columns: a view, read once)
-and a Gemma 4 global layer (head dim 512, GQA 8:1). ``--shapes wide`` runs those two alone, which is the GPU check
-of the wide kernel: every line must print (no compile error for shared memory or registers) with a small max|err|.
+a DeepSeek-V3 one (128 query heads) and a Gemma 4 global layer (head dim 512, GQA 8:1). ``--shapes wide`` runs those
+alone, which is the GPU check of the wide kernel: every line must print (no compile error for shared memory or
+registers) with a small max|err|; ``--sweep`` adds the wide tiles and, with more than 16 query heads per KV head,
+blocks of 32 heads per program.
 
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
 also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode
@@ -49,6 +51,9 @@ SHAPES = [
     # wide heads: DeepSeek-V2-Lite's latent (values = the keys' first 512 columns) and a Gemma 4 global layer
     dict(name="B64-L2048-h16/1-d576/512", B=64, L=2048, Hq=16, Hkv=1, D=576, Dv=512, latent=True, sdpa_anchor_us=None),
     dict(name="B64-L4096-h16/2-d512", B=64, L=4096, Hq=16, Hkv=2, D=512, sdpa_anchor_us=None),
+    # DeepSeek-V3's 128 query heads over the latent: 8 head blocks of 16 (the sweep also tries blocks of 32)
+    dict(name="B32-L2048-h128/1-d576/512", B=32, L=2048, Hq=128, Hkv=1, D=576, Dv=512, latent=True,
+         sdpa_anchor_us=None),
 ]
 WIDE_SHAPES = [s["name"] for s in SHAPES if s["D"] > 256]
 BLOCK_SIZE = 16
@@ -256,12 +261,44 @@ def run_shape(shape, args, bench, t_start, budget_s):
                     )
                 )
                 print(f"  splits={sp} (best tile): {us:.1f} us", flush=True)
+            if mod is not td and shape["Hq"] // shape["Hkv"] > 16:  # wider head blocks read the latent fewer times
+                sweep += sweep_head_blocks(shape, mod, min(sweep, key=lambda x: x["us"]), bench, ref,
+                                           (q, kc, vc, bt, sl, scale))
             best = min(sweep, key=lambda x: x["us"])
             r["sweep"] = sweep
             r["best"] = best
             r["best_tbps"] = nbytes / (best["us"] * 1e-6) / 1e12
             r["best_ratio"] = best["us"] / r["sdpa_us"]
     return r
+
+
+def sweep_head_blocks(shape, mod, tile, bench, ref, call) -> list[dict]:
+    """The wide kernel's best tile with 32 and 64 query heads per program (16 by default): fewer programs read each
+    latent tile, but each holds a wider accumulator (registers)."""
+    from hf_paged.kernels import triton_decode as td
+
+    out = []
+    group = shape["Hq"] // shape["Hkv"]
+    for bh in (32, 64):
+        if bh >= 2 * group:
+            break
+        programs = shape["Hkv"] * -(-group // bh)
+        sp = td.choose_num_splits(shape["B"], programs, call[3].shape[1] * BLOCK_SIZE, tile["block_n"], call[0].device)
+
+        def fn(bh=bh, sp=sp):
+            return mod.paged_decode(*call, num_splits=sp, block_n=tile["block_n"], num_warps=tile["num_warps"],
+                                    num_stages=tile["num_stages"], block_h=bh)
+
+        try:
+            e = (fn().float() - ref).abs().max().item()
+            us = bench(fn)
+        except Exception as exc:  # out of shared memory / registers
+            print(f"  block_h={bh}: failed ({type(exc).__name__})")
+            continue
+        out.append(dict(block_n=tile["block_n"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+                        splits=sp, block_h=bh, us=us, err=e))
+        print(f"  block_h={bh} (best tile) splits={sp}: {us:.1f} us (err {e:.1e})", flush=True)
+    return out
 
 
 def render(results, meta, out_dir) -> int:

@@ -307,7 +307,7 @@ def test_decode_kernel_bench_builds_a_latent_read_once():
     assert bench.kv_bytes(shape) == 2 * 32 * 576 * 2
     mod, programs = bench.decode_module(shape)
     assert mod.__name__.endswith("triton_decode_wide") and programs == 1
-    assert bench.WIDE_SHAPES == ["B64-L2048-h16/1-d576/512", "B64-L4096-h16/2-d512"]
+    assert bench.WIDE_SHAPES == ["B64-L2048-h16/1-d576/512", "B64-L4096-h16/2-d512", "B32-L2048-h128/1-d576/512"]
 
 
 def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):

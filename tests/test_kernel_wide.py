@@ -70,6 +70,7 @@ def _query(rows, heads, d, seed=1):
     (2, 2, 512, 512, False, 3),  # Gemma 4's global layers: 512-value heads, GQA 2:1
     (1, 16, 576, 448, True, 1),  # a narrower view: the main key tile reused, its last lanes not stored
     (1, 16, 576, 200, True, 2),  # a view narrower than the main tile: loaded on its own, at the key's stride
+    (1, 40, 576, 512, True, 2),  # blocks of 32 heads (32 + 8), as a sweep may ask
 ])
 def test_decode_wide(hkv, g, dk, dv, shared, splits):
     seq_lens, starts = [70, 5, 33], [0, 2, 3]
@@ -80,7 +81,10 @@ def test_decode_wide(hkv, g, dk, dv, shared, splits):
 
     assert triton_wide.values_are_keys(kc, vc) == (shared and dv > 256)
     assert triton_decode_wide._launch_splits(splits, 3, hkv, bt.shape[1] * BS, 32, DEVICE) == splits
-    out = kernels.paged_decode(q, kc, vc, bt, sl, SCALE, ks, _num_splits=splits)
+    if g > 32:
+        out = triton_decode_wide.paged_decode(q, kc, vc, bt, sl, SCALE, ks, num_splits=splits, block_h=32)
+    else:
+        out = kernels.paged_decode(q, kc, vc, bt, sl, SCALE, ks, _num_splits=splits)
     assert out.shape == (3, hkv * g, dv)
     _close(out, reference.paged_decode(q, kc, vc, bt, sl, SCALE, ks))
 

@@ -218,8 +218,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  chunk_size: int | None = None, alibi_slopes: torch.Tensor | None = None,
                  new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  split_counters: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`triton_decode.paged_decode` for wide heads (same arguments, same result). Inputs are assumed validated."""
+                 v_scale: torch.Tensor | None = None, block_h: int | None = None) -> torch.Tensor:
+    """`triton_decode.paged_decode` for wide heads (same arguments, same result). Inputs are assumed validated.
+    `block_h` (a power of two >= 16; sweeps): query heads per program, instead of `BLOCK_H`."""
     B, Hq, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
     Dv = value_cache.shape[-1]
@@ -228,7 +229,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         out = query.new_empty(B, Hq, Dv)
     if B == 0:
         return out
-    block_h, cfg_n, cfg_w, cfg_s = _config(D, Dv, query.element_size())
+    cfg_h, cfg_n, cfg_w, cfg_s = _config(D, Dv, query.element_size())
+    block_h = block_h or cfg_h
     block_n = block_n or cfg_n
     num_hb = triton.cdiv(G, block_h)
     if max_context is None:
@@ -273,8 +275,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         num_warps=num_warps or cfg_w, num_stages=num_stages or cfg_s,
     )
     if num_splits > 1 and not fuse_reduce:
-        _wide_reduce_kernel[(B, triton.cdiv(Hq, block_h))](
+        _wide_reduce_kernel[(B, triton.cdiv(Hq, BLOCK_H))](
             pacc, pm, pl, sink_arg, out, num_splits, Hq, *pstrides, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, HEAD_DIM=Dv, HAS_SINKS=sinks is not None, D_PAD=padded_dim(Dv), num_warps=4,
+            BLOCK_H=BLOCK_H, HEAD_DIM=Dv, HAS_SINKS=sinks is not None, D_PAD=padded_dim(Dv), num_warps=4,
         )
     return out
