@@ -86,9 +86,10 @@ def triton_dims_refusal(head_dim: int, group: int = 1, element_size: int = 2) ->
     return None
 
 
-def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None) -> None:
+def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None, group: int = 1,
+                       element_size: int = 2) -> None:
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
-        reason = triton_dims_refusal(d)
+        reason = triton_dims_refusal(d, group, element_size)
         if reason is not None:
             raise ValueError(reason.replace("head_dim", name))
     if not (_is_pow2(block_size) and 8 <= block_size <= 256):
