@@ -9,6 +9,13 @@ For each shape (bf16, block_size 16, shuffled physical blocks) it times, with
 * ``paged``: ``hf_paged.kernels.paged_decode`` (Triton, default heuristics),
 * ``paged FP8``: the same kernel on the cache stored as float8_e4m3fn with one scale per KV head (half the bytes),
 
+Wide heads (over 256 values) run the wide kernel (`hf_paged.kernels.triton_decode_wide`): a DeepSeek-V2-Lite MLA
+step (one 576-value latent per token, 16 query heads, the values the latent's first 512 columns: a view, read once)
+a DeepSeek-V3 one (128 query heads) and a Gemma 4 global layer (head dim 512, GQA 8:1). ``--shapes wide`` runs those
+alone, which is the GPU check of the wide kernel: every line must print (no compile error for shared memory or
+registers) with a small max|err|; ``--sweep`` adds the wide tiles and, with more than 16 query heads per KV head,
+blocks of 32 heads per program.
+
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
 also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode
 kernel's launch configuration (BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
@@ -41,10 +48,18 @@ SHAPES = [
     # a KV-bound llama-8b step (issue 55's FP8 workload) and a Gemma-3-1B global layer (head dim 256, one KV head)
     dict(name="B256-L2048-h32/8-d128", B=256, L=2048, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
     dict(name="B240-L1024-h4/1-d256", B=240, L=1024, Hq=4, Hkv=1, D=256, sdpa_anchor_us=None),
+    # wide heads: DeepSeek-V2-Lite's latent (values = the keys' first 512 columns) and a Gemma 4 global layer
+    dict(name="B64-L2048-h16/1-d576/512", B=64, L=2048, Hq=16, Hkv=1, D=576, Dv=512, latent=True, sdpa_anchor_us=None),
+    dict(name="B64-L4096-h16/2-d512", B=64, L=4096, Hq=16, Hkv=2, D=512, sdpa_anchor_us=None),
+    # DeepSeek-V3's 128 query heads over the latent: 8 head blocks of 16 (the sweep also tries blocks of 32)
+    dict(name="B32-L2048-h128/1-d576/512", B=32, L=2048, Hq=128, Hkv=1, D=576, Dv=512, latent=True,
+         sdpa_anchor_us=None),
 ]
+WIDE_SHAPES = [s["name"] for s in SHAPES if s["D"] > 256]
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
+WIDE_TILE_SWEEP = [(16, 4, 2), (16, 8, 2), (32, 4, 1), (32, 4, 2), (32, 8, 1), (32, 8, 2), (64, 4, 1), (64, 8, 1)]
 TILE_SWEEP = [  # (BLOCK_N, num_warps, num_stages)
     (32, 4, 2),
     (32, 4, 3),
@@ -65,25 +80,43 @@ SPLIT_SWEEP = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 def build(shape, device="cuda", seed=0):
+    """q ``[B, Hq, 1, D]``, contiguous k / v, paged caches, block tables, lengths. A `latent` shape's values are its
+    keys' first `Dv` columns, in both layouts (views, as the MLA adapter passes them)."""
     B, L, Hq, Hkv, D = (shape[k] for k in ("B", "L", "Hq", "Hkv", "D"))
+    Dv = shape.get("Dv", D)
     g = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(B, Hkv, L, D, device=device, dtype=DTYPE, generator=g)
-    v = torch.randn(B, Hkv, L, D, device=device, dtype=DTYPE, generator=g)
+    v = torch.randn(B, Hkv, L, Dv, device=device, dtype=DTYPE, generator=g)
     q = torch.randn(B, Hq, 1, D, device=device, dtype=DTYPE, generator=g)
     nbps = L // BLOCK_SIZE
     nb = B * nbps
     bt = torch.randperm(nb, device=device, generator=g).to(torch.int32).view(B, nbps)
     kc = torch.empty(nb, Hkv, BLOCK_SIZE, D, device=device, dtype=DTYPE)
-    vc = torch.empty_like(kc)
+    vc = torch.empty(nb, Hkv, BLOCK_SIZE, Dv, device=device, dtype=DTYPE)
     idx = bt.flatten().long()
     kc[idx] = k.view(B, Hkv, nbps, BLOCK_SIZE, D).permute(0, 2, 1, 3, 4).reshape(nb, Hkv, BLOCK_SIZE, D)
-    vc[idx] = v.view(B, Hkv, nbps, BLOCK_SIZE, D).permute(0, 2, 1, 3, 4).reshape(nb, Hkv, BLOCK_SIZE, D)
+    vc[idx] = v.view(B, Hkv, nbps, BLOCK_SIZE, Dv).permute(0, 2, 1, 3, 4).reshape(nb, Hkv, BLOCK_SIZE, Dv)
+    if shape.get("latent"):
+        v, vc = k[..., :Dv], kc[..., :Dv]
     sl = torch.full((B,), L, device=device, dtype=torch.int32)
     return q, k, v, kc, vc, bt, sl
 
 
 def kv_bytes(shape) -> int:
-    return 2 * shape["B"] * shape["Hkv"] * shape["L"] * shape["D"] * torch.tensor([], dtype=DTYPE).element_size()
+    """Bytes of K/V one step reads: a latent shape's values are its keys (read once)."""
+    per_token = shape["D"] + (0 if shape.get("latent") else shape.get("Dv", shape["D"]))
+    return shape["B"] * shape["Hkv"] * shape["L"] * per_token * torch.tensor([], dtype=DTYPE).element_size()
+
+
+def decode_module(shape):
+    """The kernel module a shape runs (`triton_decode`, or `triton_decode_wide` for heads over 256) and the
+    (sequence, head) programs per split its split rule counts."""
+    from hf_paged.kernels import triton_decode, triton_decode_wide
+
+    if max(shape["D"], shape.get("Dv", shape["D"])) <= 256:
+        return triton_decode, shape["Hkv"]
+    blocks = -(-(shape["Hq"] // shape["Hkv"]) // triton_decode_wide.BLOCK_H)
+    return triton_decode_wide, shape["Hkv"] * blocks
 
 
 def copy_bandwidth(bench, dev) -> float:
@@ -98,6 +131,7 @@ def run_shape(shape, args, bench, t_start, budget_s):
     from hf_paged import kernels
     from hf_paged.kernels import triton_decode as td
 
+    mod, programs = decode_module(shape)
     q4, k, v, kc, vc, bt, sl = build(shape)
     dev = q4.device
     q = q4[:, :, 0, :].contiguous()
@@ -121,6 +155,8 @@ def run_shape(shape, args, bench, t_start, budget_s):
     v_scale = vc.float().abs().amax(dim=(0, 2, 3)).clamp(min=1e-6) / 448.0
     kc8 = (kc.float() / k_scale[None, :, None, None]).to(torch.float8_e4m3fn)
     vc8 = (vc.float() / v_scale[None, :, None, None]).to(torch.float8_e4m3fn)
+    if shape.get("latent"):  # one FP8 latent, its scale for keys and values alike
+        v_scale, vc8 = k_scale, kc8[..., :vc.shape[-1]]
 
     def paged_fp8():
         return kernels.paged_decode(q, kc8, vc8, bt, sl, scale, k_scale=k_scale, v_scale=v_scale)
@@ -128,7 +164,8 @@ def run_shape(shape, args, bench, t_start, budget_s):
     ref = sdpa()[:, :, 0, :].float()
     err = (paged().float() - ref).abs().max().item()
     err_g = (gather_sdpa()[:, :, 0, :].float() - ref).abs().max().item()
-    splits = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, td._CONFIGS[D][0], dev)
+    block_n = mod._config(D, vc.shape[-1])[1] if mod is not td else td._CONFIGS[D][0]
+    splits = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, block_n, dev)
     r = dict(shape, kv_bytes=nbytes, max_abs_err_vs_sdpa=err, gather_err=err_g, default_splits=splits)
     r["sdpa_us"] = bench(sdpa)
     r["gather_sdpa_us"] = bench(gather_sdpa)
@@ -148,14 +185,15 @@ def run_shape(shape, args, bench, t_start, budget_s):
         flush=True,
     )
 
+    tiles = WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP
     if args.sweep or args.fp8_sweep:
         # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
         fp8_sweep = []
-        for bn, nw, ns in TILE_SWEEP:
-            sp = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, bn, dev)
+        for bn, nw, ns in tiles:
+            sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
 
             def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
-                return td.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
+                return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
                                        num_stages=ns, k_scale=k_scale, v_scale=v_scale)
 
             try:
@@ -171,14 +209,14 @@ def run_shape(shape, args, bench, t_start, budget_s):
             print(f"  FP8 best: {r['fp8_best']}", flush=True)
     if args.sweep:
         sweep = []
-        for bn, nw, ns in TILE_SWEEP:
+        for bn, nw, ns in tiles:
             if time.time() - t_start > budget_s:
                 print("  (sweep budget exhausted)")
                 break
-            sp = td.choose_num_splits(shape["B"], shape["Hkv"], bt.shape[1] * BLOCK_SIZE, bn, dev)
+            sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
 
             def fn(bn=bn, nw=nw, ns=ns, sp=sp):
-                return td.paged_decode(q, kc, vc, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
+                return mod.paged_decode(q, kc, vc, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
 
             try:
                 e = (fn().float() - ref).abs().max().item()
@@ -197,7 +235,7 @@ def run_shape(shape, args, bench, t_start, budget_s):
                     continue
 
                 def fn(sp=sp, best=best):
-                    return td.paged_decode(
+                    return mod.paged_decode(
                         q,
                         kc,
                         vc,
@@ -223,12 +261,44 @@ def run_shape(shape, args, bench, t_start, budget_s):
                     )
                 )
                 print(f"  splits={sp} (best tile): {us:.1f} us", flush=True)
+            if mod is not td and shape["Hq"] // shape["Hkv"] > 16:  # wider head blocks read the latent fewer times
+                sweep += sweep_head_blocks(shape, mod, min(sweep, key=lambda x: x["us"]), bench, ref,
+                                           (q, kc, vc, bt, sl, scale))
             best = min(sweep, key=lambda x: x["us"])
             r["sweep"] = sweep
             r["best"] = best
             r["best_tbps"] = nbytes / (best["us"] * 1e-6) / 1e12
             r["best_ratio"] = best["us"] / r["sdpa_us"]
     return r
+
+
+def sweep_head_blocks(shape, mod, tile, bench, ref, call) -> list[dict]:
+    """The wide kernel's best tile with 32 and 64 query heads per program (16 by default): fewer programs read each
+    latent tile, but each holds a wider accumulator (registers)."""
+    from hf_paged.kernels import triton_decode as td
+
+    out = []
+    group = shape["Hq"] // shape["Hkv"]
+    for bh in (32, 64):
+        if bh >= 2 * group:
+            break
+        programs = shape["Hkv"] * -(-group // bh)
+        sp = td.choose_num_splits(shape["B"], programs, call[3].shape[1] * BLOCK_SIZE, tile["block_n"], call[0].device)
+
+        def fn(bh=bh, sp=sp):
+            return mod.paged_decode(*call, num_splits=sp, block_n=tile["block_n"], num_warps=tile["num_warps"],
+                                    num_stages=tile["num_stages"], block_h=bh)
+
+        try:
+            e = (fn().float() - ref).abs().max().item()
+            us = bench(fn)
+        except Exception as exc:  # out of shared memory / registers
+            print(f"  block_h={bh}: failed ({type(exc).__name__})")
+            continue
+        out.append(dict(block_n=tile["block_n"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+                        splits=sp, block_h=bh, us=us, err=e))
+        print(f"  block_h={bh} (best tile) splits={sp}: {us:.1f} us (err {e:.1e})", flush=True)
+    return out
 
 
 def render(results, meta, out_dir) -> int:
@@ -309,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-sweep", action="store_true", help="sweep the launch configuration for the FP8 cache only")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
-    ap.add_argument("--shapes", default="", help="comma-separated subset of shape names")
+    ap.add_argument("--shapes", default="",
+                    help="comma-separated subset of shape names; 'wide' for the heads over 256 (the wide kernel)")
     return ap
 
 
@@ -348,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["copy_tbps"] = copy_bandwidth(bench, dev)
     print(f"# device-to-device copy: {meta['copy_tbps']:.2f} TB/s (read+write)")
 
-    shapes = [s for s in SHAPES if not args.shapes or s["name"] in args.shapes.split(",")]
+    names = args.shapes.replace("wide", ",".join(WIDE_SHAPES)).split(",") if args.shapes else None
+    shapes = [s for s in SHAPES if names is None or s["name"] in names]
     results = []
     for shape in shapes:
         results.append(run_shape(shape, args, bench, time.time(), args.budget_s / len(shapes)))

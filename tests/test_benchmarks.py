@@ -297,6 +297,19 @@ def test_moe_shapes_build_with_their_experts(name, experts, top):
     assert (num, k) == (experts, top) and expert_bytes > 0.5 * roofline.model_bytes(model)
 
 
+def test_decode_kernel_bench_builds_a_latent_read_once():
+    """bench_decode_kernel's MLA shape: the values are a view of the keys' first 512 columns, counted once, and the
+    wide kernel runs it (its GPU check: `--shapes wide`)."""
+    bench = pytest.importorskip("bench_decode_kernel")
+    shape = dict(B=2, L=32, Hq=16, Hkv=1, D=576, Dv=512, latent=True)
+    q, k, v, kc, vc, bt, sl = bench.build(shape, device="cpu")
+    assert vc.data_ptr() == kc.data_ptr() and vc.shape[-1] == v.shape[-1] == 512
+    assert bench.kv_bytes(shape) == 2 * 32 * 576 * 2
+    mod, programs = bench.decode_module(shape)
+    assert mod.__name__.endswith("triton_decode_wide") and programs == 1
+    assert bench.WIDE_SHAPES == ["B64-L2048-h16/1-d576/512", "B64-L4096-h16/2-d512", "B32-L2048-h128/1-d576/512"]
+
+
 def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
     """bench_moe's CPU smoke run: the table's record, the bound's bytes, and each system checked against eager."""
     bench_moe = pytest.importorskip("bench_moe")

@@ -197,16 +197,14 @@ def test_gate_accepts_adapted_mla_and_refuses_the_rest():
 
 
 def test_a_latent_wider_than_the_triton_kernels_take_is_refused_up_front_on_their_devices():
-    """DeepSeek's 576-wide latent on a device whose kernels are Triton's: taken in 16-bit types for up to 32 query
-    heads (DeepSeek-V2-Lite's 16, GLM-4.7-Flash's 20), refused by the gate, naming why, for DeepSeek-V3's 128 heads
-    or float32 (rather than by the first kernel call of a step); the torch backend (CPU) takes any."""
+    """On a device whose kernels are Triton's, DeepSeek's 576-wide latent is taken for any number of query heads and
+    dtype (the narrow kernels' small tiles for up to 32 heads in 16-bit types, the wide kernels otherwise); a latent
+    wider than the wide kernels take (1,024) is refused by the gate, naming why, rather than by the first kernel call
+    of a step. The torch backend (CPU) takes any."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert mla.wide_latent_refusal(576, 128, torch.float32, cpu) is None
+    assert mla.wide_latent_refusal(2048, 128, torch.float32, cpu) is None
     if not hf_paged.kernels.triton_available():
         return
-    assert mla.wide_latent_refusal(576, 16, torch.bfloat16, cuda) is None
-    assert mla.wide_latent_refusal(576, 20, torch.float16, cuda) is None
-    assert mla.wide_latent_refusal(256, 128, torch.float32, cuda) is None
-    assert "128 in 2-byte" in mla.wide_latent_refusal(576, 128, torch.bfloat16, cuda)
-    assert "4-byte" in mla.wide_latent_refusal(576, 16, torch.float32, cuda)
-    assert "from 1 to 576" in mla.wide_latent_refusal(1024, 16, torch.bfloat16, cuda)
+    for heads, dtype in ((16, torch.bfloat16), (20, torch.float16), (128, torch.bfloat16), (16, torch.float32)):
+        assert mla.wide_latent_refusal(576, heads, dtype, cuda) is None
+    assert "from 1 to 1024" in mla.wide_latent_refusal(1088, 16, torch.bfloat16, cuda)

@@ -14,10 +14,13 @@ The contract (each function's docstring has its details):
   key scale joins the logit scale, the value scale multiplies the output, both in float32). The query and the new
   K/V may then be any float type; the output takes the query's. Scales are read on the device: CUDA graphs keep
   them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
-  ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 256 (K and V alike); one
+  ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 1,024 (K and V alike); one
   that is no power of two (Phi-3's 96, Phi-2's 80, MLA's 192) runs in the next power-of-two tile with the extra lanes
-  masked (:mod:`hf_paged.kernels.triton_dims`). Heads up to 576 (multi-head latent attention's latent) run in
-  smaller tiles, in 16-bit types and for at most 32 query heads per KV head (`checks.triton_dims_refusal`).
+  masked (:mod:`hf_paged.kernels.triton_dims`). Heads over 256 (MLA's 576-value latent, Gemma 4's 512) run in wide
+  kernels (:mod:`hf_paged.kernels.triton_wide`: a key head in two tiles, at most 16 query heads per decode program,
+  the latent read once when ``value_cache`` is ``key_cache`` or a view of its first columns), except the case the
+  narrow kernels' small tiles were measured on (`checks.small_tile_heads`: MLA's latent in 16-bit types for at most
+  32 query heads per KV head).
 * :func:`write_kv` ``(key [T,Hkv,D], value [T,Hkv,Dv], key_cache, value_cache, slot_mapping [T])``: in place, slot
   < 0 skipped; value and value_cache None for a layer whose values are its keys.
 * :func:`paged_decode` ``(query [B,Hq,D], key_cache, value_cache, block_tables [B,max_blocks], seq_lens [B], scale,
@@ -84,6 +87,8 @@ from .checks import (
     _check_triton_device,
     _check_triton_dims,
     _last_contig,
+    small_tile_heads,
+    triton_wide_heads,
 )
 
 __all__ = [
@@ -271,7 +276,8 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, kv_sta
         _check_triton_device(query)
         if new_kv is not None:
             new_kv = (_last_contig(new_kv[0]), _last_contig(new_kv[1]), new_kv[2].contiguous())
-        return _triton_module("triton_decode").paged_decode(
+        wide = _wide(d, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
+        return _triton_module("triton_decode_wide" if wide else "triton_decode").paged_decode(
             _last_contig(query),
             key_cache,
             value_cache,
@@ -372,7 +378,8 @@ def paged_prefill(
     if get_backend(query.device) == "triton":
         _check_triton_dims(d, bs, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
         _check_triton_device(query)
-        return _triton_module("triton_prefill").paged_prefill(
+        wide = _wide(d, value_cache.shape[-1], query.shape[1] // key_cache.shape[1], query.element_size())
+        return _triton_module("triton_prefill_wide" if wide else "triton_prefill").paged_prefill(
             _last_contig(query),
             key_cache,
             value_cache,
@@ -392,6 +399,12 @@ def paged_prefill(
     )
 
 
+def _wide(head_dim: int, head_dim_v: int | None, group: int, element_size: int) -> bool:
+    """Whether a launch takes the wide kernels (`triton_wide`): heads over 256, but for the case the narrow kernels'
+    small tiles take (`checks.small_tile_heads`). Every launch and warm-up helper asks this one question."""
+    return triton_wide_heads(head_dim, head_dim_v) and not small_tile_heads(head_dim, head_dim_v, group, element_size)
+
+
 def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max_q: int,
                          device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> list[int]:
     """Query lengths (powers of two, 2..min(max_q, 512)) whose prefill steps together use every kernel variant the
@@ -401,8 +414,8 @@ def prefill_tile_lengths(num_q_heads: int, num_kv_heads: int, head_dim: int, max
     lengths = [2 ** i for i in range(1, 10) if 2 ** i <= max(2, max_q)]
     if get_backend(torch.device(device)) != "triton":
         return lengths[:1]
-    module = _triton_module("triton_prefill")
     group = max(1, num_q_heads // max(1, num_kv_heads))
+    module = _triton_module("triton_prefill_wide" if _wide(head_dim, None, group, dtype.itemsize) else "triton_prefill")
     on_cuda = torch.device(device).type == "cuda"
     seen, picked = set(), []
     elem = dtype.itemsize
@@ -423,8 +436,8 @@ def prefill_query_tile(num_q_heads: int, num_kv_heads: int, head_dim: int, devic
         return 32
     group = max(1, num_q_heads // max(1, num_kv_heads))
     elem = dtype.itemsize
-    block_m = _triton_module("triton_prefill")._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda",
-                                                       elem)[0]
+    module = _triton_module("triton_prefill_wide" if _wide(head_dim, None, group, elem) else "triton_prefill")
+    block_m = module._config(group, head_dim, 1 << 16, torch.device(device).type == "cuda", elem)[0]
     return max(1, block_m // group)
 
 
@@ -435,8 +448,10 @@ def decode_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     (`hf_paged.runner.warm_up`). One key for every batch on the torch backend."""
     if get_backend(torch.device(device)) != "triton":
         return ()
-    return _triton_module("triton_decode").launch_variant(batch, num_q_heads, num_kv_heads, head_dim,
-                                                          head_dim_v or head_dim, max_context, device)
+    group = max(1, num_q_heads // max(1, num_kv_heads))
+    module = _triton_module("triton_decode_wide" if _wide(head_dim, head_dim_v, group, 2) else "triton_decode")
+    return module.launch_variant(batch, num_q_heads, num_kv_heads, head_dim, head_dim_v or head_dim, max_context,
+                                 device)
 
 
 def copy_blocks(

@@ -60,40 +60,47 @@ def _check_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
             raise ValueError(f"{name} must hold 1 or {hkv} (KV heads) contiguous values, got shape {tuple(scale.shape)}")
 
 
-# the widest head the Triton kernels take in general (a padded tile of up to 256 lanes), and the wider heads they take
-# in smaller tiles (`triton_decode._CONFIGS`, `triton_prefill._config`): multi-head latent attention's latent
-# (`hf_paged.attention.adapters.mla`: 576 values, a 1,024-lane tile) over at most TRITON_MAX_WIDE_GROUP query heads
-# per KV head, in 16-bit types. Measured on the H200 at 576 with 16 query heads (bf16): the default tiles need
-# 297 KB (decode) and 786 KB (prefill) of shared memory, more than its 227 KB; the small tiles fit and agree with the
-# torch reference (decode with split counters and kv_start, the fused K/V write, CUDA-graph replay, varlen prefill,
-# K/V write; 16, 20 and 32 query heads). Wider groups (DeepSeek-V3's 128 heads) or float32 tiles would not fit:
-# refused, naming why.
-TRITON_MAX_HEAD_DIM = 256
-TRITON_MAX_WIDE_HEAD_DIM = 576
-TRITON_MAX_WIDE_GROUP = 32
-
-
-def triton_dims_refusal(head_dim: int, group: int = 1, element_size: int = 2) -> str | None:
-    """Why the Triton kernels cannot take heads of `head_dim` values read by `group` query heads each, in tiles of
-    `element_size`-byte elements (None when they can)."""
-    if 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
-        return None
-    if head_dim < 1 or head_dim > TRITON_MAX_WIDE_HEAD_DIM:
-        return f"Triton kernels support head_dim from 1 to {TRITON_MAX_WIDE_HEAD_DIM}, got {head_dim}"
-    if group > TRITON_MAX_WIDE_GROUP or element_size > 2:
-        return (f"Triton kernels take a head_dim of {head_dim} (over {TRITON_MAX_HEAD_DIM}) only in 16-bit types with "
-                f"at most {TRITON_MAX_WIDE_GROUP} query heads per KV head, got {group} in {element_size}-byte "
-                "elements (its tiles would not fit the GPU's shared memory)")
-    return None
-
-
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
+# The widest key / value head the Triton attention kernels take. Heads up to TRITON_NARROW_HEAD_DIM are one padded
+# register tile (`triton_dims`); wider ones (MLA's 576-value latent, Gemma 4's 512) run in kernels of their own that
+# take a key head in two tiles and a block of query heads per program (`triton_wide`).
+TRITON_MAX_HEAD_DIM = 1024
+TRITON_NARROW_HEAD_DIM = 256
+# the heads over 256 that the narrow kernels take in small tiles instead (`small_tile_heads`)
+TRITON_SMALL_TILE_HEAD_DIM = 576
+TRITON_SMALL_TILE_GROUP = 32
+
+
+def triton_wide_heads(head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether keys of `head_dim` / values of `head_dim_v` values take the wide kernels (`triton_wide`)."""
+    return max(head_dim, head_dim_v or head_dim) > TRITON_NARROW_HEAD_DIM
+
+
+def triton_dims_refusal(head_dim: int, group: int = 1, element_size: int = 2) -> str | None:
+    """Why the Triton kernels cannot take heads of `head_dim` values (None when they can). Any number of query heads
+    per KV head (`group`) and any element size are taken: a wide head's program holds a block of 16 query heads,
+    and its tiles shrink for float32 (`triton_decode_wide`, `triton_prefill_wide`); the arguments let a caller (the
+    MLA adapter) ask before it builds anything."""
+    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:  # any size: one that is no power of two is computed padded
+        return f"Triton kernels support head_dim from 1 to {TRITON_MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def small_tile_heads(head_dim: int, head_dim_v: int | None, group: int, element_size: int) -> bool:
+    """Whether heads over 256 run in the narrow kernels' small tiles rather than the wide kernels: multi-head latent
+    attention's latent (257-576 values, a 1,024-lane tile, `triton_decode._CONFIGS[1024]`, `triton_prefill._config`)
+    in 16-bit types for at most 32 query heads per KV head. That case was measured on an H200 (bf16, 16 / 20 / 32
+    query heads: equal to the torch reference, 0.376 ms for 64 x 4,096 keys against 0.647 ms over expanded K/V);
+    the wide kernels (every other head over 256) have been checked under Triton's interpreter only."""
+    widest = max(head_dim, head_dim_v or head_dim)
+    return 512 < widest <= TRITON_SMALL_TILE_HEAD_DIM and group <= TRITON_SMALL_TILE_GROUP and element_size <= 2
+
+
 def _check_triton_dims(head_dim: int, block_size: int, head_dim_v: int | None = None, group: int = 1,
                        element_size: int = 2) -> None:
-    # any size: one that is no power of two is computed padded (`triton_dims`); wide ones only in small tiles
     for name, d in (("head_dim", head_dim), ("value head_dim", head_dim_v if head_dim_v is not None else head_dim)):
         reason = triton_dims_refusal(d, group, element_size)
         if reason is not None:

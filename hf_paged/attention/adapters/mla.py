@@ -36,9 +36,10 @@ The latent path runs when the cache is a `PagedCache` (or one that says it holds
 run-time probe's recording cache, which stands for one); any other cache (a `DynamicCache` filled in the model's own
 layout) and no cache at all get the module's own forward. Refused: a `kv_b_proj` that is not a plain bias-free
 `nn.Linear` (a quantised checkpoint's packed weight cannot be split per head), and, on a device whose kernels are
-Triton's, a latent over 256 values in float32 or read by more than 32 query heads (DeepSeek-V2/V3's 128 heads):
-the kernels take DeepSeek's 576-wide latent only in small 16-bit tiles (`kernels.checks.triton_dims_refusal`), so
-DeepSeek-V2-Lite (16 heads) and GLM-4.7-Flash (20) run on CUDA, the 128-head models on the torch backend only.
+Triton's, a latent wider than they take (`kernels.checks.triton_dims_refusal`: 1,024 values). DeepSeek's 576-wide
+latent runs in the narrow kernels' small 16-bit tiles for up to 32 query heads (DeepSeek-V2-Lite's 16,
+GLM-4.7-Flash's 20; measured on an H200), in the wide kernels otherwise (DeepSeek-V3's 128 heads, float32; checked
+under Triton's interpreter only so far).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def holds_latent(cache) -> bool:
 
 def wide_latent_refusal(width: int, heads: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why a latent `width` values wide, read by `heads` query heads, in `dtype`, cannot be attended on `device` (None
-    when it can): the Triton kernels take heads over 256 values (DeepSeek's latent is 576) only in 16-bit types and
-    for at most 32 query heads per KV head (`kernels.checks.triton_dims_refusal`); the torch backend, the CPU's, takes
-    any. Said up front rather than by the first kernel call of a serving step."""
+    when it can): the Triton kernels take heads of up to 1,024 values (DeepSeek's latent is 576) for any number of
+    query heads (`kernels.checks.triton_dims_refusal`); the torch backend, the CPU's, takes any. Said up front rather
+    than by the first kernel call of a serving step."""
     if get_backend(device) != "triton":
         return None
     return triton_dims_refusal(width, heads, torch.empty((), dtype=dtype).element_size())
