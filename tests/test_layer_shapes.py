@@ -26,12 +26,15 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
 GEMMA4 = dict(attention_k_eq_v=True, num_global_key_value_heads=1, global_head_dim=32,
               num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
 MODELS = {"gemma4_text": GEMMA4, "mimo_v2_flash": {}}
+# issue 54's beam search and parallel sampling against transformers: Gemma 4, DeepSeek-V3 (latent attention, through
+# its adapter) and gpt-oss (sinks, sliding layers, MoE)
+SEARCH_FAMILIES = ("gemma4_text", "deepseek_v3", "gpt_oss")
 LENGTHS = (1, 13, 7, 22, 3)
 
 
 @functools.cache
 def model(family: str):
-    m = tiny_model(family, **MODELS[family])
+    m = tiny_model(family, **MODELS.get(family, {}))
     m.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return m
 
@@ -122,8 +125,9 @@ def test_drop_in_cache_greedy_matches_transformers_and_grows_every_group(family)
     assert cache.num_blocks > 16 and all(t.shape[t.dim() - 4] == cache.num_blocks for t in cache.kv.tensors)
 
 
-def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache():
-    m = model("gemma4_text")
+@pytest.mark.parametrize("family", SEARCH_FAMILIES)
+def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache(family):
+    m = model(family)
     ids, mask = padded_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=8,
                   return_dict_in_generate=True, output_scores=True, eos_token_id=None)
@@ -137,10 +141,11 @@ def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache():
         torch.testing.assert_close(got.sequences_scores, ref.sequences_scores, atol=1e-5, rtol=1e-5)
 
 
-def test_parallel_samples_with_a_seed_equal_transformers():
+@pytest.mark.parametrize("family", SEARCH_FAMILIES)
+def test_parallel_samples_with_a_seed_equal_transformers(family):
     """transformers' own sampling over the drop-in cache draws the tokens it draws over a DynamicCache (same seed);
     the engine's samples (forked blocks, copy-on-write of the shared partial block) score as the model scores them."""
-    m = model("gemma4_text")
+    m = model(family)
     ids, mask = padded_batch((6, 9))
     kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=3, max_new_tokens=8,
                   eos_token_id=None, temperature=1.5)
