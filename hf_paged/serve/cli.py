@@ -67,6 +67,11 @@ def parser() -> argparse.ArgumentParser:
                    help="record the CUDA graphs of prefill steps at start-up (about 2 s for a 1B model), so the first "
                         "requests of each prompt size do not pay for it (default: on)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable); a request's `model` "
+                        "picks it, the base model's name picks none")
+    p.add_argument("--max-loras", type=int, default=4, help="LoRA adapters resident at once (requests of others wait)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of the LoRA adapters")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="requests waiting for their first output at most; past it a request gets 429 with Retry-After "
                         "(default: no bound)")
@@ -81,6 +86,14 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _lora_arg(text: str) -> tuple[str, str]:
+    """`NAME=PATH` of `--lora`."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH, got {text!r}")
+    return name, path
 
 
 def load(args) -> tuple[object, object]:
@@ -145,8 +158,11 @@ def serve_main(argv: list[str] | None = None) -> int:
         preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
         admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
-        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype,
+        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
+    for lora_name, path in args.lora:  # before the warm-up: the CUDA graphs record the wrapped linears
+        engine.add_lora(lora_name, path)
     if not args.no_warm_up and engine.device.type == "cuda":
         engine.warm_up(prefill_graphs=args.prefill_graphs)
     name = args.served_model_name or args.model
