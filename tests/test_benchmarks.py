@@ -312,6 +312,17 @@ def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
     for system in ("hf_paged", "grouped_mm"):
         assert record[system]["us"] > 0 and record[system]["error"] < 1e-4
 
+def test_lora_harness_runs_on_the_cpu_and_reports_the_fraction(tmp_path):
+    """bench_lora's CPU smoke run: every request of each adapter count completes, the fraction is of the base run."""
+    bench_lora = pytest.importorskip("bench_lora")
+    bench_lora.main(["--device", "cpu", "--model", "tiny", "--adapters", "0,2", "--num-requests", "4", "--new-tokens",
+                     "3", "--prompt-len", "8", "--out", str(tmp_path)])
+    import json
+
+    records = json.loads((tmp_path / "lora.json").read_text())["records"]
+    assert [r["adapters"] for r in records] == [0, 2] and records[0]["fraction"] == 1.0
+    assert records[1]["loads"] == 2 and all(r["output_tokens"] == 12 for r in records)
+
 # ------------------------------------------------------------------------------------------------ command lines
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -349,6 +360,9 @@ COMMAND_LINES = {
                              {"prompts": 64, "generations": 8, "steps": 1, "prompt_len": "64,256"})],
     "bench_host_step": [(["--running", "256", "--steps", "400", "--sampled"],
                          {"running": "256", "steps": 400, "sampled": True, "finishing": False})],
+    "bench_lora": [(["--model", "llama-8b", "--adapters", "0,1,2,4,8", "--out", "r"],
+                    {"adapters": "0,1,2,4,8", "rank": 16, "num_requests": 256, "lora_kernel": "auto"}),
+                   (["--adapters", "0,8", "--lora-kernel", "torch"], {"adapters": "0,8", "lora_kernel": "torch"})],
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
                        {"tokenizer": "t", "requests": 400, "batch_size": 64, "kv_cache_dtype": "auto"}),
                       (["--tokenizer", "t", "--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"})],
@@ -378,6 +392,7 @@ BAD_COMMAND_LINES = {
     "bench_generate": [["--workload", "nope"], ["--num-requests", "many"], ["--kv-cache-dtype", "int4"]],
     "bench_kv_fp8_accuracy": [["--dtype", "int8"]],
     "bench_lm_eval": [[]],  # --tokenizer is required
+    "bench_lora": [["--lora-kernel", "cuda"], ["--rank", "r"]],
     "bench_startup": [["--bytecode", "compiled"]],
     "probe_compiled": [["--dtype", "float16"]],
     "profile_decode": [["--until-running", "-1"], ["--until-running", "a,b"], ["--model", "gpt5"]],

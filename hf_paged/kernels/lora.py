@@ -11,7 +11,10 @@ and traces under `torch.compile`):
 Returns ``[T, out]`` in ``x``'s dtype: ``(x_t @ a[s].T) @ b[s].T``, zero for tokens without an adapter; the caller
 adds it to the base projection. Backend: the Triton kernels of :mod:`hf_paged.kernels.triton_lora` on CUDA tensors
 when triton imports, the torch reference (:mod:`hf_paged.kernels.reference_lora`) otherwise; ``HF_PAGED_BACKEND``
-overrides as for the other kernels (``triton`` on the CPU needs ``TRITON_INTERPRET=1``).
+overrides as for the other kernels (``triton`` on the CPU needs ``TRITON_INTERPRET=1``), and `BACKEND` overrides it
+for this op alone. Why the torch form stays a choice on a GPU too: it reads every slot's adapter once per call
+instead of each token's once per token, which can win for long prefill steps while ``L * R`` stays small
+(`benchmarks/bench_lora.py --lora-kernel` measures both).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import torch
 
 from . import _check_tensor, _check_triton_device, _triton_module, get_backend, reference_lora
 
-__all__ = ["lora_delta"]
+__all__ = ["BACKEND", "lora_delta"]
+
+#: "triton" or "torch" for this op whatever `get_backend` says; None: follow it (set before CUDA graphs are recorded)
+BACKEND: str | None = None
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -40,7 +46,7 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.T
         raise ValueError(f"index must have one entry per token ({x.shape[0]}), got {index.shape[0]}")
     if x.shape[0] == 0 or a.shape[0] == 0:
         return x.new_zeros(x.shape[0], b.shape[1])
-    if get_backend(x.device) == "triton":
+    if (BACKEND or get_backend(x.device)) == "triton":
         _check_triton_device(x)
         return _triton_module("triton_lora").lora_delta(x if x.stride(-1) == 1 else x.contiguous(), a, b, index)
     return reference_lora.lora_delta(x, a, b, index)
