@@ -143,11 +143,12 @@ def test_lora_kernel_matches_reference(monkeypatch, backend):
     padded ranks, tokens without an adapter, out-of-range slots, odd widths."""
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     generator = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU runs Triton under its interpreter)
     for tokens, width, out, slots, rank in ((5, 24, 40, 3, 8), (3, 70, 33, 2, 5)):
-        x = torch.randn(tokens, width, generator=generator)
-        a = torch.randn(slots, rank, width, generator=generator)
-        b = torch.randn(slots, out, rank, generator=generator)
-        index = torch.tensor([0, -1, slots - 1, 7, 1][:tokens], dtype=torch.int32)
+        x = torch.randn(tokens, width, generator=generator).to(device)
+        a = torch.randn(slots, rank, width, generator=generator).to(device)
+        b = torch.randn(slots, out, rank, generator=generator).to(device)
+        index = torch.tensor([0, -1, slots - 1, 7, 1][:tokens], dtype=torch.int32, device=device)
         got = lora_kernels.lora_delta(x, a, b, index)
         torch.testing.assert_close(got.double(), reference_lora.naive_lora_delta(x, a, b, index), rtol=1e-5,
                                    atol=1e-4)
