@@ -53,7 +53,7 @@ def setup(tmp_path_factory):
 
 def engine_with(setup, names=tuple(ADAPTERS), **kwargs) -> hf_paged.Engine:
     base, root, _ = setup
-    kwargs = {"max_loras": 3, "max_lora_rank": 8, "block_size": 4, "num_blocks": 96, **kwargs}
+    kwargs = {"max_loras": 3, "max_lora_rank": 8, "block_size": 8, "num_blocks": 64, **kwargs}
     engine = hf_paged.Engine(base, **kwargs)
     for name in names:
         engine.add_lora(name, str(root / name))

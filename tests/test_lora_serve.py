@@ -45,10 +45,10 @@ def test_served_adapters_with_the_openai_client(tmp_path):
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
         adapted = peft.get_peft_model(copy.deepcopy(base), config)
         adapted.save_pretrained(tmp_path / name)
-        with hf_paged.Engine(adapted.merge_and_unload(), num_blocks=32, block_size=4) as oracle:
+        with hf_paged.Engine(adapted.merge_and_unload(), num_blocks=32, block_size=8) as oracle:
             out = oracle.generate([PROMPT], max_new_tokens=NEW, ignore_eos=True)[0]
         want[name] = tok.decode(out.outputs[0].token_ids)
-    engine = hf_paged.Engine(base, tok, num_blocks=64, block_size=4, max_num_seqs=8, max_loras=2)
+    engine = hf_paged.Engine(base, tok, num_blocks=64, block_size=8, max_num_seqs=8, max_loras=2)
     for name in want:
         engine.add_lora(name, str(tmp_path / name))
     app = build_app(engine, model_name="tiny")
