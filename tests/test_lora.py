@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ ADAPTERS = {
     "c": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj", "q_proj"]),
 }
 PROMPTS = [[1, 5, 9, 13, 2, 7, 3, 11, 4, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
-NEW = 6
+NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,42 @@ def test_fewer_slots_than_adapters_evicts_and_waits(setup):
     run_mixed(engine, setup[2], ["a", None, "b", "c"])
     assert engine.lora.loads >= 3
     run_mixed(engine, setup[2], ["c", "a"])  # resident adapter reused, then evicted
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_keep_their_adapter(setup, mode):
+    """A pool too small for the batch: requests of three adapters and none are preempted (recomputed, or swapped out
+    and back) and still get their own tokens."""
+    if os.environ.get("HF_PAGED_BACKEND") == "triton":
+        pytest.skip("blocks of 4 tokens (growth past the prompts' blocks) are below the Triton kernels' 8")
+    engine = engine_with(setup, max_loras=2, block_size=4, num_blocks=12, preemption_mode=mode,
+                         swap_space=0.01 if mode == "swap" else 0)
+    run_mixed(engine, setup[2], ["a", None, "b", "c"])
+    assert sum(engine.scheduler.num_preemptions.values()) > 0
+    engine.close()
+
+
+def test_beam_search_through_an_adapter(setup):
+    """Beams of an adapter's request fork within its group: transformers' beams on PEFT's merged model."""
+    base, root, _ = setup
+    merged = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(root / "b")).merge_and_unload()
+    engine = engine_with(setup, names=["b"])  # (after the copy: the engine wraps the model's linears)
+    prompt = PROMPTS[1]
+    want = merged.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, num_beams=3,
+                           num_return_sequences=2, do_sample=False)
+    out = engine.generate([prompt], hf_paged.SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, num_beams=3,
+                                                            num_return_sequences=2, lora="b"))[0]
+    assert [c.token_ids for c in out.outputs] == [row[len(prompt):].tolist() for row in want]
+    engine.close()
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_with_adapters(setup):
+    """The compiled decode step (the GPU's default) traces the wrapped linears and the LoRA op: same tokens."""
+    engine = engine_with(setup, names=["a", "c"], compile_decode=True)
+    run_mixed(engine, setup[2], [None, "a", "c"])
+    assert engine.runner.compile_decode and engine.runner.graph_steps > 0
     engine.close()
 
 
