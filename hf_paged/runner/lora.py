@@ -207,10 +207,13 @@ class LoraSlots:
             raise RuntimeError(f"a step of {tokens} tokens exceeds the LoRA index buffer ({self.index.shape[0]})")
         self._hosts.reverse()  # two host buffers: a pipelined step fills one while the other's copy may be pending
         host = self._hosts[0].numpy()
-        at = 0
-        for item, slot in zip(items, slots):
-            host[at : at + item.num_tokens] = slot
-            at += item.num_tokens
+        if tokens == len(items):  # one token an item (a decode step): one copy of the list
+            host[:tokens] = slots
+        else:
+            at = 0
+            for item, slot in zip(items, slots):
+                host[at : at + item.num_tokens] = slot
+                at += item.num_tokens
         self.index[:tokens].copy_(self._hosts[0][:tokens], non_blocking=True)
         try:
             yield
