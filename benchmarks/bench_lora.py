@@ -9,7 +9,10 @@ random-weight model (a `bench_generate` shape, or ``tiny`` for the CPU) gets N r
 fraction is tok/s(N) / tok/s(0); issue 56 asks for >= 0.70 at 8 adapters. ``--lora-kernel`` picks the LoRA op's
 backend (`hf_paged.kernels.lora.BACKEND`: the Triton BGMV kernels or the dense torch form).
 
-Prints a markdown table, writes ``lora.json`` and (with matplotlib) ``lora.png`` under ``--out``.
+Prints a markdown table, writes ``lora.json`` and (with matplotlib) ``lora.png`` under ``--out``. ``--kernel-rows``
+also times one linear's LoRA op alone (``--kernel-shape IN,OUT``, ``max(adapters)`` slots of rank ``--rank``, tokens
+spread round-robin over the slots; both backends, median of 50 calls after 5) against the base GEMM at those token
+counts, into the JSON's ``kernel`` records: where the op's cost goes when the fraction falls short.
 
     PYTHONPATH=. python benchmarks/bench_lora.py --model llama-8b --adapters 0,1,2,4,8 --out benchmarks/results/<dir>/lora
     PYTHONPATH=. python benchmarks/bench_lora.py --model llama-8b --adapters 0,8 --lora-kernel torch --out /tmp/lora_t
@@ -59,8 +62,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default=None, help="default: sized by the engine (512 MiB on the CPU)")
     p.add_argument("--no-compile-decode", action="store_true", help="run the model's own code in decode steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel-rows", default="", help="token counts of the op-alone timing, e.g. 1,16,64,256,2048")
+    p.add_argument("--kernel-shape", default="4096,4096", help="IN,OUT of the linear the op-alone timing uses")
     p.add_argument("--out", default=None, help="directory for lora.json and lora.png")
     return p
+
+
+def time_kernels(args, dtype: torch.dtype, slots: int) -> list[dict]:
+    """Microseconds of the LoRA op (each backend) and of the base GEMM, per token count of `--kernel-rows`."""
+    width, out_features = (int(v) for v in args.kernel_shape.split(","))
+    device = args.device
+    a = torch.randn(slots, args.rank, width, device=device, dtype=dtype) / width ** 0.5
+    b = torch.randn(slots, out_features, args.rank, device=device, dtype=dtype)
+    weight = torch.randn(out_features, width, device=device, dtype=dtype) / width ** 0.5
+    records = []
+    for rows in (int(r) for r in args.kernel_rows.split(",")):
+        x = torch.randn(rows, width, device=device, dtype=dtype)
+        index = (torch.arange(rows, device=device) % slots).to(torch.int32)
+        record = {"rows": rows, "slots": slots, "in": width, "out": out_features}
+        calls = {"base_gemm": lambda x=x: x @ weight.T}
+        for backend in ("triton", "torch"):
+            if backend == "triton" and not device.startswith("cuda"):
+                continue  # (the interpreter's time says nothing)
+            calls[backend] = lambda backend=backend, x=x, index=index: _with_backend(backend, x, a, b, index)
+        for name, call in calls.items():
+            times = []
+            for rep in range(55):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                call()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                if rep >= 5:
+                    times.append(time.perf_counter() - start)
+            record[f"{name}_us"] = sorted(times)[len(times) // 2] * 1e6
+        records.append(record)
+    return records
+
+
+def _with_backend(backend: str, x, a, b, index):
+    saved, lora_kernels.BACKEND = lora_kernels.BACKEND, backend
+    try:
+        return lora_kernels.lora_delta(x, a, b, index)
+    finally:
+        lora_kernels.BACKEND = saved
 
 
 def build_model(name: str, device: str, dtype: torch.dtype):
@@ -148,12 +194,18 @@ def main(argv=None) -> int:
             write_adapter(model, root / f"lora{i}", args.rank, targets, args.seed + 1 + i)
         for count in sorted(counts):
             records.append(run(args, model, count, root, prompts))
+    kernel = time_kernels(args, dtype, max(max(counts), 1)) if args.kernel_rows else []
     base = next(r for r in records if r["adapters"] == 0)["tok_s"]
     for record in records:
         record["fraction"] = record["tok_s"] / base
     print("| adapters | tok/s | fraction of base | adapter loads |\n|---|---|---|---|")
     for r in records:
         print(f"| {r['adapters']} | {r['tok_s']:,.0f} | {r['fraction']:.2f} | {r['loads']} |")
+    if kernel:
+        print("\n| tokens | base GEMM (us) | LoRA op, triton (us) | LoRA op, torch (us) |\n|---|---|---|---|")
+        for r in kernel:
+            print(f"| {r['rows']} | {r['base_gemm_us']:.1f} | {r.get('triton_us', float('nan')):.1f} | "
+                  f"{r['torch_us']:.1f} |")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +213,7 @@ def main(argv=None) -> int:
                                                     "new_tokens", "max_num_seqs", "lora_kernel", "device")}
         meta.update(dtype=str(dtype), torch=torch.__version__, gpu=torch.cuda.get_device_name()
                     if args.device.startswith("cuda") else None)
-        (out / "lora.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        (out / "lora.json").write_text(json.dumps({"meta": meta, "records": records, "kernel": kernel}, indent=1))
         try:
             import matplotlib
 
