@@ -3,12 +3,15 @@ pool, in token tiles that read each adapter's weights once per tile (Punica's SG
 
 Two launches, no host sync (safe under CUDA-graph capture), buffers sized from shapes alone:
 
-1. ``_shrink_kernel``: one program per tile of ``BLOCK_M`` consecutive tokens. It loops over the pool's slots and
-   skips those no token of the tile uses; for a used slot it runs the tile's GEMM ``x_tile @ a[slot].T`` (``BLOCK_K``
-   input columns at a time, float32 accumulators) and keeps the rows of the tokens of that slot. The ``[T, R]`` result
-   stays in float32; a token without an adapter (slot outside ``[0, L)``) gets zeros.
+1. ``_shrink_kernel``: one program per (tile of ``BLOCK_M`` consecutive tokens, slot); a program whose slot no
+   token of the tile uses returns at once, the others run the tile's GEMM ``x_tile @ a[slot].T`` (``BLOCK_K`` input
+   columns at a time, float32 accumulators) and store the rows of their slot's tokens. The ``[T, R]`` result stays in
+   float32; the rows of tokens without an adapter (slot outside ``[0, L)``) are never written, and never read.
 2. ``_expand_kernel``: one program per (token tile, ``BLOCK_N`` output columns): for each used slot,
-   ``s_tile(rows of that slot) @ b[slot].T`` over the whole (small, padded) rank, summed, stored in the input dtype.
+   ``s_tile(rows of that slot) @ b[slot].T`` over the whole (small, padded) rank, summed, stored in the input dtype
+   (zeros for tokens without an adapter). Why slots are a grid dimension of the shrink and a loop of the expand: the
+   shrink reads ``R x in`` weights per slot, the expand ``BLOCK_N x R``; a decode step of 256 tokens has 4 tiles, and
+   its shrink would otherwise run on 4 programs.
 
 Why tiles and no sort: the tokens of a prefill chunk are consecutive and share their adapter, so a prefill tile uses
 one slot and reads its weights once for ``BLOCK_M`` tokens (a per-token kernel, Punica's BGMV, reads them once per
@@ -41,27 +44,24 @@ def _dot(a, b, acc, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, s_ptr, tokens, num_slots, rank, width, stride_x, stride_al, stride_ar,
-                   stride_ak, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, idx_ptr, s_ptr, tokens, rank, width, stride_x, stride_al, stride_ar, stride_ak,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   DOT_F32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.program_id(1)
     ranks = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
-    slots = tl.load(idx_ptr + rows, mask=rows < tokens, other=-1).to(tl.int32)
-    out = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for slot in range(0, num_slots):
-        mine = slots == slot
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k in range(0, width, BLOCK_K):
-                kk = k + cols
-                xv = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :],
-                             mask=mine[:, None] & (kk[None, :] < width), other=0.0)
-                av = tl.load(a_ptr + slot * stride_al + ranks[None, :] * stride_ar + kk[:, None] * stride_ak,
-                             mask=(ranks[None, :] < rank) & (kk[:, None] < width), other=0.0)
-                acc = _dot(xv, av.to(xv.dtype), acc, IEEE, DOT_F32)
-            out += tl.where(mine[:, None], acc, 0.0)
-    tl.store(s_ptr + rows[:, None] * rank + ranks[None, :], out, mask=(rows[:, None] < tokens) & (ranks[None, :] < rank))
+    mine = tl.load(idx_ptr + rows, mask=rows < tokens, other=-1).to(tl.int32) == slot
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(0, width, BLOCK_K):
+            kk = k + cols
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mine[:, None] & (kk[None, :] < width),
+                         other=0.0)
+            av = tl.load(a_ptr + slot * stride_al + ranks[None, :] * stride_ar + kk[:, None] * stride_ak,
+                         mask=(ranks[None, :] < rank) & (kk[:, None] < width), other=0.0)
+            acc = _dot(xv, av.to(xv.dtype), acc, IEEE, DOT_F32)
+        tl.store(s_ptr + rows[:, None] * rank + ranks[None, :], acc, mask=mine[:, None] & (ranks[None, :] < rank))
 
 
 @triton.jit
@@ -104,8 +104,8 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.T
     ieee, dot_f32 = x.dtype == torch.float32, not x.is_cuda
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
     block_k = 64 if x.element_size() == 4 else 128
-    _shrink_kernel[(triton.cdiv(tokens, block_m),)](
-        x, a, index, shrunk, tokens, slots, rank, width, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+    _shrink_kernel[(triton.cdiv(tokens, block_m), slots)](
+        x, a, index, shrunk, tokens, rank, width, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=ieee, DOT_F32=dot_f32)
     block_n = 64
     _expand_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(out_features, block_n))](
