@@ -67,3 +67,29 @@ def test_served_adapters_with_the_openai_client(tmp_path):
         assert chats["tiny"] != chats["a"]  # the chat endpoint routes by `model` too
         with pytest.raises(openai.NotFoundError, match="'c' does not exist"):
             client.completions.create(model="c", prompt=PROMPT, max_tokens=2)
+
+
+def test_serve_main_loads_the_lora_flags(tmp_path, monkeypatch):
+    """`hf-paged serve MODEL --lora a=PATH`: the engine it builds has the adapter (before any warm-up); an adapter
+    named like the base model is refused. (The model loader, the app and uvicorn's loop are stubbed.)"""
+    import uvicorn
+
+    from hf_paged.serve import cli
+
+    tok = byte_tokenizer()
+    base = tiny_model("llama", seed=0, vocab_size=len(tok))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path / "a")
+    built = {}
+    monkeypatch.setattr(cli, "load", lambda args: (base, tok))
+    monkeypatch.setattr(cli, "build_app", lambda engine, tokenizer, **kwargs: built.update(engine=engine, **kwargs))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    argv = ["tiny", "--device", "cpu", "--num-blocks", "16", "--max-loras", "2", "--lora", f"a={tmp_path / 'a'}"]
+    assert cli.serve_main(argv) == 1  # (the stubbed server never closed the engine)
+    engine = built["engine"]
+    try:
+        assert engine.lora_names() == ["a"] and engine.lora.max_loras == 2 and built["model_name"] == "tiny"
+    finally:
+        engine.close()
+    with pytest.raises(SystemExit, match="base model's name"):
+        cli.serve_main(["tiny", "--device", "cpu", "--num-blocks", "16", "--lora", f"tiny={tmp_path / 'a'}"])

@@ -148,6 +148,9 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.served_model_name or args.model
+    if name in {lora_name for lora_name, _ in args.lora}:
+        raise SystemExit(f"hf-paged serve: --lora {name}=... has the base model's name; pick another")
     model, tokenizer = load(args)
     device = next(model.parameters()).device
     budget = args.max_num_batched_tokens or default_max_num_batched_tokens(device, serving=True)
@@ -165,7 +168,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         engine.add_lora(lora_name, path)
     if not args.no_warm_up and engine.device.type == "cuda":
         engine.warm_up(prefill_graphs=args.prefill_graphs)
-    name = args.served_model_name or args.model
     app = build_app(engine, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace,
                     max_queue_len=args.max_queue_len, request_timeout=args.request_timeout,
                     tool_call_parser=args.tool_call_parser)
