@@ -671,3 +671,32 @@ def test_commit_rows_keys_what_commit_keys() -> None:
         assert one.match_prefix(probe).num_cached_tokens == rows.match_prefix(probe).num_cached_tokens
     assert rows.match_prefix(tokens[0][:12] + [1]).num_cached_tokens == 12
     check_pools(rows)
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_salted_sequences_share_only_within_their_salt(monkeypatch, collide):
+    """A salt (a LoRA adapter's id) roots the key chain: the same tokens under another salt never hit, also when every
+    key collides (the parent entry is verified too); the same salt hits, forks keep it."""
+    if collide:
+        monkeypatch.setattr(prefix_caching, "hash_block", lambda parent, tokens: 7)
+    bm = manager(num_blocks=32)
+    tokens = list(range(1, 14))  # 3 full blocks and a partial one
+    m0 = bm.match_prefix(tokens)
+    bm.allocate_prefix("base", tokens, m0)
+    bm.append_slots("base", len(tokens))
+    bm.commit("base", tokens, len(tokens))
+    for salt in (3, 4):
+        match = bm.match_prefix(tokens, salt=salt)
+        assert match.num_cached_tokens == 0 and match.salt == salt
+        assert bm.allocate_prefix(("s", salt), tokens, match) == 0
+        bm.append_slots(("s", salt), len(tokens))
+        bm.commit(("s", salt), tokens, len(tokens))
+    bm.fork(("s", 3), "child")
+    bm.free(("s", 3))
+    if not collide:  # (colliding keys: each salt's registration took the key over from the last, as collisions do)
+        assert bm.match_prefix(tokens).num_cached_tokens == 12
+        assert bm.match_prefix(tokens, salt=4).num_cached_tokens == 12
+    assert bm.match_prefix(tokens, salt=5).num_cached_tokens == 0
+    for key in ("base", ("s", 4), "child"):
+        bm.free(key)
+    check_pools(bm)

@@ -338,3 +338,14 @@ def test_cli_reports_a_model_the_replicas_cannot_load(tmp_path, monkeypatch):
         serve_main([str(tmp_path / "no-such-model"), "--device", "cpu", "--data-parallel-size", "2"])
     message = str(exit_info.value.code)
     assert message.startswith("hf-paged serve: replica") and "cannot load" in message and "no-such-model" in message
+
+
+def test_lora_adapters_reach_every_replica_and_the_front_lists_them():
+    """`--lora` with `--data-parallel-size`: the spec carries the adapters to the replicas (whose engines add them
+    before their warm-up; not started here), the router answers `lora_names` for /v1/models and the front's model
+    check, and the command line parses both flags together."""
+    spec = ReplicaSpec(tiny_replica, loras=(("fr", "/adapters/fr"), ("de", "/adapters/de")))
+    assert ReplicaRouter(spec, ["cpu", "cpu"]).lora_names() == ["fr", "de"]
+    args = parser().parse_args(["m", "--data-parallel-size", "2", "--device", "cpu", "--lora", "fr=/a", "--max-loras",
+                                "3"])
+    assert args.lora == [("fr", "/a")] and args.max_loras == 3

@@ -237,7 +237,7 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         self._num_logical += parent.num_held
         if self.enable_prefix_caching:
             child.keys, child.entries, child.committed = list(parent.keys), list(parent.entries), parent.committed
-            child.stale = parent.stale
+            child.stale, child.salt = parent.stale, parent.salt
             if not child.stale:
                 self._add_pending(child.keys, child.committed)
 

@@ -14,12 +14,23 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-__all__ = ["BlockAllocator", "CachingBlockAllocator", "NoFreeBlocksError", "hash_block", "ROOT_KEY", "ROOT_ENTRY"]
+__all__ = ["BlockAllocator", "CachingBlockAllocator", "NoFreeBlocksError", "hash_block", "ROOT_KEY", "ROOT_ENTRY",
+           "salted_root"]
 
 ROOT_KEY = 0x9E3779B97F4A7C15  # chain key "before" the first block
 ROOT_ENTRY = 0  # parent entry id of a first block; real entry ids start at 1
 
 _digest: Callable[[bytes], int] | None = None
+
+
+def salted_root(salt: int) -> tuple[int, int]:
+    """(chain key, parent entry) before the first block of a sequence whose K/V depend on `salt` as well as on its
+    tokens (a LoRA adapter's id: the same prompt through another adapter has other K/V). Salt 0 is the plain root.
+    The parent entry is part of what a lookup verifies, so two salts never share a block even when their keys
+    collide (entry ids are positive, so ``-salt`` is no real entry)."""
+    if salt == 0:
+        return ROOT_KEY, ROOT_ENTRY
+    return hash_block(ROOT_KEY, (salt,)), -salt
 
 
 def _load_digest() -> Callable[[bytes], int]:

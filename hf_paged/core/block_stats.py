@@ -30,6 +30,7 @@ class PrefixMatch:
     # recurrent state (hybrid models): the checkpoint restored with the mapped blocks (the entry id of the last one),
     # None when nothing is mapped; the match is cut to the last block whose state was checkpointed
     state_key: int | None = None
+    salt: int = 0  # the keys chain from `block_pool.salted_root(salt)` (a LoRA adapter's id; 0: none)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from .block_pool import ROOT_ENTRY, ROOT_KEY, CachingBlockAllocator, _as_int, chain_hashes, hash_block
+from .block_pool import CachingBlockAllocator, _as_int, chain_hashes, hash_block, salted_root
 from .block_stats import PrefixCacheStats, PrefixMatch
 from .seq_blocks import _Seq
 
@@ -62,16 +62,18 @@ class PrefixCaching:
             else:
                 pending.pop(key, None)
 
-    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int, known: Sequence[int] = ()) -> list[int]:
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int, known: Sequence[int] = (),
+                    salt: int = 0) -> list[int]:
         """The chained keys of the first `num_blocks` full blocks of `token_ids` (`hash_block`'s, in one pass over a
         buffer of the tokens unless a test patched `hash_block`). `known`: the keys of its first blocks, computed
-        before from the same tokens (`chain_keys`); only the blocks after them are hashed."""
+        before from the same tokens and salt (`chain_keys`); only the blocks after them are hashed. `salt`: what
+        besides the tokens the K/V depend on (`salted_root`: a LoRA adapter's id), 0 for none."""
         keys = list(known[:num_blocks])
         start = len(keys)
         if start == num_blocks:
             return keys
         shift = self._shift
-        key = keys[-1] if keys else ROOT_KEY
+        key = keys[-1] if keys else salted_root(salt)[0]
         if hash_block is _HASH_BLOCK:
             return keys + chain_hashes(key, token_ids[start << shift :], num_blocks - start, 1 << shift)
         for i in range(start, num_blocks):
@@ -79,15 +81,15 @@ class PrefixCaching:
             keys.append(key)
         return keys
 
-    def chain_keys(self, token_ids: Sequence[int]) -> list[int]:
+    def chain_keys(self, token_ids: Sequence[int], salt: int = 0) -> list[int]:
         """The prefix-cache keys of every full block of `token_ids` (none without prefix caching): computed ahead of
         an admission (`Scheduler.prepare_admissions`), they are passed to `match_prefix` as `known_keys`."""
         if not self.enable_prefix_caching:
             return []
-        return self._chain_keys(token_ids, len(token_ids) >> self._shift)
+        return self._chain_keys(token_ids, len(token_ids) >> self._shift, salt=salt)
 
     def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None, *,
-                     known_keys: Sequence[int] = ()) -> PrefixMatch:
+                     known_keys: Sequence[int] = (), salt: int = 0) -> PrefixMatch:
         """The cached whole-block prefix a new sequence with ``token_ids`` would get now; changes nothing.
 
         Walks the chain of full blocks, stopping at the first block that is not cached with exactly these tokens
@@ -95,19 +97,20 @@ class PrefixCaching:
         at least one token (the last) is left to compute; ``max_cached_tokens`` lowers that bound (whole blocks
         within it), for a sequence that needs the logits of the positions after it. Without prefix caching: an
         empty match. ``known_keys``: the keys of the first blocks of ``token_ids``, from an earlier :meth:`chain_keys`
-        of those tokens (a prompt's: its tokens never change); the blocks after them are hashed here.
+        of those tokens (a prompt's: its tokens never change); the blocks after them are hashed here. ``salt``: the
+        sequence's K/V depend on it too (a LoRA adapter's id, `salted_root`): only blocks of the same salt match.
         """
         n = len(token_ids)
         if not self.enable_prefix_caching or n <= 0:
             return PrefixMatch(num_tokens=n)
         gpu: CachingBlockAllocator = self.gpu  # type: ignore[assignment]
-        keys = self._chain_keys(token_ids, n >> self._shift, known_keys)
+        keys = self._chain_keys(token_ids, n >> self._shift, known_keys, salt)
         usable = (n - 1) >> self._shift
         if max_cached_tokens is not None:
             usable = min(usable, _as_int("max_cached_tokens", max_cached_tokens, 0) >> self._shift)
         blocks: list[int] = []
         entries: list[int] = []
-        parent = ROOT_ENTRY
+        parent = salted_root(salt)[1]
         shift = self._shift
         for i, key in enumerate(keys):  # up to the first miss: only those blocks' tokens are sliced
             entry = gpu.lookup(key, parent, tuple(token_ids[i << shift : (i + 1) << shift]))
@@ -135,6 +138,7 @@ class PrefixCaching:
             num_hit_blocks=hits,
             pending=pending,
             state_key=state_key,
+            salt=salt,
         )
 
     def blocks_needed_to_admit(self, requests: Iterable[tuple[PrefixMatch, int]]) -> int:
@@ -184,6 +188,7 @@ class PrefixCaching:
         seq = self._seqs[seq_id] = _Seq(list(match.blocks), match.num_cached_tokens)
         self._num_logical += len(match.blocks)
         seq.keys = list(match.keys)
+        seq.salt = match.salt
         seq.entries = list(match.entries)
         seq.committed = len(match.blocks)
         self._add_pending(seq.keys, seq.committed)
@@ -294,7 +299,8 @@ def _key_block(register, seq, i: int, chunk: tuple[int, ...]) -> None:
     the cache entry now describing it, chained to block `i - 1`'s (None when that one has none, or the sequence is
     stale). `hash_block` is looked up here, as a module global, on every call (tests patch it)."""
     keys, entries = seq.keys, seq.entries
+    root_key, root_entry = salted_root(seq.salt) if not i else (0, 0)
     if i == len(keys):
-        keys.append(hash_block(keys[i - 1] if i else ROOT_KEY, chunk))
-    parent = entries[i - 1] if i else ROOT_ENTRY
+        keys.append(hash_block(keys[i - 1] if i else root_key, chunk))
+    parent = entries[i - 1] if i else root_entry
     entries.append(None if parent is None or seq.stale else register(seq.table[i], keys[i], parent, chunk))

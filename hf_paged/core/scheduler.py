@@ -34,7 +34,7 @@ The decode hot path (`_schedule_decodes`, the persistent batch of pipelined step
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .admission import AdmissionPolicy
 from .block_manager import BlockManager
@@ -95,6 +95,8 @@ class Scheduler(AdmissionPolicy):
         self.release_window: int | None = None
         # keep a little headroom when admitting so a new prompt does not force an immediate preemption
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # a further admission condition of the engine's (LoRA adapters: a free slot), asked of the head of `waiting`
+        self.admission_gate: Callable[[SequenceGroup], bool] | None = None
 
     # ------------------------------------------------------------------ queues
     @staticmethod
@@ -174,7 +176,7 @@ class Scheduler(AdmissionPolicy):
                 break
             for seq in group.seqs:
                 if seq.prompt_keys is None and not seq.status.is_finished:
-                    seq.prompt_keys = bm.chain_keys(seq.token_ids[: seq.prompt_len])
+                    seq.prompt_keys = bm.chain_keys(seq.token_ids[: seq.prompt_len], group.cache_salt)
                 tokens += seq.num_tokens
                 seqs += 1
 
@@ -285,6 +287,8 @@ class Scheduler(AdmissionPolicy):
                 planner = CheckpointPlanner(self.waiting, bm.block_size)
             while self.waiting and budget[0] > 0 and budget[1] > 0:
                 group = self.waiting[0]
+                if self.admission_gate is not None and not self.admission_gate(group):
+                    break
                 if free_slots is not None:  # hybrid models: a state slot for every sequence it will run
                     if group.max_running_seqs() > free_slots:
                         break
@@ -449,7 +453,8 @@ class Scheduler(AdmissionPolicy):
         seqs = group.live_seqs()
         matches = {}
         for seq in seqs:
-            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix, known_keys=seq.prompt_keys or ())
+            match = bm.match_prefix(seq.token_ids, group.max_cached_prefix, known_keys=seq.prompt_keys or (),
+                                    salt=group.cache_salt)
             if (match.pending or (planner is not None and planner.waits(match))) and self.running:
                 return None, None
             matches[seq.seq_id] = match

@@ -18,13 +18,13 @@ class _Seq:
     ``entries[i]`` is the id of the cache entry describing block ``i``'s content (None after a collision). Keys past
     ``committed`` are *pending*: those blocks are still to be computed. ``stale``: the sequence's K/V was (partly)
     computed by weights that have changed since (`BlockManager.reset_prefix_cache`): its blocks are never offered to
-    other sequences.
+    other sequences. ``salt``: the prefix-cache keys of its blocks chain from `salted_root(salt)`.
 
     Sliding windows: the first ``released`` entries of ``table`` are :data:`NULL_BLOCK`: blocks no future query of
     any layer attends (`BlockManager.release_before`), given back to the pool. Released entries are always a prefix.
     """
 
-    __slots__ = ("committed", "entries", "keys", "num_tokens", "released", "stale", "swapped", "table")
+    __slots__ = ("committed", "entries", "keys", "num_tokens", "released", "salt", "stale", "swapped", "table")
 
     def __init__(self, table: list[int], num_tokens: int) -> None:
         self.table = table
@@ -35,6 +35,7 @@ class _Seq:
         self.entries: list[int | None] = []
         self.committed = 0
         self.released = 0
+        self.salt = 0  # what besides the tokens its K/V depend on (`block_pool.salted_root`; a LoRA adapter's id)
 
     @property
     def num_held(self) -> int:

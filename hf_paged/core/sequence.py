@@ -100,6 +100,9 @@ class SequenceGroup:
     # the prefix cache may serve at most this many leading tokens at admission (None: no limit); the positions from
     # here on must be computed because their logits are wanted (prompt log-probabilities)
     max_cached_prefix: int | None = None
+    # what its K/V depend on besides the tokens, for the prefix cache (a LoRA adapter's id; 0: nothing): its blocks
+    # are shared with groups of the same salt only (`block_pool.salted_root`)
+    cache_salt: int = 0
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]

@@ -28,7 +28,8 @@ from .device_sampling import DevicePicker
 from .faults import FaultHandling
 from .grammar import StructuredOutputs
 from .kv_lifetime import KVLifetime
-from .outputs import CompletionOutput, Outputs, RequestOutput
+from .lora import LoraAdapters
+from .outputs import CompletionOutput, Outputs, RequestOutput, stamp_first_token
 from .params import SamplingParams, copy_params
 from .pipelined import PipelinedDecode, _InFlight
 from .pool_sizing import build_engine_cache
@@ -110,6 +111,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         experts_implementation: mixture-of-experts layers run hf_paged's fused Triton experts (`"hf_paged"`, the
             default; `hf_paged.attention.experts`), one of transformers' (`"grouped_mm"`, `"eager"`, ...), or as the
             model has them (None). `hf_paged.disable` gives the model back its own.
+        max_loras, max_lora_rank: LoRA adapters (`add_lora`, `SamplingParams(lora=name)`): at most `max_loras` of
+            them resident at once (requests of others wait), of rank up to `max_lora_rank` (`hf_paged.engine.lora`).
         weak_model_ref: hold the model by weak reference (what `generate(cache_implementation="paged")` and
             `hf_paged.pipeline` use, where the model owns its engine: no model <-> engine cycle, so dropping the model
             frees both and the KV pool by reference counting). Default False: the engine keeps its model alive.
@@ -157,6 +160,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         experts_implementation: str | None = "hf_paged",
         kv_cache_dtype: str = "auto",
         kv_scales=None,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> None:
         # validate cheap arguments before anything is allocated
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -176,6 +181,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                                               or isinstance(state_checkpoints, bool) or state_checkpoints < 0):
             raise ValueError(f"state_checkpoints must be a non-negative int, got {state_checkpoints!r}")
         resolve_kv_cache_dtype(kv_cache_dtype)  # a ValueError naming the argument, before anything is built
+        self.lora = LoraAdapters(self, max_loras, max_lora_rank)  # LoRA adapters per request (`add_lora`)
         self.tp = TensorParallel.of(model)
         prepare_model(model, experts_implementation)
         if compile_modules:
@@ -410,9 +416,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                     raise
                 if current is None:
                     self._track(sched)
-                    return self._outputs(_stamp_first_token(advanced), finished_only)
+                    return self._outputs(stamp_first_token(advanced), finished_only)
             advanced, finished = self._advance_pipeline(current, finished_only)
-            return self._outputs(_stamp_first_token(advanced), finished_only, finished)
+            return self._outputs(stamp_first_token(advanced), finished_only, finished)
 
     def _learn_release_window(self) -> None:
         """Once a forward has shown every layer's window, let the scheduler release what no layer reads any more."""
@@ -536,15 +542,3 @@ def _timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
-
-
-def _stamp_first_token(groups: list[SequenceGroup]) -> list[SequenceGroup]:
-    """Record when each group's first output token reached the host (time to first token); returns `groups`."""
-    now = None
-    for group in groups:
-        if "first_token_time" not in group.metrics:
-            if now is None:
-                now = time.perf_counter()
-            group.metrics["first_token_time"] = now
-    return groups
-

@@ -13,7 +13,7 @@ import torch
 from ..core import SequenceGroup, SequenceStatus
 from .prompt_logprobs import PROMPT_SCORING
 
-__all__ = ["CompletionOutput", "Outputs", "RequestOutput"]
+__all__ = ["CompletionOutput", "Outputs", "RequestOutput", "stamp_first_token"]
 
 
 @dataclass
@@ -100,3 +100,14 @@ class Outputs:
         return RequestOutput(group.request_id, prompt, outputs, finished, group.num_preemptions, group.error,
                              dict(group.metrics), None if scoring is None else list(scoring.values),
                              list(scoring.tops) if scoring is not None and scoring.top else None)
+
+
+def stamp_first_token(groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    """Record when each group's first output token reached the host (time to first token); returns `groups`."""
+    now = None
+    for group in groups:
+        if "first_token_time" not in group.metrics:
+            if now is None:
+                now = time.perf_counter()
+            group.metrics["first_token_time"] = now
+    return groups

@@ -121,6 +121,8 @@ class SamplingParams:
     json_object: bool = False
     grammar: str | None = None
     structural_tag: object = None
+    # the LoRA adapter to run the request through, by the name given to `Engine.add_lora` (None: the base model)
+    lora: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -176,6 +178,8 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise TypeError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         validate_constraint(self)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise TypeError(f"lora must be None or an adapter's name (a non-empty string), got {self.lora!r}")
 
     @property
     def constraint(self) -> tuple[str, str] | None:

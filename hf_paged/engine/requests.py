@@ -79,6 +79,7 @@ class Requests:
             eos = getattr(self.model.generation_config, "eos_token_id", None)
             params.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos or ())
         token_ids = self._normalize_prompt(prompt)
+        adapter = self.lora.resolve(params.lora) if params.lora is not None else None  # ValueError naming it
         # the grammar is compiled (or found in the cache) before the lock: a compilation never holds a step
         compiled = self.structured.compiled(params) if params.constraint is not None else None
         scored_prompt = token_ids
@@ -116,6 +117,8 @@ class Requests:
             group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width,
                                   plain=spec is not None and params.num_return_sequences == 1 and compiled is None)
             group.data["device_params"] = spec
+            if adapter is not None:  # its adapter's id: its slot at each step, and its prefix-cache blocks' salt
+                group.data["lora"] = group.cache_salt = adapter
             if compiled is not None:
                 self.structured.start(group, compiled)
             if params.prompt_logprobs_start is not None:
@@ -162,6 +165,21 @@ class Requests:
                 self._unreported.append(group)
             self.runner.release()
             self.cache.release_pool()
+            self.lora.close()
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter saved in directory `path` as `name`; requests pick it with
+        `SamplingParams(lora=name)` (`hf_paged.engine.lora`). The first adapter that targets a linear wraps it in the
+        model (the CUDA graphs are recorded again): add adapters before `warm_up()` where that matters."""
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter `name` (a ValueError while unfinished requests use it, or for an unknown name)."""
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self.lora.names()
 
     @property
     def closed(self) -> bool:

@@ -17,7 +17,22 @@ import torch
 
 from . import recording
 
-__all__ = ["GraphCapture", "replayer"]
+__all__ = ["GraphCapture", "decode_forward", "replayer"]
+
+
+def decode_forward(model_ref, cache):
+    """The model's forward of one decode step over `cache` (the step's metadata set already), returning `[B, V]`.
+
+    A closure over the model reference and the cache, not a method: the compiled form is kept by the runner, and a
+    bound method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
+    """
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = model_ref()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                          logits_to_keep=0)
+        return out.logits[0]
+
+    return forward
 
 
 def replayer(graph: torch.cuda.CUDAGraph, out: torch.Tensor):

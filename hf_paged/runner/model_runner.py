@@ -38,7 +38,8 @@ from ..attention import active_cache
 from ..cache import PagedCache, StepMetadata
 from ..cache.host_ints import int_tensor
 from ..core import SchedulerOutput
-from .graphs import GraphCapture
+from .graphs import GraphCapture, decode_forward
+from .lora import LoraSlots
 from .model_ref import ModelRef
 from .ragged_graphs import RaggedGraphs
 from .regional import CompiledLayers, own_code
@@ -75,21 +76,6 @@ def _drop_graphs_at_exit() -> None:
 atexit.register(_drop_graphs_at_exit)
 
 __all__ = ["ModelRunner"]
-
-
-def _decode_forward(model_ref: ModelRef, cache):
-    """The model's forward of one decode step over `cache` (the step's metadata set already), returning `[B, V]`.
-
-    A closure over the model reference and the cache, not a method: the compiled form is kept by the runner, and a
-    bound method would make a runner <-> compiled-function reference cycle (see `Engine.warm_up`'s `gc.freeze`).
-    """
-
-    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = model_ref()(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                    logits_to_keep=0)
-        return out.logits[0]
-
-    return forward
 
 
 class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
@@ -134,7 +120,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         # `_prefill_layers`); set False to keep them on the model's own code
         self.compile_prefill = compile_decode and not self.hybrid
         self._prefill_checked = False
-        self._forward = _decode_forward(model_ref, cache)
+        self._forward = decode_forward(model_ref, cache)
         self._compiled = None
         self._compiled_kinds: set = set()
         if compile_decode:
@@ -166,6 +152,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self.graph_failure: str | None = None  # why the decode step runs without CUDA graphs (`_give_up_graphs`)
         self._init_ragged()  # ragged steps replayed from CUDA graphs too (`hf_paged.runner.ragged_graphs`)
 
+    lora: LoraSlots | None = None  # the LoRA adapters' pools and index, once an adapter is added (the engine sets it)
+
     @property
     def use_cuda_graph(self) -> bool:
         return self.decode_mode == "graph"
@@ -186,6 +174,11 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
     # ------------------------------------------------------------------ forward
     def execute(self, sched: SchedulerOutput, input_tokens=None,
                 extra_rows: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """`_execute` with each token's LoRA adapter slot set for the forward (`hf_paged.runner.lora`)."""
+        with self.lora.step(sched) if self.lora is not None else nullcontext():
+            return self._execute(sched, input_tokens, extra_rows)
+
+    def _execute(self, sched: SchedulerOutput, input_tokens, extra_rows) -> tuple[torch.Tensor, list[int]]:
         """Run the step; return (logits of the sampling sequences `[S, V]`, their index in `sched.scheduled`).
 
         `input_tokens = (tokens, rows)`: the step's input token ids are `tokens[rows]`, gathered on the device (the
@@ -256,8 +249,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         if self.hybrid:  # each sequence's recurrent-state slot, and its rows (`hf_paged.attention.recurrent`)
             state_slots = int_tensor(bm.state.slots([item.seq.seq_id for item in sched.scheduled]), torch.long, pin=pin)
             step.state_slots = state_slots.to(self.device, non_blocking=True)
-            step.state_rows = [(first, item.num_tokens, item.start > 0)
-                               for first, item in zip(firsts, sched.scheduled)]
+            step.state_rows = [(first, item.num_tokens, item.start > 0) for first, item in zip(firsts, sched.scheduled)]
         self.cache.set_engine_step(step)
         if input_tokens is None:
             input_ids = int_tensor(ids, torch.long, pin=pin)[None].to(self.device, non_blocking=True)
@@ -272,10 +264,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             kept = padded_rows(kept, self._bucket_sizes)
         keep = torch.tensor(kept, dtype=torch.long).to(self.device)
         with self._prefill_layers(tokens):
-            output = self.model(
-                input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                logits_to_keep=keep,
-            )
+            output = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=keep)
         self.eager_steps += 1
         logits = output.logits[0]
         return logits[: len(rows)], samplers

@@ -118,10 +118,15 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
                 return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
 
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != name:
-            raise ApiError(f"the model {requested!r} does not exist; this server serves {name!r}", status=404,
-                           param="model", code="model_not_found")
+    def check_model(requested: str | None) -> str | None:
+        """The LoRA adapter `requested` names (None: the base model); 404 for a model this server does not serve."""
+        if requested is None or requested == name:
+            return None
+        if requested in bridge.lora_names():
+            return requested
+        served = ", ".join(repr(m) for m in [name, *bridge.lora_names()])
+        raise ApiError(f"the model {requested!r} does not exist; this server serves {served}", status=404,
+                       param="model", code="model_not_found")
 
     async def new_generation(body, request: Request, prompts: list[list[int]], logprobs: int | None, *,
                              constraint=(None, {}), **kwargs) -> Generation:
@@ -153,19 +158,22 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "hf-paged", "max_model_len": bridge.max_model_len}]}
+        created = int(time.time())
+        base = {"id": name, "object": "model", "created": created, "owned_by": "hf-paged",
+                "max_model_len": bridge.max_model_len}
+        adapters = [{**base, "id": lora, "parent": name} for lora in bridge.lora_names()]  # (vLLM's `parent`)
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, response: HeaderResponse):
-        check_model(body.model)
+        lora = check_model(body.model)
         body.check_scoring()
         given = body.prompts()
         prompts = [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p) for p in given]
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
         gen = await new_generation(body, request, prompts, body.logprobs, constraint=constraint_of(body),
                                    echo=body.echo, prompt_texts=texts, prompt_top=body.scores_prompt,
-                                   prompt_logprobs=body.prompt_logprobs)
+                                   prompt_logprobs=body.prompt_logprobs, lora=lora)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=False)
         response.headers.update(_replica_header(gen))
@@ -184,7 +192,7 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: HeaderResponse):
-        check_model(body.model)
+        lora = check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
         use_tools = bool(body.tools) and body.tool_choice != "none"
@@ -206,7 +214,7 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
             constraint = ("tool_choice", {"structural_tag": forced})
         keep = marker_ids(parser, tokenizer) if use_tools else frozenset()
         gen = await new_generation(body, request, [prompt], body.num_logprobs, constraint=constraint,
-                                   keep_special=keep)
+                                   keep_special=keep, lora=lora)
         if body.stream:
             return _sse_response(gen, name, body.include_usage, chat=True, tool_parser=parser if use_tools else None)
         response.headers.update(_replica_header(gen))

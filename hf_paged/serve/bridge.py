@@ -101,6 +101,10 @@ class EngineBridge:
     def max_model_len(self) -> int | None:
         return self.engine.max_model_len
 
+    def lora_names(self) -> list[str]:
+        """The engine's LoRA adapters (a request's `model` may name one)."""
+        return self.engine.lora_names()
+
     def context_limit(self) -> int:
         """Tokens a request (prompt and output) may hold: the model's context or the whole KV pool."""
         pool = self.engine.block_manager.num_blocks * self.engine.cache.block_size

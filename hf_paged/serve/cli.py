@@ -74,6 +74,11 @@ def parser() -> argparse.ArgumentParser:
                    help="record the CUDA graphs of prefill steps at start-up (about 2 s for a 1B model), so the first "
                         "requests of each prompt size do not pay for it (default: on)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable); a request's `model` "
+                        "picks it, the base model's name picks none")
+    p.add_argument("--max-loras", type=int, default=4, help="LoRA adapters resident at once (requests of others wait)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank of the LoRA adapters")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="requests waiting for their first output at most; past it a request gets 429 with Retry-After "
                         "(default: no bound)")
@@ -131,7 +136,8 @@ def engine_kwargs(args) -> dict:
         preemption_mode=args.preemption_mode, admission_batch=args.admission_batch,
         admission_max_wait=args.admission_max_wait, swap_space=args.swap_space, seed=args.seed,
         use_cuda_graph=False if args.no_cuda_graph else None, enable_prefix_caching=not args.no_prefix_caching,
-        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype,
+        compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -140,6 +146,14 @@ def load_on(args, device: str) -> tuple[object, object]:
     args = copy.copy(args)
     args.device = device
     return load(args)
+
+
+def _lora_arg(text: str) -> tuple[str, str]:
+    """`NAME=PATH` of `--lora`."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH, got {text!r}")
+    return name, path
 
 
 def load(args) -> tuple[object, object]:
@@ -199,10 +213,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(str(error))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.served_model_name or args.model
+    if name in {lora_name for lora_name, _ in args.lora}:
+        raise SystemExit(f"hf-paged serve: --lora {name}=... has the base model's name; pick another")
     if args.data_parallel_size > 1:
         spec = ReplicaSpec(functools.partial(load_on, args), engine_kwargs(args), warm_up=not args.no_warm_up,
                            prefill_graphs=args.prefill_graphs, log_level=args.log_level,
-                           threads=max(1, len(os.sched_getaffinity(0)) // len(devices)))
+                           threads=max(1, len(os.sched_getaffinity(0)) // len(devices)), loras=tuple(args.lora))
         try:
             served = ReplicaRouter(spec, devices, imbalance=args.router_imbalance).start()
         except RuntimeError as error:  # a replica could not load the model: its traceback is in the message
@@ -215,9 +232,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         kwargs["max_num_batched_tokens"] = kwargs["max_num_batched_tokens"] or default_max_num_batched_tokens(
             device, serving=True)
         served = Engine(model, tokenizer, **kwargs)
+        for lora_name, path in args.lora:  # before the warm-up: the CUDA graphs record the wrapped linears
+            served.add_lora(lora_name, path)
         if not args.no_warm_up and served.device.type == "cuda":
             served.warm_up(prefill_graphs=args.prefill_graphs)
-    name = args.served_model_name or args.model
     app = build_app(served, tokenizer, model_name=name, api_key=args.api_key, shutdown_grace=args.shutdown_grace,
                     max_queue_len=args.max_queue_len, request_timeout=args.request_timeout,
                     tool_call_parser=args.tool_call_parser)

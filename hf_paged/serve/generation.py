@@ -70,12 +70,13 @@ class Generation:
                  logprobs: int | None, ignore_eos: bool = False, constraint: dict | None = None,
                  constraint_param: str | None = None, echo: bool = False, prompt_texts: list[str] | None = None,
                  prompt_top: int | None = None, prompt_logprobs: int | None = None, ticket: Ticket | None = None,
-                 keep_special: frozenset[int] = frozenset(), affinity: str | None = None) -> None:
+                 keep_special: frozenset[int] = frozenset(), affinity: str | None = None,
+                 lora: str | None = None) -> None:
         """`constraint`: structured-output `SamplingParams` fields (from `constraint_param` of the request);
         `echo`: each choice's text starts with its prompt (`prompt_texts`, else decoded); `prompt_top`: score the
         prompt tokens with this many alternatives each; `ticket`: the request's place in the admission queue and
         its deadline (`hf_paged.serve.limits`); `affinity`: the routing key of data-parallel serving (the
-        `X-HF-Paged-Affinity` header)."""
+        `X-HF-Paged-Affinity` header); `lora`: the LoRA adapter the request's `model` named (None: the base)."""
         self.bridge, self.tokenizer, self.metrics = bridge, tokenizer, metrics
         self.constraint, self.constraint_param = constraint or {}, constraint_param
         self.echo, self.prompt_top, self.prompt_logprobs, self.ticket = echo, prompt_top, prompt_logprobs, ticket
@@ -104,7 +105,7 @@ class Generation:
             kwargs = dict(max_new_tokens=room if max_tokens is None else max_tokens,
                           do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
                           seed=seed, stop_strings=tuple(stop), logprobs=logprobs,
-                          ignore_eos=ignore_eos, **self.constraint)
+                          ignore_eos=ignore_eos, lora=lora, **self.constraint)
             if prompt_top is not None and len(ids) > 1:  # token 0 has no score (None in the response)
                 kwargs.update(prompt_logprobs_start=1, prompt_top_logprobs=prompt_top)
             elif max_tokens == 0:

@@ -56,6 +56,7 @@ class ReplicaSpec:
     prefill_graphs: bool = True
     threads: int | None = None  # torch intra-op threads of a CPU replica (None: torch's default)
     log_level: str = "WARNING"
+    loras: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) each replica's engine adds (`--lora`)
 
 
 def encode(out: RequestOutput, sent: dict[int, tuple[int, int]], prompt_sent: int) -> tuple:
@@ -252,6 +253,8 @@ def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, conn) -> Non
         if kwargs.get("max_num_batched_tokens") is None:
             kwargs["max_num_batched_tokens"] = default_max_num_batched_tokens(torch.device(device), serving=True)
         engine = Engine(model, tokenizer, **kwargs)
+        for name, path in spec.loras:  # before the warm-up: the CUDA graphs record the wrapped linears
+            engine.add_lora(name, path)
         if spec.warm_up and engine.device.type == "cuda":
             engine.warm_up(prefill_graphs=spec.prefill_graphs)
     except BaseException:  # noqa: BLE001 - the front reports it and refuses to start

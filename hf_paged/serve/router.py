@@ -374,6 +374,10 @@ class ReplicaRouter:
     def max_model_len(self) -> int | None:
         return self.info.get("max_model_len")
 
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters every replica holds (`ReplicaSpec.loras`, added when it starts)."""
+        return [name for name, _ in self.spec.loras]
+
     def context_limit(self) -> int:
         """Tokens a request (prompt and output) may hold: the model's context or the smallest replica's pool."""
         pool, longest = self.info["pool_tokens"], self.info.get("max_model_len")
