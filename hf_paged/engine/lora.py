@@ -21,6 +21,7 @@ Tensor parallelism is not supported with adapters (`add_lora` raises).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -43,7 +44,9 @@ class LoraAdapters:
     def __init__(self, engine, max_loras: int, max_lora_rank: int) -> None:
         self.max_loras = _positive("max_loras", max_loras)
         self.max_lora_rank = _positive("max_lora_rank", max_lora_rank)
-        self._engine = engine
+        # a weak proxy: the engine holds this part, and a strong reference back would be a cycle that keeps a dropped
+        # engine (its KV pool, its model) alive until the cycle collector runs (tests/test_memory_lifetime.py)
+        self._engine = weakref.proxy(engine)
         self._ids = itertools.count(1)
         self._by_name: dict[str, tuple[int, LoraWeights]] = {}
         self._weights: dict[int, LoraWeights] = {}
