@@ -1,14 +1,14 @@
 """Per-family attention adapters: models whose attention does not go through transformers' `AttentionInterface`.
 
-Most of transformers' families compute attention through `AttentionInterface`, and hf-paged reaches them by
-registering its attention function there. A few older or unusual ones (Falcon, GPT-J, GPT-Neo, CodeGen, JetMoE,
-BLOOM, MPT, XGLM, GPT-NeoX-Japanese) compute it in their own attention module, the multi-head latent attention
-families expand K/V from a cached latent after the cache, and DiffLlama re-pairs its values after it. For those,
-`prepare_model` installs an adapter on each attention module *instance* (`registry.install`; `hf_paged.disable`
-uninstalls it): the module's own projections, norms, rotary code and cache calls run as written, and only where the module computes attention from the K/V that
-`Cache.update()` returned does the adapter call the registered attention function instead, as an interface-routed
-module does. Nothing of a modeling file is copied; each adapter names what its family does differently and why the
-replacement computes the same thing (one module per family or shared pattern):
+Most of transformers' families compute attention through `AttentionInterface`, and hf-paged reaches them by registering
+its attention function there. A few older or unusual ones (Falcon, GPT-J, GPT-Neo, CodeGen, JetMoE, BLOOM, MPT, XGLM,
+GPT-NeoX-Japanese) compute it in their own attention module, the multi-head latent attention families expand K/V from a
+cached latent after the cache, and DiffLlama re-pairs its values after it. For those, `prepare_model` installs an
+adapter on each attention module *instance* (`registry.install`; `hf_paged.disable` uninstalls it): the module's own
+projections, norms, rotary code and cache calls run as written, and only where the module computes attention from the
+K/V that `Cache.update()` returned does the adapter call the registered attention function instead, as an
+interface-routed module does. Nothing of a modeling file is copied; each adapter names what its family does differently
+and why the replacement computes the same thing (one module per family or shared pattern):
 
 * `inner`: GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese (their inner `_attn` method replaced);
 * `falcon`: Falcon (multi-query, grouped new decoder architecture, rotary or ALiBi);
