@@ -180,3 +180,12 @@ def test_xglm_cross_attention_call_is_refused():
             attention(hidden, key_value_states=hidden)
     finally:
         hf_paged.disable(model)
+
+
+def test_diffllama_module_with_other_kv_heads_is_refused():
+    """A shard holding some of the config's KV heads cannot pair `a` with `a + kv_heads / 2`: refused, naming it."""
+    model = tiny_model("diffllama")
+    attention = next(m for m in model.modules() if type(m).__name__ == "DiffLlamaAttention")
+    attention.k_proj = torch.nn.Linear(model.config.hidden_size, attention.head_dim)
+    assert "k_proj writes" in adapters.refusal(attention)
+    assert "not_interface_routed" in support.model_features(model)

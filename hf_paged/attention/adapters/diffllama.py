@@ -15,7 +15,8 @@ comes from `cache.memory.layer_kv_shapes`, `_PAIRED_KV_HEADS`), written through 
 own `scaling`), and the output `P V'_a = [P V_a | P V_{a+h}]` is exactly the concatenation of the model's two calls
 for that head (`value_states1[g] = V_a`, `value_states2[g] = V_{a+h}`). The query heads are ordered so that the
 kernels' `head // group` mapping reads pool head `a` for both halves, and the output is put back in the model's head
-order. Everything else is the module's own: projections, the family's `apply_rotary_pos_emb` (before the cache, as the
+order. A module whose KV heads are not its config's (a tensor-parallel shard, which splits the pairs across ranks) is
+refused. Everything else is the module's own: projections, the family's `apply_rotary_pos_emb` (before the cache, as the
 module applies it), the lambda parameters, `lambda_init`, `groupnorm` and `o_proj`, re-stated in the module's order.
 """
 
@@ -48,6 +49,15 @@ def _paired_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return paired.view(batch, heads, length, 2 * dim)
 
 
+def _refuse(module: torch.nn.Module) -> str | None:
+    """A module that writes other KV heads than its config's `num_key_value_heads` cannot pair heads `a` and
+    `a + kv_heads / 2` (a tensor-parallel shard holds one of them only)."""
+    width, heads = getattr(module.k_proj, "out_features", None), module.config.num_key_value_heads
+    if width != heads * module.head_dim:
+        return f"k_proj writes {width} values, not the config's {heads} KV heads of {module.head_dim}"
+    return None
+
+
 def diffllama_forward(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
                       attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
     """`DiffLlamaAttention.forward` through one paged attention call; returns `(output, None)`."""
@@ -59,6 +69,9 @@ def diffllama_forward(module: torch.nn.Module, hidden_states: torch.Tensor, posi
     cos, sin = position_embeddings
     query, key = family_module(module).apply_rotary_pos_emb(query, key, cos, sin)
     kv_heads = key.shape[1]
+    if kv_heads != module.config.num_key_value_heads:
+        raise ValueError(f"DiffLlama under hf-paged pairs the config's {module.config.num_key_value_heads} KV heads; "
+                         f"this module has {kv_heads} (a tensor-parallel shard is not supported)")
     key, value = pair_heads(key), pair_heads(value)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, module.layer_idx)
@@ -79,4 +92,4 @@ def diffllama_forward(module: torch.nn.Module, hidden_states: torch.Tensor, posi
 
 
 register("transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
-         adapter=Adapter("diffllama", "forward", diffllama_forward))
+         adapter=Adapter("diffllama", "forward", diffllama_forward, refuse=_refuse))
