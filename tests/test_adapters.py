@@ -23,19 +23,22 @@ import hf_paged
 from hf_paged import capabilities
 from hf_paged.attention import adapters, support
 from hf_paged.attention.adapters import alibi
+from hf_paged.cache import layer_kv_shapes
 from hf_paged.model_zoo import check_architecture, tiny_inputs, tiny_model
 
 warnings.filterwarnings("ignore", module="transformers")
 transformers.logging.set_verbosity_error()
 
-ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese")
+ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese", "diffllama")
 FALCON_VARIANTS = [
     dict(new_decoder_architecture=True),  # Falcon-40B/180B: grouped K/V broadcast over query heads before the cache
     dict(alibi=True),  # Falcon-RW
     dict(alibi=True, new_decoder_architecture=True),
     dict(multi_query=False, num_kv_heads=4, parallel_attn=False),
 ]
-CASES = [(family, {}) for family in ADAPTED] + [("falcon", v) for v in FALCON_VARIANTS]
+DIFFLLAMA_PAIRS = dict(num_attention_heads=8, num_key_value_heads=4)  # two pool heads, each pairing two KV heads
+CASES = ([(family, {}) for family in ADAPTED] + [("falcon", v) for v in FALCON_VARIANTS]
+         + [("diffllama", DIFFLLAMA_PAIRS)])
 
 
 def _logits(model, ids, mask, cache=None):
@@ -77,6 +80,19 @@ def test_falcon_variants_pass_the_sweep(overrides):
     record = check_architecture("falcon", timeout_s=120, **overrides)
     assert record["verdict"] == "pass", record["reason"]
     assert ("alibi" in record["observed"]) == bool(overrides.get("alibi"))
+
+
+@pytest.mark.parametrize("overrides", [{}, DIFFLLAMA_PAIRS], ids=["default", "pairs"])
+def test_diffllama_passes_the_sweep_with_paired_kv_heads(overrides):
+    """Engine and drop-in greedy tokens equal transformers' DynamicCache greedy (left-padded batch, float32); the pool
+    holds half the KV heads at twice the width, the same bytes per token as the model's own cache."""
+    record = check_architecture("diffllama", timeout_s=120, **overrides)
+    assert record["verdict"] == "pass", record["reason"]
+    config = tiny_model("diffllama", **overrides).config
+    shapes = layer_kv_shapes(config)
+    head_dim = config.head_dim
+    assert {(s.kv_heads, s.key_dim, s.value_dim) for s in shapes} == {
+        (config.num_key_value_heads // 2, 2 * head_dim, 2 * head_dim)}
 
 
 @pytest.mark.parametrize("family,overrides,want", [
@@ -164,3 +180,12 @@ def test_xglm_cross_attention_call_is_refused():
             attention(hidden, key_value_states=hidden)
     finally:
         hf_paged.disable(model)
+
+
+def test_diffllama_module_with_other_kv_heads_is_refused():
+    """A shard holding some of the config's KV heads cannot pair `a` with `a + kv_heads / 2`: refused, naming it."""
+    model = tiny_model("diffllama")
+    attention = next(m for m in model.modules() if type(m).__name__ == "DiffLlamaAttention")
+    attention.k_proj = torch.nn.Linear(model.config.hidden_size, attention.head_dim)
+    assert "k_proj writes" in adapters.refusal(attention)
+    assert "not_interface_routed" in support.model_features(model)

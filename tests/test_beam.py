@@ -137,6 +137,7 @@ def test_beam_search_matches_transformers_in_small_pool_and_blocks(monkeypatch):
     ("falcon", dict(num_beams=3, num_return_sequences=2)),
     ("gptj", dict(num_beams=4, num_return_sequences=3, length_penalty=0.5)),
     ("bloom", dict(num_beams=3, early_stopping=True)),  # ALiBi in the kernels
+    ("diffllama", dict(num_beams=3, num_return_sequences=2)),  # KV heads paired in the pool
 ])
 def test_beam_search_matches_transformers_on_adapted_families(family, options):
     """Families that compute attention themselves, routed by their adapters (`hf_paged.attention.adapters`)."""

@@ -68,10 +68,10 @@ def test_compiled_decode_is_one_graph_and_matches_transformers(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gptj", "bloom"])
+@pytest.mark.parametrize("family", ["gptj", "bloom", "diffllama"])
 def test_compiled_decode_of_adapted_families_is_one_graph_and_matches_transformers(family):
     """Families whose attention an adapter routes (`hf_paged.attention.adapters`): the adapter's code is traced with
-    the rest of the layer, no graph break; BLOOM's ALiBi slopes reach the fused op."""
+    the rest of the layer, no graph break; BLOOM's ALiBi slopes reach the fused op; DiffLlama's paired query too."""
     model = zoo.tiny_model(family, seed=1)
     prompts = random_prompts((1, 19, 7, 12, 3), seed=3, vocab=zoo.VOCAB)
     new = [4, 6, 3, 5, 7]

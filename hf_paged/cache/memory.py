@@ -23,6 +23,9 @@ _NO_KV_LAYER_TYPES = frozenset({"linear_attention", "conv", "moe", "mlp", "mamba
 # families whose sliding-window layers write more KV heads than `num_key_value_heads` says, a fact of their modeling
 # code, not of their config (MiMo-V2-Flash: `num_key_value_heads * 2` on its sliding layers)
 _SLIDING_KV_HEAD_FACTOR = {"mimo_v2_flash": 2}
+# families whose attention adapter stores KV heads `h` and `h + kv_heads / 2` side by side as one head of twice the
+# width (DiffLlama: `hf_paged.attention.adapters.diffllama`, whose two attention calls pair those heads' values)
+_PAIRED_KV_HEADS = frozenset({"diffllama"})
 
 
 def parse_memory(value: int | float | str | None, name: str) -> int | None:
@@ -160,7 +163,8 @@ def layer_kv_shapes(config) -> list[KVShape]:
       ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys (the latent, stored once);
     * per-layer head sizes and KV heads (transformers' `per_layer_config`: Gemma 4's global layers);
     * a value width of its own (`v_head_dim`: MiMo-V2-Flash), and the sliding layers' KV heads of the families whose
-      modeling code multiplies them (`_SLIDING_KV_HEAD_FACTOR`).
+      modeling code multiplies them (`_SLIDING_KV_HEAD_FACTOR`);
+    * half the KV heads at twice the width where the family's adapter pairs them (`_PAIRED_KV_HEADS`: DiffLlama).
     """
     text = _text(config)
     layers = kv_layer_indices(config)
@@ -185,6 +189,8 @@ def layer_kv_shapes(config) -> list[KVShape]:
         value_dim = int(value_dim) if isinstance(value_dim, int) and value_dim > 0 else key_dim
         if factor > 1 and layer < len(layer_types) and "sliding" in str(layer_types[layer]):
             heads *= factor
+        if getattr(text, "model_type", None) in _PAIRED_KV_HEADS and heads % 2 == 0:
+            heads, key_dim, value_dim = heads // 2, key_dim * 2, value_dim * 2
         shapes.append(KVShape(heads, key_dim, value_dim))
     return shapes
 
