@@ -1,0 +1,127 @@
+"""Pure recurrent models (issue 53): Mamba and FalconMamba, whose every layer is a Mamba 1 mixer and none keeps K/V.
+
+Their cache is a pool of zero K/V layers (blocks only count tokens, for scheduling and prefix-cache keys, and cost
+no memory) and a state slot per sequence for every layer; the model takes the cache as ``cache_params``. Tiny
+seeded models, float32 on the CPU, every check against transformers' own greedy / beam generate:
+
+* the engine's greedy tokens on the eager, static-decode and chunked-prefill paths;
+* ``generate(cache_implementation="paged")`` and the drop-in ``PagedCache`` (as ``cache_params``) on a left-padded
+  batch, and beam search on both;
+* the gate accepts them (no attention module, no positions) and still refuses encoder-decoders.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import hf_paged
+from hf_paged.attention.support import check_supported, model_features
+from hf_paged.capabilities import inspect_model
+from hf_paged.model_zoo import tiny_model
+
+try:
+    from tests.helpers import dense_generate, paged, random_prompts
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import dense_generate, paged, random_prompts
+
+FAMILIES = ("mamba", "falcon_mamba")
+LENGTHS = (1, 23, 7, 40, 3, 16)
+
+
+@functools.cache
+def recurrent(family: str):
+    model = tiny_model(family)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return model
+
+
+@functools.cache
+def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    model = recurrent(family)
+    prompts = random_prompts(LENGTHS, seed=7, vocab=200)
+    outs = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    return prompts, outs
+
+
+def left_padded(lengths, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n:] = torch.randint(3, 200, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return input_ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_gate_accepts_pure_recurrent_models(family):
+    model = recurrent(family)
+    assert set(model_features(model)) == {"recurrent_state"}
+    assert set(inspect_model(model).unhandled) == set()
+
+
+@pytest.mark.parametrize("family", ["bart", "whisper"])
+def test_decoders_counting_positions_from_the_cache_stay_refused(family):
+    model = tiny_model(family)
+    assert "no_position_ids" in model_features(model)
+    with pytest.raises(ValueError, match="no_position_ids"):
+        check_supported(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+def test_engine_greedy_matches_transformers(family, path):
+    model = recurrent(family)
+    prompts, refs = references(family)
+    kwargs = dict(block_size=4)
+    if path == "chunked":  # prompts cut into chunks of at most 6 tokens: states carried between chunks
+        kwargs.update(max_num_batched_tokens=6, max_num_seqs=3)
+    engine = hf_paged.Engine(model, **kwargs)
+    cache = engine.cache
+    assert cache.kv_layers == [] and cache.bytes_per_block() == 0 and cache.pool is None
+    if path != "eager":
+        engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if path != "eager":
+        assert engine.runner.graph_steps > 0
+    stats = engine.kv_stats()
+    assert stats.state_slots == engine.scheduler.max_num_seqs
+    assert not engine.has_unfinished() and stats.used_blocks == 0 and stats.state_slots_used == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_generate_and_the_drop_in_cache_match_transformers_on_a_padded_batch(family):
+    model = recurrent(family)
+    input_ids, mask = left_padded((5, 11, 2, 8))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    ref = dense_generate(model, **kwargs)
+    with paged(model, block_size=4):
+        out = model.generate(**kwargs, cache_implementation="paged")
+        cache = hf_paged.PagedCache(config=model.config, block_size=4)
+        dropin = model.generate(**kwargs, cache_params=cache)
+        assert cache.has_states and cache.kv_layers == []
+    assert torch.equal(out, ref)
+    assert torch.equal(dropin, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_matches_transformers(family):
+    model = recurrent(family)
+    input_ids, mask = left_padded((5, 11, 2, 8))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=8,
+                  return_dict_in_generate=True, output_scores=True, eos_token_id=None)
+    ref = dense_generate(model, **kwargs)
+    with paged(model, block_size=4):
+        out = model.generate(**kwargs, cache_implementation="paged")
+        dropin = model.generate(**kwargs, cache_params=hf_paged.PagedCache(config=model.config, block_size=4))
+    for got in (out, dropin):
+        assert torch.equal(got.sequences, ref.sequences)
+        torch.testing.assert_close(got.sequences_scores, ref.sequences_scores, atol=1e-5, rtol=1e-5)
