@@ -125,3 +125,54 @@ def test_beam_search_matches_transformers(family):
     for got in (out, dropin):
         assert torch.equal(got.sequences, ref.sequences)
         torch.testing.assert_close(got.sequences_scores, ref.sequences_scores, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parallel_samples_score_as_transformers_scores_them(family):
+    model = recurrent(family)
+    prompts = random_prompts((9, 14), seed=2, vocab=200)
+    engine = hf_paged.Engine(model, block_size=4)
+    params = hf_paged.SamplingParams(max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=11, logprobs=1,
+                                     ignore_eos=True, temperature=2.0)
+    outputs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # forks that went their own ways
+        for completion in out.outputs:
+            ids = torch.tensor([prompt + completion.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+            expected = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            got = torch.tensor([lp for lp, _ in completion.logprobs])
+            torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    assert engine.kv_stats().state_slots_used == 0 and engine.kv_stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_hits_resume_from_state_checkpoints_with_transformers_tokens(family):
+    """A shared system prompt: later prompts resume from a state checkpoint and run their rest (several tokens) from
+    it, which a Mamba 1 mixer's own multi-token form cannot (`recurrent._resumes_chunks`)."""
+    model = recurrent(family)
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 200, (22,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 200, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 9, (6,), generator=g)]
+    expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(model, block_size=4)
+    params = hf_paged.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for batch in (prompts[:1], prompts[1:]) for o in engine.generate(batch, params)]
+    assert got == expected
+    # (the burst's first prompt computes the state at the end of the shared blocks; the other 4 resume from it)
+    assert engine.prefix_cache_stats().hit_tokens >= 4 * 20
+    assert engine.block_manager.state.checkpoint_hits >= 4
+
+
+def test_jamba_chunked_prefill_keeps_its_mamba_state():
+    """Jamba's Mamba 1 layers beside attention: prompts cut into chunks resume each chunk from the state."""
+    model = tiny_model("jamba")
+    prompts = random_prompts((23, 9, 17), seed=4, vocab=200)
+    expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_batched_tokens=6, max_num_seqs=2)
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
