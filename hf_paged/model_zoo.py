@@ -351,7 +351,8 @@ def _check(model_type: str, record: dict, compare: bool, overrides: dict) -> Non
     record["stage"] = "probe"
     record["features"] = model_features(model)
     caps = inspect_model(model)
-    record["interface_routed"] = caps.interface_routed
+    # (a pure recurrent model has no attention to route: every call it makes is one of the cache API)
+    record["interface_routed"] = caps.interface_routed or caps.recurrent_only
     record["observed"] = dict(caps.features)
     if caps.error:
         record["observed"]["probe_error"] = caps.error
