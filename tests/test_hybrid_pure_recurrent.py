@@ -4,10 +4,13 @@ Their cache is a pool of zero K/V layers (blocks only count tokens, for scheduli
 no memory) and a state slot per sequence for every layer; the model takes the cache as ``cache_params``. Tiny
 seeded models, float32 on the CPU, every check against transformers' own greedy / beam generate:
 
-* the engine's greedy tokens on the eager, static-decode and chunked-prefill paths;
+* the engine's greedy tokens on the eager, static-decode, chunked-prefill and compiled paths, and after prefix-cache
+  hits resumed from state checkpoints (Mamba 1 chunks that resume from a state run one token at a time: Jamba too);
+* parallel samples scored as transformers scores them;
 * ``generate(cache_implementation="paged")`` and the drop-in ``PagedCache`` (as ``cache_params``) on a left-padded
   batch, and beam search on both;
-* the gate accepts them (no attention module, no positions) and still refuses encoder-decoders.
+* the gate accepts them (no attention module, no positions) and still refuses decoders that count positions from the
+  cache (BART, Whisper).
 """
 
 from __future__ import annotations
@@ -176,3 +179,15 @@ def test_jamba_chunked_prefill_keeps_its_mamba_state():
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_batched_tokens=6, max_num_seqs=2)
     outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_transformers():
+    model = recurrent("mamba")
+    prompts, refs = references("mamba")
+    engine = hf_paged.Engine(model, block_size=4, max_num_seqs=8, compile_decode=True)
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
+    engine.close()
+    torch._dynamo.reset()
