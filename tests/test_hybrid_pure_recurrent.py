@@ -191,3 +191,19 @@ def test_compiled_decode_step_matches_transformers():
     assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
     engine.close()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_tokens_and_gives_every_slot_back(mode):
+    """A pool of 14 bookkeeping blocks (``num_blocks`` given: they cost nothing, but still bound the tokens in flight)
+    preempts; the states go with the blocks (swap) or are recomputed."""
+    model = recurrent("falcon_mamba")
+    prompts = random_prompts((9, 14, 6, 11), seed=4, vocab=200)
+    expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(model, block_size=4, num_blocks=14, preemption_mode=mode, swap_space=0.01)
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.stats["peak_used_blocks"] == 14
+    stats = engine.kv_stats()
+    assert stats.used_blocks == stats.cpu_used_blocks == stats.state_slots_used == stats.state_cpu_slots_used == 0
