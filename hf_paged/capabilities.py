@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import adapters
+from .attention.recurrent import cache_argument
 from .attention.support import HANDLED_FEATURES, KNOWN_ATTENTION_KWARGS, model_features, refusal
 
 __all__ = ["Capabilities", "AttentionCall", "inspect_model", "check_supported", "PROBE_NAME"]
@@ -62,6 +63,7 @@ class Capabilities:
     calls: list[AttentionCall] = field(default_factory=list)
     updated_layers: tuple[int, ...] = ()
     recurrent_layers: tuple[int, ...] = ()
+    recurrent_only: bool = False  # every cache layer a recurrent one and no attention call (Mamba): nothing to route
     features: dict[str, str] = field(default_factory=dict)  # observed feature -> detail
     error: str | None = None  # the forward failed (with the probe function in place)
 
@@ -166,7 +168,7 @@ def _probe_attention(model):
 def _observed_features(caps: Capabilities, text_config) -> dict[str, str]:
     features: dict[str, str] = {}
     calls = caps.calls
-    if not caps.interface_routed:
+    if not caps.interface_routed and not caps.recurrent_only:
         features["not_interface_routed"] = (
             "no attention call went through transformers' AttentionInterface with a Cache" if not calls else
             "some attention calls got K/V that Cache.update() did not return (K/V expanded from cached latents, "
@@ -216,8 +218,9 @@ def inspect_model(model, num_tokens: int = 4) -> Capabilities:
     _CALLS.clear()
     try:
         with _probe_attention(model), torch.no_grad():
-            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                  use_cache=True)
+            # (under the name the model takes it: `cache_params` for Mamba, which ignores `past_key_values`)
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True,
+                  **{cache_argument(model): cache})
     except Exception as error:  # noqa: BLE001 - reported, the caller decides
         caps.error = f"{type(error).__name__}: {error}"[:300]
     for call, key_id in _CALLS:
@@ -231,6 +234,8 @@ def inspect_model(model, num_tokens: int = 4) -> Capabilities:
         if "LinearAttention" in type(layer).__name__
     )
     caps.interface_routed = bool(caps.calls) and all(c.from_cache_update for c in caps.calls)
+    layers = getattr(cache, "layers", [])
+    caps.recurrent_only = not caps.calls and bool(layers) and len(caps.recurrent_layers) == len(layers)
     caps.features = _observed_features(caps, text_config)
     return caps
 

@@ -25,6 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .attention import HANDLED_FEATURES, model_features
+from .attention.recurrent import cache_argument
 from .cache import PagedCache
 from .capabilities import inspect_model
 from .integrations.generate import disable, enable
@@ -350,7 +351,8 @@ def _check(model_type: str, record: dict, compare: bool, overrides: dict) -> Non
     record["stage"] = "probe"
     record["features"] = model_features(model)
     caps = inspect_model(model)
-    record["interface_routed"] = caps.interface_routed
+    # (a pure recurrent model has no attention to route: every call it makes is one of the cache API)
+    record["interface_routed"] = caps.interface_routed or caps.recurrent_only
     record["observed"] = dict(caps.features)
     if caps.error:
         record["observed"]["probe_error"] = caps.error
@@ -383,8 +385,9 @@ def _check(model_type: str, record: dict, compare: bool, overrides: dict) -> Non
     try:
         with torch.no_grad():
             paged = _greedy(model, input_ids, attention_mask, cache_implementation="paged")
-            dropin = _greedy(model, input_ids, attention_mask, past_key_values=PagedCache(config=model.config, num_blocks=_POOL_BLOCKS,
-                                                                       block_size=_BLOCK_SIZE))
+            cache = PagedCache(config=model.config, num_blocks=_POOL_BLOCKS, block_size=_BLOCK_SIZE)
+            # (under the name the model takes its cache: `cache_params` for Mamba)
+            dropin = _greedy(model, input_ids, attention_mask, **{cache_argument(model): cache})
     except Exception as error:  # noqa: BLE001 - recorded
         record["verdict"], record["reason"] = "crash", f"paged generate crashed: {_short(error)}"
         return

@@ -20,6 +20,12 @@ group's slots from the pool, answers the calls above for exactly those rows, and
   passed through, as transformers runs it.
 
 Anything else (no cache, a `DynamicCache`) goes straight to the module's own forward.
+
+Pure recurrent models (Mamba, FalconMamba: Mamba 1 mixers, no attention layer) take their cache as ``cache_params``,
+not ``past_key_values``, and ignore the latter (building a `DynamicCache` of their own). `install` hooks such a model so
+that a `PagedCache` handed as ``past_key_values`` (what the engine's runner passes every model) reaches it as
+``cache_params`` (`cache_argument`). Their mixers' decode path updates the gathered states in place
+(``causal_conv1d_update``, ``selective_state_update``), which `_StateView.commit` writes back like any other state.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ..kernels.gated_delta import gdn_decode
 from . import gated_deltanet
 from .compiled_op import _ACTIVE
 
-__all__ = ["install", "uninstall", "mixer_modules", "profile_state_specs", "is_mixer_class"]
+__all__ = ["install", "uninstall", "mixer_modules", "profile_state_specs", "is_mixer_class", "cache_argument"]
 
 _KINDS = ("conv", "recurrent")  # the kinds of state a layer keeps (`hf_paged.cache.state_pool.StateKey`)
 _RECURRENT_CALLS = ("update_conv_state", "update_recurrent_state")
@@ -77,8 +83,35 @@ def mixer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and is_mixer_class(type(m))]
 
 
+@functools.cache
+def _takes_cache_params(cls: type) -> bool:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "cache_params" in params and "past_key_values" not in params
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which `model`'s forward takes its cache: ``cache_params`` (Mamba, FalconMamba) or
+    ``past_key_values``."""
+    return "cache_params" if _takes_cache_params(type(model)) else "past_key_values"
+
+
+def _paged_cache_as_cache_params(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a model whose forward takes ``cache_params``: a `PagedCache` passed as ``past_key_values``
+    (the runner's call) goes there instead (the model would otherwise ignore it)."""
+    if isinstance(kwargs.get("past_key_values"), PagedCache) and kwargs.get("cache_params") is None:
+        kwargs = dict(kwargs)
+        kwargs["cache_params"] = kwargs.pop("past_key_values")
+        return args, kwargs
+    return None
+
+
 def install(model: torch.nn.Module) -> int:
     """Wrap every recurrent mixer's forward (idempotent); returns how many modules are wrapped."""
+    if cache_argument(model) == "cache_params" and "_hf_paged_cache_hook" not in model.__dict__:
+        model._hf_paged_cache_hook = model.register_forward_pre_hook(_paged_cache_as_cache_params, with_kwargs=True)
     count = 0
     for module in mixer_modules(model):
         if "_hf_paged_forward" not in module.__dict__:
@@ -92,6 +125,9 @@ def install(model: torch.nn.Module) -> int:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Undo `install`."""
+    hook = model.__dict__.pop("_hf_paged_cache_hook", None)
+    if hook is not None:
+        hook.remove()
     for module in model.modules():
         original = module.__dict__.pop("_hf_paged_forward", None)
         module.__dict__.pop("_hf_paged_layout", None)
@@ -150,8 +186,14 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
         view = _StateView(layer, pool, step.state_slots.index_select(0, index), True)
         pieces.append((at, call.run(hidden[0].index_select(0, at)[:, None], view, packed=True)[:, 0]))
     chosen = set(decode)
+    by_token = getattr(call.module, "_hf_paged_token_chunks", False)
     for i, (first, n, prev) in enumerate(rows):
         if i in chosen:
+            continue
+        if prev and n > 1 and by_token:  # a mixer whose multi-token form starts from zero: one token at a time
+            outs = [call.run(hidden[:, t : t + 1], _StateView(layer, pool, step.state_slots[i : i + 1], True),
+                             packed=True)[0] for t in range(first, first + n)]
+            pieces.append((slice(first, first + n), torch.cat(outs)))
             continue
         view = _StateView(layer, pool, step.state_slots[i : i + 1], prev)
         pieces.append((slice(first, first + n), call.run(hidden[:, first : first + n], view, packed=True)[0]))
@@ -374,6 +416,7 @@ def profile_state_specs(model: torch.nn.Module) -> dict:
     once on two tokens of zeros with a recording view (no attention runs, nothing is kept). Each mixer module keeps
     its layer's list as `_hf_paged_state_layout` (what the compiled decode step gathers and commits)."""
     specs = {}
+    resumes: dict[type, bool] = {}
     param = next(model.parameters())
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     hidden = int(config.hidden_size)
@@ -390,4 +433,33 @@ def profile_state_specs(model: torch.nn.Module) -> dict:
                 layout.append((kind, index, tuple(tensor.shape[1:]), tensor.dtype))
             # what the compiled decode step gathers and commits for this layer (the same for every layer of a kind)
             module._hf_paged_state_layout = tuple(layout)
+            if type(module) not in resumes:  # (one check per mixer class)
+                resumes[type(module)] = _resumes_chunks(module, original, names[0], cache_arg, hidden, param)
+            module._hf_paged_token_chunks = not resumes[type(module)]
     return specs
+
+
+def _resumes_chunks(module, forward, hidden_name: str, cache_arg: str, hidden: int, param: torch.Tensor) -> bool:
+    """Whether the mixer's multi-token form starts from the state it is given: six tokens at once against four, then
+    two more from their state; the error is measured against what dropping the state altogether changes. Mamba 1
+    mixers (Mamba, FalconMamba, Jamba) scan every multi-token call from zero (transformers' own generate never resumes
+    one; only their convolution window carries over: about a tenth of the difference), so a chunked prefill or a
+    prefix-cache hit of theirs would lose the state: `_run_paged` runs such chunks one token at a time instead. The
+    mixers that resume (Mamba 2, gated DeltaNet, short convolutions) agree to rounding (1e-7 of it in float32); a
+    16-bit mixer misjudged by its rounding only runs slower, never wrong."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn((1, 6, hidden), generator=g).to(param.device, param.dtype)
+
+    def run(tokens: torch.Tensor, view: _StateView) -> torch.Tensor:
+        return forward(**{hidden_name: tokens, cache_arg: view}).float()
+
+    layer = module.layer_idx
+    expected = run(x, _StateView(layer, None, None, False))[:, 4:]
+    first = _StateView(layer, None, None, False)
+    run(x[:, :4], first)
+    rest = _StateView(layer, None, None, True)
+    for name in _LayerStates.__slots__:
+        setattr(rest.layers.states, name, getattr(first.layers.states, name))
+    error = (run(x[:, 4:], rest) - expected).abs().max()
+    history = (run(x[:, 4:], _StateView(layer, None, None, False)) - expected).abs().max()
+    return bool(error <= 1e-2 * history)

@@ -104,6 +104,26 @@ _RECURRENT_CLASS_WORDS = ("Mamba", "Rwkv", "LinearAttention", "ShortConv", "Gate
                           "mLSTM", "sLSTM", "Lfm2ShortConv", "KimiDeltaAttention", "DeltaNet", "MiniMaxLightning")
 
 
+# modules that give a model positions (rotary, learned or sinusoidal embeddings): a model with one needs position_ids
+_POSITION_CLASS_WORDS = ("Rotary", "Positional", "PositionEmbedding")
+_POSITION_MODULE_NAMES = ("wpe", "embed_positions", "position_embeddings", "rotary_emb")
+
+
+def _recurrent_only(model, decoder, holds_mixer: set[int], attention_classes: set[str]) -> bool:
+    """A pure recurrent model (Mamba, FalconMamba): recurrent mixers of the cache API, no attention module, no layer
+    that keeps K/V and no module that gives positions. It needs no position_ids and routes nothing through the
+    attention interface (an encoder-decoder that counts positions from the cache length has attention: refused)."""
+    if not holds_mixer or attention_classes:
+        return False
+    try:
+        if kv_layer_indices(_get_config(model)):
+            return False
+    except Exception:  # noqa: BLE001 - a config without layer counts: not one we can tell
+        return False
+    return not any(any(w in type(m).__name__ for w in _POSITION_CLASS_WORDS)
+                   or name.rsplit(".", 1)[-1] in _POSITION_MODULE_NAMES for name, m in decoder.named_modules())
+
+
 def _get_config(model_or_config):
     config = model_or_config
     if not hasattr(model_or_config, "model_type") and hasattr(model_or_config, "config"):
@@ -367,16 +387,17 @@ def _model_features(model) -> tuple[dict[str, str], frozenset[str]]:
         found.setdefault("recurrent_state", f"modules {sorted(recurrent_classes)}")
     if unslotted:
         found["unslotted_state"] = f"modules {sorted(unslotted)} keep their state outside the cache API"
+    recurrent_only = _recurrent_only(model, decoder, holds_mixer, attention_classes)
     if not_routed:
         found["not_interface_routed"] = f"{sorted(not_routed)} compute attention themselves"
-    elif not attention_classes:
+    elif not attention_classes and not recurrent_only:
         found["not_interface_routed"] = "no attention module with a layer_idx calls ALL_ATTENTION_FUNCTIONS"
     try:
         takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
         takes_positions = True
     handled = frozenset(adapter_handles) if adapted and not attention_types else frozenset()
-    if not takes_positions and "no_position_ids" not in handled:
+    if not takes_positions and "no_position_ids" not in handled and not recurrent_only:
         found["no_position_ids"] = (f"{type(model).__name__}.forward takes no position_ids: positions come from the "
                                     "cache length, which a ragged continuous batch cannot give per sequence")
     remote = [c for c in type(model).__mro__ if (c.__module__ or "").startswith("transformers_modules")]

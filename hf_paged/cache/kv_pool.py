@@ -108,9 +108,10 @@ class KVPool:
 
     def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_cpu_blocks: int = 0) -> None:
-        if not shapes:
-            raise ValueError("KVPool needs at least one layer shape")
+        # no shapes: a model without K/V layers (Mamba, FalconMamba): blocks are bookkeeping only (token counts,
+        # prefix-cache keys) and cost nothing
         self.shapes = list(shapes)
+        self._device, self._dtype = torch.device(device), dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -141,11 +142,11 @@ class KVPool:
 
     @property
     def device(self) -> torch.device:
-        return self.groups[0].tensors[0].device
+        return self.groups[0].tensors[0].device if self.groups else self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.groups[0].tensors[0].dtype
+        return self.groups[0].tensors[0].dtype if self.groups else self._dtype
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -216,7 +217,8 @@ class PoolShapes:
     def _set_shapes(self, shapes: list[KVShape]) -> None:
         """Each K/V layer's shape (pool order); `num_kv_heads` / `head_dim` are the first K/V layer's."""
         self.kv_shapes = shapes
-        self.num_kv_heads, self.head_dim = shapes[0].kv_heads, shapes[0].key_dim
+        # (a pool without K/V layers, a pure recurrent model's: 0 and 0)
+        self.num_kv_heads, self.head_dim = (shapes[0].kv_heads, shapes[0].key_dim) if shapes else (0, 0)
         self._layer_shapes: list[KVShape | None] = [None] * self.num_layers  # by model layer, for `update`
         for layer, shape in zip(self.kv_layers, shapes):
             self._layer_shapes[layer] = shape
@@ -224,13 +226,14 @@ class PoolShapes:
     @property
     def max_kv_heads(self) -> int:
         """The most KV heads any layer has (the decode kernels' per-head counters are sized for it)."""
-        return max(shape.kv_heads for shape in self.kv_shapes)
+        return max((shape.kv_heads for shape in self.kv_shapes), default=1)
 
     @property
     def pool(self) -> torch.Tensor | None:
         """The one K/V tensor `[kv layers, 2, num_blocks, kv heads, block_size, head_dim]` of a pool whose layers share
-        one shape (None before allocation); a pool of mixed shapes has several: `self.kv` (a `KVPool`)."""
-        if self.kv is None:
+        one shape (None before allocation, and for a pool without K/V layers); a pool of mixed shapes has several:
+        `self.kv` (a `KVPool`)."""
+        if self.kv is None or not self.kv.groups:
             return None
         if self.kv.uniform is None:
             raise RuntimeError(f"this PagedCache's layers differ in shape ({self.kv!r}): its tensors are cache.kv's")

@@ -24,6 +24,8 @@ def window_bound(windows: dict[int, int | None], num_kv_layers: int) -> tuple[bo
     """
     if len(windows) < num_kv_layers:
         return False, None
+    if not windows:  # no K/V layer (a pure recurrent model): nothing to release, its blocks cost nothing
+        return True, None
     if any(w is None for w in windows.values()):
         return True, None
     return True, max(windows.values())

@@ -15,7 +15,7 @@ from .kv_pool import KVShape
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
            "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "latent_kv_width",
-           "layer_kv_shapes", "kv_shared_sources"]
+           "layer_kv_shapes", "kv_shared_sources", "num_decoder_layers", "BLOCKLESS_POOL_BLOCKS"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
@@ -63,6 +63,9 @@ def memory_fraction(value, name: str = "gpu_memory_utilization") -> float:
     return fraction
 
 
+# blocks of a pool without K/V layers (a pure recurrent model: Mamba, FalconMamba), whose blocks cost no memory and
+# only count tokens for the block manager (scheduling, prefix-cache keys): 1M tokens of 16-token blocks
+BLOCKLESS_POOL_BLOCKS = 1 << 16
 _DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # modest: a 135M model keeps ~11k fp32 tokens in it
 _CUDA_ACTIVATION_RESERVE = 1024**3
 
@@ -139,7 +142,7 @@ def attention_shape(config) -> tuple[int, int, int]:
     that keeps K/V where layers differ: `layer_kv_shapes` gives each one's; a latent-attention config: 1 KV head of
     `latent_kv_width`)."""
     text = _text(config)
-    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    num_layers = num_decoder_layers(config)
     if num_layers is None:
         raise ValueError("config must define num_hidden_layers and num_attention_heads")
     if getattr(text, "is_heterogeneous", False):  # Gemma 4: `head_dim` etc. are per layer (transformers raises)
@@ -148,6 +151,13 @@ def attention_shape(config) -> tuple[int, int, int]:
     num_heads, num_kv_heads = attention_heads(config)
     head_dim = latent_kv_width(config) or getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return int(num_layers), num_kv_heads, int(head_dim)
+
+
+def num_decoder_layers(config) -> int | None:
+    """The decoder's layer count (`decoder_layers` or `num_hidden_layers`), None when the config says neither."""
+    text = _text(config)
+    num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    return None if num_layers is None else int(num_layers)
 
 
 def _layer_config(text, layer: int):
@@ -168,6 +178,8 @@ def layer_kv_shapes(config) -> list[KVShape]:
     """
     text = _text(config)
     layers = kv_layer_indices(config)
+    if not layers:  # a pure recurrent model (Mamba): no attention sizes to read
+        return []
     rank = getattr(text, "kv_lora_rank", None)
     if isinstance(rank, int) and rank > 0:
         width = rank + int(getattr(text, "qk_rope_head_dim", None) or 0)
@@ -241,6 +253,8 @@ def pool_kv_shapes(config, num_kv_layers: int, num_kv_heads: int | None, head_di
       tensor-parallel rank and every layer's heads are split alike (`head_dim` cannot be overridden there);
     * `num_kv_heads` and `head_dim` alone (no config): every layer alike.
     """
+    if num_kv_layers == 0:  # a pure recurrent model: a pool of bookkeeping blocks only
+        return []
     if kv_shapes is not None:
         shapes = list(kv_shapes)
         if len(shapes) != num_kv_layers or not all(isinstance(s, KVShape) for s in shapes):

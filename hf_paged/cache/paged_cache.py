@@ -33,12 +33,14 @@ from .kv_pool import KVPool, KVShape, PoolShapes
 from .kv_quant import FP8_DTYPE, KVScales, resolve_kv_cache_dtype
 from .layers import PagedLayer, window_bound
 from .memory import (
+    BLOCKLESS_POOL_BLOCKS,
     attention_shape,
     check_pool_arguments,
     cpu_pool_memory,
     kv_layer_indices,
     kv_shared_sources,
     memory_fraction,
+    num_decoder_layers,
     parse_memory,
     pool_budget,
     pool_kv_shapes,
@@ -127,7 +129,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         if config is not None:
             if num_layers is None:
                 kv_layers = kv_layer_indices(config)
-            num_layers = attention_shape(config)[0] if num_layers is None else num_layers
+            if num_layers is None:  # (a pure recurrent model has no attention sizes: `attention_shape` raises)
+                num_layers = attention_shape(config)[0] if kv_layers else num_decoder_layers(config)
         if num_layers is None or config is None and (num_kv_heads is None or head_dim is None) and kv_shapes is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
         check_pool_arguments(block_size, num_blocks, dtype)
@@ -237,6 +240,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     def _auto_num_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
         """Blocks of storage `dtype` in `kv_cache_memory`, else in the memory `memory.pool_budget` gives a pool."""
         per_block = self.bytes_per_block(dtype)
+        if per_block == 0:  # no K/V layers (a pure recurrent model): blocks cost nothing
+            return BLOCKLESS_POOL_BLOCKS
         budget = self.kv_cache_memory or pool_budget(device, self.gpu_memory_utilization)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -257,7 +262,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         """
         if self._released:
             raise RuntimeError("this PagedCache's pool was released (its engine is closed): create a new one")
-        shape = self._layer_shapes[layer_idx] if layer_idx is not None else self.kv_shapes[0]
+        shape = self._layer_shapes[layer_idx] if layer_idx is not None else next(iter(self.kv_shapes), None)
         expected = shape.kv_heads if shape is not None else kv_heads
         if self.kv is not None or kv_heads is None or kv_heads == expected:
             if kv_heads is not None and kv_heads != expected:
@@ -313,7 +318,9 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         the blocks are copied, ids and tables stay. Leaves it as it is when even `required` does not fit."""
         old = self.block_manager.num_blocks
         per_block = self.bytes_per_block(self.kv.dtype)
-        if self.kv.device.type == "cuda":
+        if per_block == 0:  # no K/V layers: blocks cost nothing
+            cap = max(old, required, BLOCKLESS_POOL_BLOCKS)
+        elif self.kv.device.type == "cuda":
             cap = old + max(0, pool_budget(self.kv.device, self.gpu_memory_utilization)) // per_block
         else:
             cap = max(old, cpu_pool_memory() // per_block)
@@ -530,7 +537,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         blocks = self.num_blocks if self.num_blocks is not None else "auto"
         return (
             f"PagedCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
-            f"{'' if len(set(self.kv_shapes)) == 1 else ' (first layer; shapes differ)'}, "
+            f"{'' if len(set(self.kv_shapes)) <= 1 else ' (first layer; shapes differ)'}, "
             f"block_size={self.block_size}, num_blocks={blocks}, sequences={len(self._rows)})"
         )
 

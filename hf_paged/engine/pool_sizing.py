@@ -18,7 +18,15 @@ import os
 import torch
 
 from ..attention import profile_state_specs
-from ..cache import PagedCache, StatePool, checkpoint_kv_scales, memory_fraction, parse_memory, resolve_kv_cache_dtype
+from ..cache import (
+    BLOCKLESS_POOL_BLOCKS,
+    PagedCache,
+    StatePool,
+    checkpoint_kv_scales,
+    memory_fraction,
+    parse_memory,
+    resolve_kv_cache_dtype,
+)
 from ..runner import recording
 
 _GIB = 2**30
@@ -52,14 +60,23 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     reserved = state_memory(per_slot, max_num_seqs, checkpoints) if specs else 0
     swap_bytes = int(swap_space * 1024**3)
     cpu_slots = max_num_seqs if specs and swap_bytes else 0
-    num_cpu_blocks = (swap_bytes - cpu_slots * per_slot) // per_block
+    if per_block == 0:  # no K/V layers (Mamba, FalconMamba): blocks only count tokens and cost nothing
+        num_cpu_blocks = BLOCKLESS_POOL_BLOCKS if swap_bytes > cpu_slots * per_slot else 0
+        num_blocks = num_blocks or BLOCKLESS_POOL_BLOCKS
+    else:
+        num_cpu_blocks = (swap_bytes - cpu_slots * per_slot) // per_block
     if preemption_mode == "swap" and num_cpu_blocks <= 0:
         raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks"
                          + (f"; the recurrent states of max_num_seqs sequences take "
                             f"{cpu_slots * per_slot / 2**30:.2f} GiB of it" if cpu_slots else "") + ")")
     kv_bytes = parse_memory(kv_cache_memory, "kv_cache_memory")
-    num_blocks = engine_pool_blocks(model, probe, tp, device, pool_dtype, per_block, num_blocks, kv_bytes,
-                                    max_num_batched_tokens, gpu_memory_utilization, reserved)
+    if per_block == 0 and reserved > (kv_bytes or reserved):
+        raise ValueError(f"the recurrent-state slots take {reserved / 2**20:.1f} MiB, more than kv_cache_memory's "
+                         f"{kv_bytes / 2**20:.1f} MiB: give a larger kv_cache_memory, or a smaller max_num_seqs or "
+                         "state_checkpoints")
+    if per_block:  # (blocks that cost nothing need no sizing: every rank has the same count)
+        num_blocks = engine_pool_blocks(model, probe, tp, device, pool_dtype, per_block, num_blocks, kv_bytes,
+                                        max_num_batched_tokens, gpu_memory_utilization, reserved)
     cache = PagedCache(
         config=model.config, num_kv_heads=kv_heads, num_blocks=num_blocks, block_size=block_size, device=device,
         dtype=dtype, kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
