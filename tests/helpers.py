@@ -13,9 +13,11 @@ import copy
 import functools
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
+from hf_paged.model_zoo import tiny_model as zoo_model
 from hf_paged.testing import tiny_model
 
 __all__ = [
@@ -91,6 +93,34 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 384) -> list[list[int]]:
     """Token lists (ids avoid pad/bos/eos = 0/1/2)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def generating_model(family: str, **overrides):
+    """A tiny seeded model of any `family` of the sweep (`hf_paged.model_zoo`) whose generation config names pad / bos / eos 0 / 1 / 2 (what the prompts of
+    `random_prompts` avoid)."""
+    model = zoo_model(family, **overrides)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return model
+
+
+def greedy_references(model, lengths, seed: int, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts of `lengths`, transformers' greedy continuation of each: `new` tokens, eos ignored)."""
+    prompts = random_prompts(lengths, seed=seed, vocab=200)
+    outs = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    return prompts, outs
+
+
+def left_padded_batch(lengths, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of a left-padded batch of random prompts of `lengths` (ids 3..199)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n:] = torch.randint(3, 200, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return input_ids, mask
 
 
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:

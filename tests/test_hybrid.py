@@ -18,16 +18,14 @@ import functools
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.model_zoo import tiny_model
 from hf_paged.runner.regional import CompiledLayers
 
 try:
-    from tests.helpers import dense_generate, paged, random_prompts
+    from tests.helpers import dense_generate, generating_model, greedy_references, paged, random_prompts
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, paged, random_prompts
+    from helpers import dense_generate, generating_model, greedy_references, paged, random_prompts
 
 FAMILIES = ("qwen3_5_text", "granitemoehybrid", "falcon_h1")
 LENGTHS = (1, 23, 7, 40, 3, 16, 11)
@@ -35,18 +33,12 @@ LENGTHS = (1, 23, 7, 40, 3, 16, 11)
 
 @functools.cache
 def hybrid(family: str):
-    model = tiny_model(family)
-    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return model
+    return generating_model(family)
 
 
 @functools.cache
 def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
-    model = hybrid(family)
-    prompts = random_prompts(LENGTHS, seed=5, vocab=200)
-    outs = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False,
-                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-    return prompts, outs
+    return greedy_references(hybrid(family), LENGTHS, seed=5, new=new)
 
 
 def assert_no_leaks(engine) -> None:

@@ -19,7 +19,6 @@ import functools
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged.attention.support import check_supported, model_features
@@ -27,9 +26,16 @@ from hf_paged.capabilities import inspect_model
 from hf_paged.model_zoo import tiny_model
 
 try:
-    from tests.helpers import dense_generate, paged, random_prompts
+    from tests.helpers import (
+        dense_generate,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+        paged,
+        random_prompts,
+    )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, paged, random_prompts
+    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch, paged, random_prompts
 
 FAMILIES = ("mamba", "falcon_mamba")
 LENGTHS = (1, 23, 7, 40, 3, 16)
@@ -37,29 +43,12 @@ LENGTHS = (1, 23, 7, 40, 3, 16)
 
 @functools.cache
 def recurrent(family: str):
-    model = tiny_model(family)
-    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return model
+    return generating_model(family)
 
 
 @functools.cache
 def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
-    model = recurrent(family)
-    prompts = random_prompts(LENGTHS, seed=7, vocab=200)
-    outs = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False,
-                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-    return prompts, outs
-
-
-def left_padded(lengths, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, n in enumerate(lengths):
-        input_ids[row, width - n:] = torch.randint(3, 200, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return input_ids, mask
+    return greedy_references(recurrent(family), LENGTHS, seed=7, new=new)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,7 +91,7 @@ def test_engine_greedy_matches_transformers(family, path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_generate_and_the_drop_in_cache_match_transformers_on_a_padded_batch(family):
     model = recurrent(family)
-    input_ids, mask = left_padded((5, 11, 2, 8))
+    input_ids, mask = left_padded_batch((5, 11, 2, 8))
     kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
     ref = dense_generate(model, **kwargs)
     with paged(model, block_size=4):
@@ -118,7 +107,7 @@ def test_paged_generate_and_the_drop_in_cache_match_transformers_on_a_padded_bat
 @pytest.mark.parametrize("family", FAMILIES)
 def test_beam_search_matches_transformers(family):
     model = recurrent(family)
-    input_ids, mask = left_padded((5, 11, 2, 8))
+    input_ids, mask = left_padded_batch((5, 11, 2, 8))
     kwargs = dict(input_ids=input_ids, attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=8,
                   return_dict_in_generate=True, output_scores=True, eos_token_id=None)
     ref = dense_generate(model, **kwargs)

@@ -18,9 +18,16 @@ from hf_paged.cache import KVPool, KVShape, PagedCache, kv_bytes_per_token, laye
 from hf_paged.model_zoo import tiny_config, tiny_model
 
 try:
-    from tests.helpers import dense_generate, paged, random_prompts
+    from tests.helpers import (
+        dense_generate,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+        paged,
+        random_prompts,
+    )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, paged, random_prompts
+    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch, paged, random_prompts
 
 # Gemma 4 with its global layers' own head size and KV heads, keys and values from one projection (k_eq_v)
 GEMMA4 = dict(attention_k_eq_v=True, num_global_key_value_heads=1, global_head_dim=32,
@@ -34,17 +41,12 @@ LENGTHS = (1, 13, 7, 22, 3)
 
 @functools.cache
 def model(family: str):
-    m = tiny_model(family, **MODELS.get(family, {}))
-    m.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return m
+    return generating_model(family, **MODELS.get(family, {}))
 
 
 @functools.cache
 def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = random_prompts(LENGTHS, seed=7, vocab=200)
-    outs = [dense_generate(model(family), input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False,
-                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-    return prompts, outs
+    return greedy_references(model(family), LENGTHS, seed=7, new=new)
 
 
 def greedy(engine, prompts, new: int = 8) -> list[list[int]]:
@@ -58,14 +60,7 @@ def assert_no_leaks(engine) -> None:
 
 
 def padded_batch(lengths=(5, 11, 2, 8), seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 200, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return ids, mask
+    return left_padded_batch(lengths, seed)
 
 
 # ----------------------------------------------------------------------------------------------- shapes from configs
