@@ -32,7 +32,7 @@ from .triton_cache import scale_stride
 from .triton_decode import _LOG2E, MIN_TOKENS_PER_SPLIT, _launch_splits
 from .triton_dims import _dim_mask, padded_dim
 from .triton_fp8 import _to_cache
-from .triton_wide import _load_query, _wide_pv, _wide_qk, key_split, values_are_keys
+from .triton_wide import _base2_logits, _load_query, _wide_pv, _wide_qk, key_split, values_are_keys
 
 BLOCK_H = 16  # query heads per program: tl.dot's least rows; more heads per KV head take more head blocks
 
@@ -156,11 +156,7 @@ def _paged_decode_wide_kernel(
             off = tok % BLOCK_SIZE
             s, k_m = _wide_qk(q_m, q_t, k_base, blk, off, valid, stride_kb, stride_kt, offs_km, offs_kt, HEAD_DIM,
                               DM, DT, HAS_TAIL, DOT_F32, IEEE)
-            if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
-                x = s * sm_scale / softcap
-                s = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
-            else:
-                s = s * qk_scale
+            s = _base2_logits(s, qk_scale, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_ALIBI:  # slope * (key - query), the query at seq_len - 1
                 s += slope[:, None] * (tok - seq_len + 1).to(tl.float32)[None, :]
             s = tl.where(valid[None, :], s, float("-inf"))

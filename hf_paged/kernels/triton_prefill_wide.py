@@ -24,7 +24,7 @@ import triton.language as tl
 from .triton_attention_end import _normalise
 from .triton_cache import scale_stride
 from .triton_dims import _dim_mask, padded_dim
-from .triton_wide import _load_query, _wide_pv, _wide_qk, key_split, values_are_keys
+from .triton_wide import _base2_logits, _load_query, _wide_pv, _wide_qk, key_split, values_are_keys
 
 _LOG2E = 1.4426950408889634
 
@@ -107,11 +107,7 @@ def _paged_prefill_wide_kernel(
             off = tok % BLOCK_SIZE
             sc, k_m = _wide_qk(q_m, q_t, k_base, blk, off, valid, stride_kb, stride_kt, offs_km, offs_kt, HEAD_DIM,
                                DM, DT, HAS_TAIL, DOT_F32, IEEE)
-            if HAS_SOFTCAP:  # cap the scaled logits (natural units), then go to base 2
-                x = sc * sm_scale / softcap
-                sc = softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
-            else:
-                sc = sc * qk_scale
+            sc = _base2_logits(sc, qk_scale, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_ALIBI:
                 sc += slope[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
             keep = valid[None, :] & (tok[None, :] <= pos[:, None])

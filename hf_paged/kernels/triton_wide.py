@@ -83,6 +83,16 @@ def _wide_qk(q_m, q_t, k_base, blk, off, valid, stride_kb, stride_kt, offs_km, o
 
 
 @triton.jit
+def _base2_logits(s, qk_scale, sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw logits `s` scaled into base 2 (`qk_scale` = scale * log2(e)), soft-capped first when `HAS_SOFTCAP`
+    (cap * tanh(x / cap) in natural units, tanh written with exp2): one place for both wide kernels."""
+    if HAS_SOFTCAP:
+        x = s * sm_scale / softcap
+        return softcap * (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * 1.4426950408889634
+    return s * qk_scale
+
+
+@triton.jit
 def _wide_pv(p, k_m, v_base, blk, off, valid, stride_vb, stride_vt, offs_dv, HEAD_DIM_V: tl.constexpr,
              DV_PAD: tl.constexpr, SHARED_V: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     """``p @ v`` ``[rows, DV_PAD]`` of one key tile: `SHARED_V`, the values are the main key tile `k_m` transposed
