@@ -78,7 +78,7 @@ def checkpoint(name: str, rank: int, world: int) -> Path:
     return path
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a local checkpoint directory")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -93,9 +93,12 @@ def main() -> None:
                         help="auto: CUDA when there is a GPU for every local rank, else the CPU")
     parser.add_argument("--static", action="store_true", help="run decode steps on the static buffers (CPU check of "
                         "the graph path's host logic)")
-    args = parser.parse_args()
+    return parser
 
-    rank, world, device = setup(args.device)
+
+def load(args: argparse.Namespace, rank: int, world: int, device: torch.device):
+    """(model, tokenizer) of this rank: transformers loads its shard of the checkpoint (`tp_plan="auto"`); no
+    tokenizer for the tiny model."""
     path = checkpoint(args.model, rank, world)
     options = {"distributed_config": DistributedConfig(tp_plan="auto")} if world > 1 else {}
     if world > 1 and device.type == "cpu" and torch.cuda.device_count():
@@ -108,7 +111,12 @@ def main() -> None:
     tokenizer = None
     if args.model != "tiny":
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
 
+
+def run(model, tokenizer, args: argparse.Namespace, rank: int, world: int) -> None:
+    """Build this rank's engine over the (sharded) model, generate the example's requests, print them on rank 0 and,
+    with ``--json``, write what this rank generated."""
     engine = hf_paged.Engine(
         model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=None if args.num_blocks else args.kv_cache_memory, preemption_mode=args.preemption_mode,
@@ -149,6 +157,13 @@ def main() -> None:
     # before the process group goes: the engine's CUDA graphs recorded its collectives, and NCCL does not destroy a
     # communicator that a live graph recorded (the process would hang in destroy_process_group)
     engine.close()
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    rank, world, device = setup(args.device)
+    model, tokenizer = load(args, rank, world, device)
+    run(model, tokenizer, args, rank, world)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

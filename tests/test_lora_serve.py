@@ -60,11 +60,15 @@ def test_served_adapters_with_the_openai_client(tmp_path):
             reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0,
                                               extra_body={"ignore_eos": True})
             texts[model] = reply.choices[0].text
+            assert reply.model == model  # a reply names the adapter that wrote it, as vLLM's do
         assert texts["a"] == want["a"] and texts["b"] == want["b"] and texts["tiny"] not in (want["a"], want["b"])
         chats = {model: client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=NEW, temperature=0).choices[0].message.content
                  for model in ("tiny", "a")}
         assert chats["tiny"] != chats["a"]  # the chat endpoint routes by `model` too
+        stream = client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=NEW, temperature=0, stream=True)
+        assert {chunk.model for chunk in stream} == {"a"}
         with pytest.raises(openai.NotFoundError, match="'c' does not exist"):
             client.completions.create(model="c", prompt=PROMPT, max_tokens=2)
 

@@ -1,5 +1,6 @@
-"""Tensor parallelism: `examples/tensor_parallel.py` under `torchrun` with 2 processes (gloo on the CPU, also on a
-host with one GPU; NCCL on 2 GPUs, where the CUDA-graph variants run too).
+"""Tensor parallelism: `examples/tensor_parallel.py`'s requests under `torchrun` with 2 processes (gloo on the CPU, also
+on a host with one GPU; NCCL on 2 GPUs, where the CUDA-graph variants run too), every case in one launch of
+`tests/tp_cases.py` (the example's `load` and `run`).
 
 transformers shards a tiny llama (4 query / 2 KV heads) over the two ranks; each rank's engine holds one KV head and
 the same block tables. Every rank must generate exactly what one process generates (greedy, a seeded parallel-sampling
@@ -26,13 +27,25 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
     from helpers import greedy_reference
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel.py"
+CASES_SCRIPT = Path(__file__).resolve().parent / "tp_cases.py"
 # NCCL and the CUDA-graph variants need a GPU for each of the two ranks; with fewer, both sides run on the CPU
 TWO_GPUS = torch.cuda.device_count() >= 2
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
+CASES = {"roomy": [], "recompute": ["--num-blocks", "20", "--block-size", "8"],
+         "swap": ["--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap"],
+         "static-decode": ["--num-blocks", "20", "--block-size", "8", "--static"],
+         "compiled-decode": ["--compile-decode"]}
+if TWO_GPUS:
+    CASES.update({"cuda-graph": ["--num-blocks", "20", "--block-size", "8", "--cuda-graph"],
+                  "cuda-graph-compiled": ["--cuda-graph", "--compile-decode"]})
+
+
+def run_cases(out: Path, nproc: int) -> dict[str, list[dict]]:
+    """Every case of `CASES` in one launch of `tests/tp_cases.py` (the example's requests, one engine per case over
+    one loaded model): {case: [record of each rank]}."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]
     # a run id of its own (the example names its checkpoint after it): test cases may run side by side
@@ -41,42 +54,35 @@ def run_example(out: Path, nproc: int, *extra: str) -> list[dict]:
     # take the GPU while the two ranks, too many for it, run on the CPU)
     device = "cuda" if TWO_GPUS else "cpu"
     result = subprocess.run(
-        [*launcher, str(EXAMPLE), "--model", "tiny", "--max-new-tokens", "14", "--json", str(out), "--device", device,
-         *extra],
-        capture_output=True, text=True, timeout=600, env=env,
+        [*launcher, str(CASES_SCRIPT), str(out), json.dumps(CASES), "--model", "tiny", "--max-new-tokens", "14",
+         "--device", device],
+        capture_output=True, text=True, timeout=900, env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return {case: [json.loads((out / case / f"rank{r}.json").read_text()) for r in range(nproc)] for case in CASES}
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [(), ("--num-blocks", "20", "--block-size", "8"),
-     ("--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap"),
-     ("--num-blocks", "20", "--block-size", "8", "--static"), ("--compile-decode",),
-     pytest.param(("--num-blocks", "20", "--block-size", "8", "--cuda-graph"),
-                  marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")),
-     pytest.param(("--cuda-graph", "--compile-decode"),
-                  marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs"))],
-    ids=["roomy", "recompute", "swap", "static-decode", "compiled-decode", "cuda-graph", "cuda-graph-compiled"],
-)
 @pytest.mark.slow
-def test_two_ranks_generate_what_one_process_generates(tmp_path, extra):
-    single = run_example(tmp_path / "single", 1, *extra)[0]
-    ranks = run_example(tmp_path / "tp2", 2, *extra)
-    for rank in ranks:
-        assert rank["errors"] == [] and rank["world"] == 2
-        assert rank["kv_heads"] * 2 == single["kv_heads"] == 2  # each rank holds half of the KV heads
-        assert rank["outputs"] == single["outputs"]
-        assert rank["preemptions"] == single["preemptions"]
-    if "--num-blocks" in extra:
-        assert sum(single["preemptions"].values()) > 0
-    elif not extra:  # the same KV memory per rank holds twice the blocks: twice the tokens of a single process's pool
-        assert ranks[0]["num_blocks"] == 2 * single["num_blocks"]
-        model = tiny_model("llama", seed=0)
-        greedy = single["greedy"]
-        references = [[greedy_reference(model, p, 14)] for p in single["prompts"][:greedy]]
-        assert single["outputs"][:greedy] == references
+def test_two_ranks_generate_what_one_process_generates(tmp_path):
+    """Each case of `CASES` (a roomy pool; a small one preempting by recompute, by swap; the static decode path; the
+    compiled decode step; with two GPUs, CUDA graphs) on two ranks against one process."""
+    singles = run_cases(tmp_path / "single", 1)
+    tp = run_cases(tmp_path / "tp2", 2)
+    for case, extra in CASES.items():
+        single = singles[case][0]
+        for rank in tp[case]:
+            assert rank["errors"] == [] and rank["world"] == 2, case
+            assert rank["kv_heads"] * 2 == single["kv_heads"] == 2, case  # each rank holds half of the KV heads
+            assert rank["outputs"] == single["outputs"], case
+            assert rank["preemptions"] == single["preemptions"], case
+        if "--num-blocks" in extra:
+            assert sum(single["preemptions"].values()) > 0, case
+        elif not extra:  # the same KV memory per rank holds twice the blocks: twice the tokens of a single process's
+            assert tp[case][0]["num_blocks"] == 2 * single["num_blocks"]
+            model = tiny_model("llama", seed=0)
+            greedy = single["greedy"]
+            references = [[greedy_reference(model, p, 14)] for p in single["prompts"][:greedy]]
+            assert single["outputs"][:greedy] == references
 
 
 def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(monkeypatch):

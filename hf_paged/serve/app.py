@@ -175,7 +175,7 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
                                    echo=body.echo, prompt_texts=texts, prompt_top=body.scores_prompt,
                                    prompt_logprobs=body.prompt_logprobs, lora=lora)
         if body.stream:
-            return _sse_response(gen, name, body.include_usage, chat=False)
+            return _sse_response(gen, lora or name, body.include_usage, chat=False)
         response.headers.update(_replica_header(gen))
         choices = []
         for index, (text, logprobs, reason, prompt) in enumerate(await _run_whole(gen, request)):
@@ -187,7 +187,7 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
                 extra["prompt_logprobs"] = prompt_logprobs_list(tokenizer, prompt)
             lp = completion_logprobs(tokenizer, logprobs, 0) if body.logprobs is not None else None
             choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **extra})
-        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": name,
+        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": lora or name,
                 "choices": choices, "usage": gen.usage}
 
     @app.post("/v1/chat/completions")
@@ -216,7 +216,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
         gen = await new_generation(body, request, [prompt], body.num_logprobs, constraint=constraint,
                                    keep_special=keep, lora=lora)
         if body.stream:
-            return _sse_response(gen, name, body.include_usage, chat=True, tool_parser=parser if use_tools else None)
+            return _sse_response(gen, lora or name, body.include_usage, chat=True,
+                                 tool_parser=parser if use_tools else None)
         response.headers.update(_replica_header(gen))
         choices = []
         for index, (text_out, logprobs, reason, _) in enumerate(await _run_whole(gen, request)):
@@ -227,7 +228,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
                 message["tool_calls"] = [call.as_dict() for call in calls]
                 reason = "tool_calls" if reason == "stop" else reason
             choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
-        return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created, "model": name,
+        return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created,
+                "model": lora or name,
                 "choices": choices, "usage": gen.usage}
 
     return app
