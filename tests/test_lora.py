@@ -182,17 +182,21 @@ def test_lora_kernel_matches_reference(monkeypatch, backend):
     generator = torch.Generator().manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU runs Triton under its interpreter)
     cases = ((5, 24, 40, 3, 8, torch.float32), (3, 70, 33, 2, 5, torch.float32), (70, 40, 24, 4, 16, torch.float32),
-             (70, 40, 24, 4, 16, torch.bfloat16))
+             (70, 40, 24, 4, 16, torch.bfloat16), (5, 300, 24, 3, 8, torch.float32))
+    triton_lora = pytest.importorskip("hf_paged.kernels.triton_lora") if backend == "triton" else None
     for tokens, width, out, slots, rank, dtype in cases:
         x = torch.randn(tokens, width, generator=generator).to(device, dtype)
         a = (torch.randn(slots, rank, width, generator=generator) / width ** 0.5).to(device, dtype)
         b = torch.randn(slots, out, rank, generator=generator).to(device, dtype)
         index = torch.randint(-1, slots + 1, (tokens,), generator=generator, dtype=torch.int32).to(device)
-        got = lora_kernels.lora_delta(x, a, b, index)
         want = reference_lora.naive_lora_delta(x, a, b, index)
-        assert got.dtype == dtype and got.shape == (tokens, out)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
-        assert (got.double() - want).abs().max() <= tol * want.abs().max() + 1e-5, (tokens, dtype)
+        # the Triton shrink's runs of input columns (split-K, chosen per GPU): one, and several of uneven widths
+        for splits in (None, 3) if backend == "triton" else (None,):
+            got = lora_kernels.lora_delta(x, a, b, index) if splits is None else \
+                triton_lora.lora_delta(x, a, b, index, splits=splits)
+            assert got.dtype == dtype and got.shape == (tokens, out)
+            assert (got.double() - want).abs().max() <= tol * want.abs().max() + 1e-5, (tokens, dtype, splits)
     with pytest.raises(ValueError, match="index"):
         lora_kernels.lora_delta(x, a, b, index[:1])
     with pytest.raises(TypeError, match="index"):

@@ -3,11 +3,14 @@ pool, in token tiles that read each adapter's weights once per tile (Punica's SG
 
 Two launches, no host sync (safe under CUDA-graph capture), buffers sized from shapes alone:
 
-1. ``_shrink_kernel``: one program per (tile of ``BLOCK_M`` consecutive tokens, slot); a program whose slot no
-   token of the tile uses returns at once, the others run the tile's GEMM ``x_tile @ a[slot].T`` (``BLOCK_K`` input
-   columns at a time, float32 accumulators) and store the rows of their slot's tokens. The ``[T, R]`` result stays in
-   float32; the rows of tokens without an adapter (slot outside ``[0, L)``) are never written, and never read.
-2. ``_expand_kernel``: one program per (token tile, ``BLOCK_N`` output columns): for each used slot,
+1. ``_shrink_kernel``: one program per (tile of ``BLOCK_M`` consecutive tokens, slot, run of input columns); a
+   program whose slot no token of the tile uses returns at once, the others run their part of the tile's GEMM
+   ``x_tile @ a[slot].T`` (``BLOCK_K`` input columns at a time, float32 accumulators) and store the rows of their
+   slot's tokens. The ``[splits, T, R]`` partial products stay in float32; the rows of tokens without an adapter
+   (slot outside ``[0, L)``) are never written, and never read. Why the runs (split-K): a decode step has few
+   (tile, slot) programs, and without them each would read all input columns alone (`_splits`).
+2. ``_expand_kernel``: one program per (token tile, ``BLOCK_N`` output columns): sums the partial products in run
+   order (deterministic), then for each used slot,
    ``s_tile(rows of that slot) @ b[slot].T`` over the whole (small, padded) rank, summed, stored in the input dtype
    (zeros for tokens without an adapter). Why slots are a grid dimension of the shrink and a loop of the expand: the
    shrink reads ``R x in`` weights per slot, the expand ``BLOCK_N x R``; a decode step of 256 tokens has 4 tiles, and
@@ -29,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_decode import num_sms
+
 __all__ = ["lora_delta"]
 
 
@@ -44,36 +49,43 @@ def _dot(a, b, acc, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, s_ptr, tokens, rank, width, stride_x, stride_al, stride_ar, stride_ak,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   DOT_F32: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, idx_ptr, s_ptr, tokens, rank, width, span, stride_x, stride_al, stride_ar, stride_ak,
+                   stride_split, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.program_id(1)
+    split = tl.program_id(2)
     ranks = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     mine = tl.load(idx_ptr + rows, mask=rows < tokens, other=-1).to(tl.int32) == slot
     if tl.sum(mine.to(tl.int32), axis=0) > 0:
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(0, width, BLOCK_K):
+        start = split * span  # this program's run of input columns (a multiple of BLOCK_K)
+        end = tl.minimum(start + span, width)
+        for k in range(start, end, BLOCK_K):
             kk = k + cols
-            xv = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mine[:, None] & (kk[None, :] < width),
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mine[:, None] & (kk[None, :] < end),
                          other=0.0)
             av = tl.load(a_ptr + slot * stride_al + ranks[None, :] * stride_ar + kk[:, None] * stride_ak,
-                         mask=(ranks[None, :] < rank) & (kk[:, None] < width), other=0.0)
+                         mask=(ranks[None, :] < rank) & (kk[:, None] < end), other=0.0)
             acc = _dot(xv, av.to(xv.dtype), acc, IEEE, DOT_F32)
-        tl.store(s_ptr + rows[:, None] * rank + ranks[None, :], acc, mask=mine[:, None] & (ranks[None, :] < rank))
+        tl.store(s_ptr + split * stride_split + rows[:, None] * rank + ranks[None, :], acc,
+                 mask=mine[:, None] & (ranks[None, :] < rank))
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, idx_ptr, out_ptr, tokens, num_slots, rank, out_features, stride_bl, stride_bn,
-                   stride_br, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+def _expand_kernel(s_ptr, b_ptr, idx_ptr, out_ptr, tokens, num_slots, rank, out_features, splits, stride_split,
+                   stride_bl, stride_bn, stride_br, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     slots = tl.load(idx_ptr + rows, mask=rows < tokens, other=-1).to(tl.int32)
-    sv = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < tokens) & (ranks[None, :] < rank),
-                 other=0.0)
+    # the shrink's partial products, summed in split order (deterministic: no atomics)
+    s_mask = (slots[:, None] >= 0) & (slots[:, None] < num_slots) & (ranks[None, :] < rank)
+    sv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(0, splits):
+        sv += tl.load(s_ptr + split * stride_split + rows[:, None] * rank + ranks[None, :], mask=s_mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for slot in range(0, num_slots):
         mine = slots == slot
@@ -94,21 +106,39 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 64 else 32 if tokens < 256 else 64
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``[T, out]`` in ``x``'s dtype (see the module docstring); ``x`` has unit stride in its last dim."""
+def _splits(tiles: int, slots: int, width: int, block_k: int, device: torch.device) -> int:
+    """Runs of input columns the shrink splits into, so that a decode step's few (tile, slot) programs still fill
+    the GPU: a 16-token step over 8 adapters is 8 programs, each reading 4,096 columns alone (about 90 us of a
+    4.9 us GEMM on the H200). Enough runs for ~2 programs per SM, each at least 2 tiles of columns wide; one run on
+    the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    programs = 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(triton.cdiv(programs, tiles * slots), width // (2 * block_k)))
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
+               splits: int | None = None) -> torch.Tensor:
+    """``[T, out]`` in ``x``'s dtype (see the module docstring); ``x`` has unit stride in its last dim. `splits`:
+    the shrink's runs of input columns (default: `_splits`)."""
     tokens, width = x.shape
     slots, rank, _ = a.shape
     out_features = b.shape[1]
-    shrunk = torch.empty((tokens, rank), dtype=torch.float32, device=x.device)
-    out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
     ieee, dot_f32 = x.dtype == torch.float32, not x.is_cuda
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
     block_k = 64 if x.element_size() == 4 else 128
-    _shrink_kernel[(triton.cdiv(tokens, block_m), slots)](
-        x, a, index, shrunk, tokens, rank, width, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=ieee, DOT_F32=dot_f32)
+    tiles = triton.cdiv(tokens, block_m)
+    if splits is None:
+        splits = _splits(tiles, slots, width, block_k, x.device)
+    span = triton.cdiv(triton.cdiv(width, splits), block_k) * block_k
+    splits = triton.cdiv(width, span)  # no empty run
+    shrunk = torch.empty((splits, tokens, rank), dtype=torch.float32, device=x.device)
+    out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
+    _shrink_kernel[(tiles, slots, splits)](
+        x, a, index, shrunk, tokens, rank, width, span, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        shrunk.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=ieee, DOT_F32=dot_f32)
     block_n = 64
-    _expand_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(out_features, block_n))](
-        shrunk, b, index, out, tokens, slots, rank, out_features, b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=ieee, DOT_F32=dot_f32)
+    _expand_kernel[(tiles, triton.cdiv(out_features, block_n))](
+        shrunk, b, index, out, tokens, slots, rank, out_features, splits, shrunk.stride(0), b.stride(0), b.stride(1),
+        b.stride(2), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=ieee, DOT_F32=dot_f32)
     return out
