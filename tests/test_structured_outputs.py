@@ -98,17 +98,41 @@ def test_pydantic_model_and_compiled_once(engine):
             Point.model_validate_json(_text(engine, out.outputs[0]))
 
 
-def test_constrained_requests_leave_the_pipelined_path(engine):
-    """generate() pipelines plain decode steps; a constrained request in the batch must take normal steps (its mask
-    needs the previous token) and still obey its grammar, while the others give the tokens they give alone."""
-    steps = engine.pipelined_steps
-    outs = engine.generate(["m", "n"], [SamplingParams(max_new_tokens=12, regex="(ab)+c"),
-                                        SamplingParams(max_new_tokens=12, ignore_eos=True)])
-    assert re.fullmatch("(ab)+c", _text(engine, outs[0].outputs[0])) or outs[0].outputs[0].finish_reason == "length"
-    assert engine.pipelined_steps == steps
-    alone = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=64, block_size=4).generate(
-        ["n"], max_new_tokens=12, ignore_eos=True)[0]
-    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+def test_constrained_requests_are_pipelined_with_the_tokens_of_normal_steps(engine):
+    """generate() pipelines the decode steps of constrained requests too (on the static path: CUDA graphs on a GPU,
+    its host logic here): while a step's forward runs, the host advances the matchers with the tokens of the step
+    before and fills the next masks. The tokens and finish reasons equal those of normal steps (the eager path, never
+    pipelined), greedy and seeded, with grammars ending requests while a step is in flight, next to an unconstrained
+    request; every block comes back."""
+    prompts = ["m", "n", "person:", "q", "zz", "b"]
+    params = [SamplingParams(max_new_tokens=12, regex="(ab)+c"),
+              SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=60, json_schema=SCHEMA),
+              SamplingParams(max_new_tokens=60, json_schema=SCHEMA, do_sample=True, seed=4),
+              SamplingParams(max_new_tokens=20, choice=["yes", "no", "maybe so"], ignore_eos=True),
+              SamplingParams(max_new_tokens=30, regex="[a-z]{3,5}", do_sample=True, seed=8)]
+
+    def run(mode):
+        eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=64, block_size=4, max_num_seqs=8)
+        eng.runner.decode_mode = mode
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  eng.pipelined_steps, eng.kv_stats().used_blocks, eng.structured.active)
+        eng.close()
+        return result
+
+    normal, normal_reasons, normal_pipelined, _, _ = run("eager")
+    piped, reasons, pipelined, used, active = run("static")
+    assert normal_pipelined == 0 and pipelined > 0
+    assert piped == normal and reasons == normal_reasons
+    assert "grammar" in reasons[2:5]  # ends found while the next step was in flight
+    assert used == 0 and not active
+    texts = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in piped]
+    assert re.fullmatch("(ab)+c", texts[0]) or reasons[0] == "length"
+    assert texts[4] in ("yes", "no", "maybe so") and re.fullmatch("[a-z]{3,5}", texts[5])
+    for k in (2, 3):
+        if reasons[k] != "length":
+            _check_person(texts[k])
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

@@ -96,6 +96,9 @@ class SequenceGroup:
     data: dict = field(default_factory=dict)
     width: int = 1  # sequences it forks into after the prompt (parallel samples, beams)
     plain: bool = False  # engine hint: one greedy sequence, no logits processing, no scores (its token is the argmax)
+    # engine hint: plain but for a token mask the host fills from the tokens so far (structured outputs); pipelined
+    # decode fills it while the step's forward runs, after the step before's tokens arrived
+    masked: bool = False
     metrics: dict = field(default_factory=dict)  # engine timestamps (perf_counter): arrival, first token, finished
     # the prefix cache may serve at most this many leading tokens at admission (None: no limit); the positions from
     # here on must be computed because their logits are wanted (prompt log-probabilities)

@@ -15,8 +15,12 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 * `accept(group, seq, token)`: the matcher advances with the token picked; a matcher that terminates (the grammar is
   complete and the model emitted its end) finishes the sequence with stop reason "grammar" (OpenAI's "stop").
 
-Constrained requests are never `plain` (`SequenceGroup.plain`): they leave the pipelined decode path, which launches a
-step before the tokens of the step before are known, and a mask cannot be filled without them.
+Pipelined decode (`hf_paged.engine.pipelined`): a constrained request with one sequence whose picks stay on the device
+is `masked` (`SequenceGroup.masked`, never `plain`). Its decode steps are pipelined too: the next step's forward is
+launched before the tokens of the step before are on the host, and while it runs the host waits for those tokens,
+advances the matchers with them, fills the next mask and uploads it; the pick is launched after the mask is applied.
+So the fill overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token
+appends and scheduling in between. Parallel samples and requests with logprobs take normal steps.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
@@ -227,9 +231,12 @@ class StructuredOutputs:
                 continue
             state = item.group.data.get(GRAMMAR)
             if state is not None:
-                rows.append(row)
-                matchers.append(state.for_seq(item.seq))
-                groups.append(item.group)
+                matcher = state.for_seq(item.seq)
+                # a pipelined step may hold a row whose grammar ended with the token before (its pick is dropped)
+                if not (state.rejected or matcher.is_terminated()):
+                    rows.append(row)
+                    matchers.append(matcher)
+                    groups.append(item.group)
             row += 1
         if not rows:
             return None

@@ -1,5 +1,5 @@
 """Pipelined decode: launch the next decode step before the host has the current step's tokens (plain requests,
-greedy or sampled on the device, on the static path). A mixin of `Engine`, used by `Engine.step(finished_only=True)`
+greedy or sampled on the device, constrained or not, on the static path). A mixin of `Engine`, used by `Engine.step(finished_only=True)`
 (what `generate()` runs).
 
 * Which steps: a decode step on the static path (`_can_pipeline`) that covers every running request, each plain, with
@@ -12,6 +12,10 @@ greedy or sampled on the device, on the static path). A mixin of `Engine`, used 
   string is freed (its token in the step already launched is discarded; the stream runs that step before any later
   use of its blocks); a request aborted while its step was in flight keeps the tokens it had. A token goes in place
   without the stop checks when none can hold (no EOS of the request, under its length, no stop strings or criteria).
+* Constrained requests (structured outputs, `SequenceGroup.masked`): between launching a step's forward and its
+  picks, `_mask_next` waits for the step before's tokens, advances the grammar matchers with them
+  (`_accept_in_flight`, once: `_apply` reads the ends they found) and fills and applies the step's masks, all while
+  the forward runs. A grammar that ends with a token finishes its request in `_apply`, like an EOS.
 * `abort`, `close` and the end of `generate()` / `stream()` drain the step in flight first, so no placeholder is ever
   visible. A failing launch fails its requests; an interrupted launch requeues them (nothing lost); an interrupt while
   waiting for tokens fails the requests of both steps (half applied). `tests/test_pipelined_decode.py`.
@@ -61,6 +65,9 @@ class _InFlight:
     tokens: torch.Tensor  # [n] int64 on the device: input of the next pipelined step
     host: torch.Tensor  # [n] int64 on the host (pinned on CUDA)
     event: torch.cuda.Event | None
+    # structured outputs: the grammar ends its tokens brought ({id(seq): "grammar" | "grammar_rejected"}), once the
+    # matchers have accepted them (`_accept_in_flight`); None before
+    grammar_ends: dict | None = None
 
 
 class PipelinedDecode:
@@ -76,7 +83,7 @@ class PipelinedDecode:
             self.runner.last_static
             and not (scheduler.swapped or sched.copies or scheduler.admission_due())
             and logits.shape[0] == len(scheduled)
-            and all(item.group.plain for item in scheduled)
+            and all(item.group.plain or item.group.masked for item in scheduled)
             and len({id(item.group) for item in scheduled}) == len(scheduler.running)
         )
 
@@ -143,6 +150,8 @@ class PipelinedDecode:
                 source = (current.tokens, _source_rows(current.sched, sched))
                 with torch.inference_mode():
                     logits, _ = self.runner.execute(sched, input_tokens=source)
+                    if self.structured.active:  # the masks of constrained rows, filled while the forward runs
+                        self._mask_next(current, sched, logits)
                     launched = self._launch(sched, logits)
             except Exception as error:
                 failure = error
@@ -187,6 +196,8 @@ class PipelinedDecode:
         """
         if current.event is not None:
             current.event.synchronize()
+        if self.structured.active:
+            self._accept_in_flight(current)
         batch = current.sched.batch
         # (a batch keeps its last two steps: every step is applied before the one after it is scheduled)
         rows = batch.rows_of(current.sched.batch_step) if batch is not None and batch.token_stops_only else None
@@ -197,6 +208,7 @@ class PipelinedDecode:
             return self._apply_batch(current, rows, current.host.tolist())
         tokens = current.host.tolist()
         advanced, finished = [], []
+        ends = current.grammar_ends
         for item, token in zip(current.sched.scheduled, tokens):
             seq = item.seq
             ids = seq.token_ids
@@ -208,11 +220,13 @@ class PipelinedDecode:
             advanced.append(group)
             params = group.params
             produced = at + 1 - seq.prompt_len
-            if len(ids) == at + 2 and not (token in params.eos_token_id or produced >= params.max_new_tokens
-                                           or params.stop_strings or params.stopping_criteria):
+            end = ends.get(id(seq)) if ends else None
+            if end is None and len(ids) == at + 2 and not (
+                    token in params.eos_token_id or produced >= params.max_new_tokens or params.stop_strings
+                    or params.stopping_criteria):
                 ids[at] = token  # the common case: no stop condition can hold (`_check_stop` would find none)
                 continue
-            if self._apply_with_stops(seq, params, at, token):
+            if self._apply_with_stops(seq, params, at, token, group if end is not None else None, end):
                 finished.append(group)
         if finished:
             self.scheduler.remove_finished(finished)
@@ -277,8 +291,10 @@ class PipelinedDecode:
             self.scheduler.remove_finished(finished)
         return ([g for k, g in enumerate(groups) if k not in skipped] if skipped else list(groups)), finished
 
-    def _apply_with_stops(self, seq, params, at: int, token: int) -> bool:
-        """Put `token` at `at` in `seq` and apply every stop condition; return whether the sequence finished.
+    def _apply_with_stops(self, seq, params, at: int, token: int, group: SequenceGroup | None = None,
+                          grammar_end: str | None = None) -> bool:
+        """Put `token` at `at` in `seq` and apply every stop condition (and `group`'s grammar end, if the token
+        brought one); return whether the sequence finished.
 
         The next launched step's placeholder, if any, is set aside while the stop conditions read the tokens, and put
         back if the sequence goes on."""
@@ -287,11 +303,43 @@ class PipelinedDecode:
         del ids[at:]
         ids.append(token)
         self._check_stop(seq, params)
+        if grammar_end is not None and not seq.status.is_finished:
+            self._finish_by_grammar(group, seq, grammar_end, token)
         if seq.status.is_finished:
             return True
         if later:
             ids.extend(later)
         return False
+
+    def _accept_in_flight(self, current: _InFlight) -> None:
+        """Advance the grammar matchers of `current`'s constrained rows with their tokens (waiting for them), once;
+        record the ends they bring for `_apply`. Rows of a `DecodeBatch` are never constrained."""
+        if current.grammar_ends is not None:
+            return
+        ends: dict[int, str] = {}
+        current.grammar_ends = ends
+        if current.sched.batch is not None:
+            return
+        if current.event is not None:
+            current.event.synchronize()
+        accept = self.structured.accept
+        for item, token in zip(current.sched.scheduled, current.host.tolist()):
+            seq = item.seq
+            if item.group.masked and not seq.status.is_finished:
+                end = accept(item.group, seq, token)
+                if end is not None:
+                    ends[id(seq)] = end
+
+    def _mask_next(self, current: _InFlight, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """The grammar masks of `sched`'s constrained rows, whose forward was just launched: wait for `current`'s
+        tokens, advance the matchers with them, fill the masks on the host and apply them on the device, before the
+        picks are launched. A row whose grammar ended with `current`'s token is not masked (its pick is dropped)."""
+        if sched.batch is not None or not any(item.group.masked for item in sched.scheduled):
+            return
+        self._accept_in_flight(current)
+        masks = self.structured.fill(sched)
+        if masks is not None:
+            self.structured.apply(logits, masks)
 
     def _drop_in_flight(self, sched: SchedulerOutput) -> None:
         """Undo `_launch`'s bookkeeping of a step whose tokens will never arrive (its forward failed)."""

@@ -114,8 +114,9 @@ class Requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
             spec = device_params(params, self.picker.request_seed(params.seed))
+            single = spec is not None and params.num_return_sequences == 1
             group = SequenceGroup(request_id, [seq], next(self._arrivals), params, width=width,
-                                  plain=spec is not None and params.num_return_sequences == 1 and compiled is None)
+                                  plain=single and compiled is None, masked=single and compiled is not None)
             group.data["device_params"] = spec
             if adapter is not None:  # its adapter's id: its slot at each step, and its prefix-cache blocks' salt
                 group.data["lora"] = group.cache_salt = adapter
