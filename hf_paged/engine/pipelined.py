@@ -1,6 +1,6 @@
 """Pipelined decode: launch the next decode step before the host has the current step's tokens (plain requests,
-greedy or sampled on the device, constrained or not, on the static path). A mixin of `Engine`, used by `Engine.step(finished_only=True)`
-(what `generate()` runs).
+greedy or sampled on the device, constrained or not, on the static path). A mixin of `Engine`, used by
+`Engine.step(finished_only=True)` (what `generate()` runs).
 
 * Which steps: a decode step on the static path (`_can_pipeline`) that covers every running request, each plain, with
   nothing swapped, no copy and no admission due (requests may wait for their admission batch), is *launched*: its
