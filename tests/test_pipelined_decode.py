@@ -76,6 +76,27 @@ class PrelaunchTrigger:
         return self.execute(sched, input_tokens)
 
 
+def test_streamed_steps_are_pipelined_one_token_at_a_time(model, prompts, references):
+    """`stream()` (and a server's `step()` loop) pipelines decode steps too: each step reports the tokens of the step
+    before the one it leaves in flight, never its placeholder, one more token per request and report, and the
+    streamed requests end with transformers' tokens."""
+    engine = make_engine(model, num_blocks=300)
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=MAX_NEW)
+    seen: dict = {}
+    finals = []
+    for out in engine.stream():
+        ids = out.outputs[0].token_ids
+        assert _IN_FLIGHT not in ids, "a placeholder leaked into a streamed output"
+        assert len(ids) == len(seen.get(out.request_id, [])) + 1 and ids[:-1] == seen.get(out.request_id, [])
+        seen[out.request_id] = ids
+        if out.finished:
+            finals.append(out)
+    assert engine.pipelined_steps > 5
+    assert [seen[r.request_id] for r in sorted(finals, key=lambda r: int(r.request_id.split("-")[1]))] == references
+    assert_clean(engine, finals)
+
+
 @pytest.mark.parametrize(
     "engine_kwargs",
     [dict(num_blocks=200), dict(num_blocks=24, max_num_batched_tokens=32),
@@ -117,11 +138,11 @@ def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
     pipelined_engine = make_engine(model, num_blocks=300)
     pipelined = pipelined_engine.generate(prompts, params)
     assert pipelined_engine.pipelined_steps > 5
-    plain_engine = make_engine(model, num_blocks=300)
+    plain_engine = hf_paged.Engine(model, block_size=8, num_blocks=300)  # the eager path: never pipelined
     for prompt, p in zip(prompts, params):
         plain_engine.add_request(prompt, params=p)
     unpipelined = {}
-    for out in plain_engine.stream():  # steps without finished_only: never pipelined
+    for out in plain_engine.stream():
         unpipelined[out.request_id] = out
     assert plain_engine.pipelined_steps == 0
     assert tokens(pipelined) == [unpipelined[r.request_id].outputs[0].token_ids for r in pipelined]
@@ -129,6 +150,27 @@ def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
         [unpipelined[r.request_id].outputs[0].finish_reason for r in pipelined]
     assert {r.outputs[0].finish_reason for r in pipelined} == {"eos", "length"}
     assert_clean(pipelined_engine, pipelined)
+
+
+def test_streamed_steps_are_pipelined_one_token_at_a_time(model, prompts, references):
+    """`stream()` (and a server's `step()` loop) pipelines decode steps too: each step reports the tokens of the step
+    before the one it leaves in flight, never its placeholder, one more token per request and report, and the
+    streamed requests end with transformers' tokens."""
+    engine = make_engine(model, num_blocks=300)
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=MAX_NEW)
+    seen: dict = {}
+    finals = []
+    for out in engine.stream():
+        ids = out.outputs[0].token_ids
+        assert _IN_FLIGHT not in ids, "a placeholder leaked into a streamed output"
+        assert len(ids) == len(seen.get(out.request_id, [])) + 1 and ids[:-1] == seen.get(out.request_id, [])
+        seen[out.request_id] = ids
+        if out.finished:
+            finals.append(out)
+    assert engine.pipelined_steps > 5
+    assert [seen[r.request_id] for r in sorted(finals, key=lambda r: int(r.request_id.split("-")[1]))] == references
+    assert_clean(engine, finals)
 
 
 @pytest.mark.parametrize(

@@ -363,9 +363,11 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one iteration; return the requests that advanced (or finished) in it (only finished ones if asked).
 
-        With `finished_only=True` (what `generate()` uses), decode steps of plain greedy requests on the CUDA-graph
-        path are pipelined: the next step is scheduled and launched before this one's tokens reach the host, its
-        input ids taken from this step's argmax on the device, so the GPU does not wait for the host in between.
+        Decode steps of plain requests (greedy or sampled on the device, constrained or not) on the CUDA-graph path
+        are pipelined: the next step is scheduled and launched before this one's tokens reach the host, its input ids
+        taken from this step's picks on the device, so the GPU does not wait for the host in between. A call still
+        reports one step's tokens (those of the step before the one it leaves in flight); `finished_only=True` (what
+        `generate()` uses) reports the finished requests only.
         """
         while self._waiters:  # add_request / abort / close from other threads go first (see _control)
             time.sleep(0.0002)
@@ -404,7 +406,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                         if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
                             logits = self._record_prompt_logprobs(sched, score_rows, logits, len(samplers))
                             rest, logits, scored = self._finish_scoring_only(sched, logits)
-                        if finished_only and self._can_pipeline(rest, logits):
+                        if self._can_pipeline(rest, logits):
                             current = self._launch(rest, logits)
                         else:
                             advanced = self._sample_and_update(rest, logits) if rest.scheduled else []
@@ -417,7 +419,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                 if current is None:
                     self._track(sched)
                     return self._outputs(stamp_first_token(advanced), finished_only)
-            advanced, finished = self._advance_pipeline(current, finished_only)
+            advanced, finished = self._advance_pipeline(current)
             return self._outputs(stamp_first_token(advanced), finished_only, finished)
 
     def _learn_release_window(self) -> None:

@@ -91,7 +91,10 @@ class Outputs:
             score = seq.cumulative_logprob if beam_done else None
             scores = group.data.get(seq.seq_id)
             logprobs = group.data.get(("logprobs", seq.seq_id))
-            outputs.append(CompletionOutput(index, list(seq.output_ids), reason, text, scores, score,
+            ids = seq.output_ids  # a copy
+            if ids and ids[-1] < 0:  # the placeholder of a pipelined step in flight (`pipelined._IN_FLIGHT`)
+                ids.pop()
+            outputs.append(CompletionOutput(index, ids, reason, text, scores, score,
                                             None if logprobs is None else list(logprobs)))
         scoring = group.data.get(PROMPT_SCORING)
         prompt = group.seqs[0].token_ids[: group.seqs[0].prompt_len] if scoring is None else list(scoring.prompt)

@@ -1,6 +1,6 @@
 """Pipelined decode: launch the next decode step before the host has the current step's tokens (plain requests,
 greedy or sampled on the device, constrained or not, on the static path). A mixin of `Engine`, used by
-`Engine.step(finished_only=True)` (what `generate()` runs).
+`Engine.step()` (what `generate()`, `stream()` and the server run).
 
 * Which steps: a decode step on the static path (`_can_pipeline`) that covers every running request, each plain, with
   nothing swapped, no copy and no admission due (requests may wait for their admission batch), is *launched*: its
@@ -137,11 +137,10 @@ class PipelinedDecode:
         assert self.runner.static_eligible(sched), "a batched decode step is always a static-path step"
         return sched
 
-    def _advance_pipeline(self, current: _InFlight, finished_only: bool
-                          ) -> tuple[list[SequenceGroup], list[SequenceGroup] | None]:
+    def _advance_pipeline(self, current: _InFlight) -> tuple[list[SequenceGroup], list[SequenceGroup] | None]:
         """Launch the step after `current` (when it can), then wait for `current`'s tokens and apply them. Returns
         the groups that advanced and, when known without a look at each, those of them that finished (see `_apply`)."""
-        sched = self._schedule_next(current) if finished_only else None
+        sched = self._schedule_next(current)
         launched, failure, interrupt = None, None, None
         if sched is not None:
             try:
