@@ -359,6 +359,21 @@ def test_lora_harness_runs_on_the_cpu_and_reports_the_fraction(tmp_path):
     assert [r["adapters"] for r in records] == [0, 2] and records[0]["fraction"] == 1.0
     assert records[1]["loads"] == 2 and all(r["output_tokens"] == 12 for r in records)
 
+def test_structured_harness_runs_on_the_cpu_and_reports_the_fraction(tmp_path):
+    """bench_structured's CPU smoke run: every request of both systems comes back full length, the constrained one
+    masked on every row of every step, and the fraction is of the unconstrained run."""
+    pytest.importorskip("xgrammar")
+    bench_structured = pytest.importorskip("bench_structured")
+    bench_structured.main(["--device", "cpu", "--model", "tiny", "--num-requests", "3", "--new-tokens", "5",
+                           "--prompt-len", "4", "--out", str(tmp_path)])
+    import json
+
+    records = json.loads((tmp_path / "structured.json").read_text())["records"]
+    assert [r["system"] for r in records] == ["unconstrained", "json_schema"] and records[0]["fraction"] == 1.0
+    assert all(r["output_tokens"] == 15 for r in records)
+    assert records[0]["masked_rows"] == 0 and records[1]["masked_rows"] == 15
+
+
 # ------------------------------------------------------------------------------------------------ command lines
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -417,6 +432,8 @@ COMMAND_LINES = {
                        {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False}),
                       (["--systems", "hf_paged,hf_paged_dp2"], {"systems": "hf_paged,hf_paged_dp2"})],
     "bench_sharing": [(["--model", "tiny-32k", "--widths", "2,4"], {"model": "tiny-32k", "widths": "2,4"})],
+    "bench_structured": [(["--model", "llama-1b", "--tokenizer", "t", "--out", "r"],
+                          {"model": "llama-1b", "tokenizer": "t", "num_requests": 64, "new_tokens": 512})],
     "bench_startup": [(["--models", "llama-1b", "--modes", "compiled", "--warm-runs", "3"],
                        {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
     "bench_sweeps": [(["--parts", "kernel"], {"parts": "kernel", "block_sizes": "8,16,32,64,128"})],
@@ -436,6 +453,7 @@ BAD_COMMAND_LINES = {
     "bench_lm_eval": [[]],  # --tokenizer is required
     "bench_lora": [["--lora-kernel", "cuda"], ["--rank", "r"]],
     "bench_startup": [["--bytecode", "compiled"]],
+    "bench_structured": [["--num-requests", "many"], ["--dtype", "int8"]],
     "probe_compiled": [["--dtype", "float16"]],
     "profile_decode": [["--until-running", "-1"], ["--until-running", "a,b"], ["--model", "gpt5"]],
 }

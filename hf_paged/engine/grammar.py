@@ -221,22 +221,21 @@ class StructuredOutputs:
         self._live.discard(group)
 
     # ------------------------------------------------------------------ steps
-    def fill(self, sched: SchedulerOutput) -> StepMasks | None:
+    def fill(self, sched: SchedulerOutput, ended: dict | None = None) -> StepMasks | None:
         """Fill a bitmask row for each of the step's constrained sampling rows and start their upload (None if
-        there are none). Only those rows travel: with a 150k vocabulary a row is 19 KB."""
+        there are none). Only those rows travel: with a 150k vocabulary a row is 19 KB. `ended`: the sequences
+        (by `id`) whose grammar ended with the token before, in a pipelined step that still holds their rows (their
+        picks are dropped; a terminated matcher has no mask)."""
         rows, matchers, groups = [], [], []
         row = 0
         for item in sched.scheduled:
             if not item.sample:
                 continue
             state = item.group.data.get(GRAMMAR)
-            if state is not None:
-                matcher = state.for_seq(item.seq)
-                # a pipelined step may hold a row whose grammar ended with the token before (its pick is dropped)
-                if not (state.rejected or matcher.is_terminated()):
-                    rows.append(row)
-                    matchers.append(matcher)
-                    groups.append(item.group)
+            if state is not None and not (ended and id(item.seq) in ended):
+                rows.append(row)
+                matchers.append(state.for_seq(item.seq))
+                groups.append(item.group)
             row += 1
         if not rows:
             return None
@@ -295,9 +294,9 @@ class StructuredOutputs:
         if state is None:
             return None
         matcher = state.for_seq(seq)
-        if matcher.is_terminated():
-            return "grammar"
-        if not matcher.accept_token(token):
+        if not matcher.accept_token(token):  # (one call on the hot path; a terminated matcher refuses every token)
+            if matcher.is_terminated():
+                return "grammar"
             state.rejected = True
             return "grammar_rejected"
         return "grammar" if matcher.is_terminated() else None

@@ -336,7 +336,7 @@ class PipelinedDecode:
         if sched.batch is not None or not any(item.group.masked for item in sched.scheduled):
             return
         self._accept_in_flight(current)
-        masks = self.structured.fill(sched)
+        masks = self.structured.fill(sched, current.grammar_ends)
         if masks is not None:
             self.structured.apply(logits, masks)
 

