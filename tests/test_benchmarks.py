@@ -365,13 +365,14 @@ def test_structured_harness_runs_on_the_cpu_and_reports_the_fraction(tmp_path):
     pytest.importorskip("xgrammar")
     bench_structured = pytest.importorskip("bench_structured")
     bench_structured.main(["--device", "cpu", "--model", "tiny", "--num-requests", "3", "--new-tokens", "5",
-                           "--prompt-len", "4", "--out", str(tmp_path)])
+                           "--prompt-len", "4", "--repeats", "2", "--out", str(tmp_path)])
     import json
 
     records = json.loads((tmp_path / "structured.json").read_text())["records"]
     assert [r["system"] for r in records] == ["unconstrained", "json_schema"] and records[0]["fraction"] == 1.0
     assert all(r["output_tokens"] == 15 for r in records)
     assert records[0]["masked_rows"] == 0 and records[1]["masked_rows"] == 15
+    assert all(len(r["passes_tok_s"]) == 2 for r in records)
 
 
 # ------------------------------------------------------------------------------------------------ command lines
@@ -433,7 +434,8 @@ COMMAND_LINES = {
                       (["--systems", "hf_paged,hf_paged_dp2"], {"systems": "hf_paged,hf_paged_dp2"})],
     "bench_sharing": [(["--model", "tiny-32k", "--widths", "2,4"], {"model": "tiny-32k", "widths": "2,4"})],
     "bench_structured": [(["--model", "llama-1b", "--tokenizer", "t", "--out", "r"],
-                          {"model": "llama-1b", "tokenizer": "t", "num_requests": 64, "new_tokens": 512})],
+                          {"model": "llama-1b", "tokenizer": "t", "num_requests": 64, "new_tokens": 512,
+                           "repeats": 5})],
     "bench_startup": [(["--models", "llama-1b", "--modes", "compiled", "--warm-runs", "3"],
                        {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
     "bench_sweeps": [(["--parts", "kernel"], {"parts": "kernel", "block_sizes": "8,16,32,64,128"})],
