@@ -152,27 +152,6 @@ def test_pipelined_stop_checks_equal_the_unpipelined_ones(model, prompts):
     assert_clean(pipelined_engine, pipelined)
 
 
-def test_streamed_steps_are_pipelined_one_token_at_a_time(model, prompts, references):
-    """`stream()` (and a server's `step()` loop) pipelines decode steps too: each step reports the tokens of the step
-    before the one it leaves in flight, never its placeholder, one more token per request and report, and the
-    streamed requests end with transformers' tokens."""
-    engine = make_engine(model, num_blocks=300)
-    for prompt in prompts:
-        engine.add_request(prompt, max_new_tokens=MAX_NEW)
-    seen: dict = {}
-    finals = []
-    for out in engine.stream():
-        ids = out.outputs[0].token_ids
-        assert _IN_FLIGHT not in ids, "a placeholder leaked into a streamed output"
-        assert len(ids) == len(seen.get(out.request_id, [])) + 1 and ids[:-1] == seen.get(out.request_id, [])
-        seen[out.request_id] = ids
-        if out.finished:
-            finals.append(out)
-    assert engine.pipelined_steps > 5
-    assert [seen[r.request_id] for r in sorted(finals, key=lambda r: int(r.request_id.split("-")[1]))] == references
-    assert_clean(engine, finals)
-
-
 @pytest.mark.parametrize(
     "engine_kwargs",
     [dict(num_blocks=200), dict(num_blocks=24, max_num_batched_tokens=32),
