@@ -280,8 +280,9 @@ def _convert_smollm2(gguf: pathlib.Path, target: pathlib.Path, meta: dict) -> No
     try:
         umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final dir should be readable like any other
-        # dequantized float32, the tokenizer's eos / pad restored from the GGUF metadata (see load_gguf)
-        model, tokenizer = load_gguf(gguf.parent, gguf.name, dtype=torch.float32)
+        # dequantized float32, the tokenizer's eos / pad restored from the GGUF metadata (see load_gguf); the file-path
+        # form, which tests/test_gguf.py checks through this copy
+        model, tokenizer = load_gguf(gguf, dtype=torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
