@@ -7,9 +7,11 @@ iteration-level scheduling with a token budget, chunked prefill and preemption).
 package; it imports nothing of hf_paged.
 """
 
+from .block_groups import GroupedBlockManager
 from .block_manager import NULL_BLOCK, BlockManager
 from .block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocksError, hash_block
 from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
+from .layer_groups import LayerGroups, plan_layer_groups
 from .schedule import ScheduledSeq, SchedulerOutput
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -21,6 +23,8 @@ __all__ = [
     "BlockManager",
     "BlockStats",
     "CachingBlockAllocator",
+    "GroupedBlockManager",
+    "LayerGroups",
     "NULL_BLOCK",
     "NoFreeBlocksError",
     "NoFreeSlotsError",
@@ -35,4 +39,5 @@ __all__ = [
     "SlotOps",
     "StateSlots",
     "hash_block",
+    "plan_layer_groups",
 ]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata
+from ..cache import GroupedPagedCache, PagedCache, StepMetadata
 from ..cache.host_ints import int_tensor
 from ..core import SchedulerOutput
 from .graphs import GraphCapture, decode_forward
@@ -106,6 +106,11 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self.token_limit: int | None = None
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
+        # a grouped cache (one table per layer group, `hf_paged.cache.grouped_cache`) runs eager steps only: the
+        # static buffers of the graphs, the compiled step and pipelined decoding hold one table per sequence
+        self.grouped = isinstance(cache, GroupedPagedCache)
+        if self.grouped:
+            use_cuda_graph = compile_decode = False
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
@@ -206,7 +211,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         step while an FP8 pool calibrates its scales (`PagedCache.kv_scales_pending`).
         """
         scheduled = sched.scheduled
-        return (self.decode_mode != "eager" and len(scheduled) <= self.max_num_seqs and not self.cache.kv_scales_pending
+        return (self.decode_mode != "eager" and not self.grouped and len(scheduled) <= self.max_num_seqs and not self.cache.kv_scales_pending
                 and (sched.decode_step or all(item.num_tokens == 1 and item.sample for item in scheduled)))
 
     def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None,
@@ -246,6 +251,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             tokens += pad
         pin = self.device.type == "cuda"
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
+        if self.grouped:
+            self.cache.attach_group_steps(step, sched.scheduled, tokens)
         if self.hybrid:  # each sequence's recurrent-state slot, and its rows (`hf_paged.attention.recurrent`)
             state_slots = int_tensor(bm.state.slots([item.seq.seq_id for item in sched.scheduled]), torch.long, pin=pin)
             step.state_slots = state_slots.to(self.device, non_blocking=True)

@@ -81,7 +81,7 @@ class RaggedGraphs:
 
     # ------------------------------------------------------------------ eligibility
     def _ragged_enabled(self) -> bool:
-        if self.hybrid:  # a hybrid model's ragged step calls its recurrent layers once per chunk: never recorded
+        if self.hybrid or self.grouped:  # a hybrid model's ragged step calls its recurrent layers once per chunk: never recorded
             return False
         mode = self.ragged_graphs
         if mode is None:

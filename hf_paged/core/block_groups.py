@@ -1,0 +1,346 @@
+"""`GroupedBlockManager`: one block table per layer group over one pool, for mixed sliding / full stacks (pure Python).
+
+Why: see `hf_paged.core.layer_groups` (a mixed stack's local layers can only free the blocks before their window
+when they have tables of their own). This class gives the scheduler and the engine the `BlockManager` interface they
+already use, keyed by sequence id, and keeps one table per group underneath.
+
+How: every sequence ``s`` is ``num_groups`` sub-sequences ``(s, g)`` of one inner `BlockManager` (one allocator, one
+block-id space, one CPU pool). So every invariant of `BlockManager` (ref counts, copy-on-write of shared partial
+blocks, swap pairs, all-or-nothing on failure) holds per group for free, and a block id is held by one group's
+tables only: forks share blocks within a group, and the prefix cache's keys are salted by group (`group_salt`: the
+K/V of a local layer and of a global layer over the same tokens differ). All groups of a sequence hold the same
+tokens; group ``g > 0`` with a window ``W`` releases its blocks before ``num_computed - W + 1`` (the inner
+`release_out_of_window`), group 0 is a full group and keeps every block.
+
+* Operations that may fail (append, allocate, truncate) check every group first and change nothing on failure; a
+  step's copy-on-write and swap pairs are those of every group (block ids are global, so the pool applies each pair
+  to every slot tensor).
+* Sizes: `blocks_for(n)` is what a fresh sequence of ``n`` tokens takes, ``num_groups`` tables' worth: admission
+  and `add_request`'s fit check stay exact for a first chunk (nothing is released before a step).
+* Prefix caching: a hit is the shortest of the groups' hits (each group's match is cut to it), so every group maps
+  the same whole blocks; a sliding group's committed blocks stay cached (evictable) after their release, so a hit
+  usually spans every group. `chain_keys` returns one key list per group.
+* Tables the runner reads: `table_view` / `table_views` are group 0's (whose slots `append_slots` returns);
+  `group_tables` gives each group's. Statistics (`stats`) count every group's blocks; prefix counters are per
+  sequence, not per group.
+* Not supported (the cache keeps one table for them): recurrent state slots (hybrid models), the persistent decode
+  batch (`DecodeBatch` checks `grouped`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from .block_manager import BlockManager
+from .block_pool import ROOT_KEY, NoFreeBlocksError, _as_int, hash_block
+from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
+
+__all__ = ["GroupedBlockManager", "GroupedMatch", "group_salt"]
+
+
+def group_salt(salt: int, group: int) -> int:
+    """The prefix-cache salt of `group`'s blocks of a sequence salted `salt` (group 0 keeps `salt`): other groups'
+    K/V of the same tokens are other data, so their chains start from another root."""
+    if group == 0:
+        return salt
+    # a positive int64 (hashed as one token; its negation is the root's parent entry, never a real entry's id)
+    return hash_block(hash_block(ROOT_KEY, (salt,)), (-1, group)) >> 2 | 1
+
+
+@dataclass(frozen=True)
+class GroupedMatch:
+    """`match_prefix` of a grouped manager: each group's match, all cut to the same cached tokens."""
+
+    num_tokens: int
+    num_cached_tokens: int
+    pending: bool
+    groups: tuple[PrefixMatch, ...]
+    state_key: None = None
+
+
+class _Sub:
+    """A sequence seen as its group-`g` sub-sequence (what the inner release takes: id, computed tokens, tokens)."""
+
+    __slots__ = ("seq_id", "num_computed", "token_ids")
+
+    def __init__(self, seq_id: tuple, num_computed: int, token_ids: Sequence[int]) -> None:
+        self.seq_id, self.num_computed, self.token_ids = seq_id, num_computed, token_ids
+
+
+class GroupedBlockManager:
+    """`BlockManager`'s interface over one table per layer group (module docstring).
+
+    Args:
+        num_blocks, block_size, num_cpu_blocks, enable_prefix_caching: as `BlockManager` (one pool for all groups).
+        windows: each group's sliding window (None: full attention); ``windows[0]`` must be None.
+    """
+
+    grouped = True
+    state = None  # no recurrent-state slots (hybrid models keep one table)
+
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], num_cpu_blocks: int = 0, *,
+                 enable_prefix_caching: bool = False) -> None:
+        windows = tuple(windows)
+        if not windows or windows[0] is not None:
+            raise ValueError(f"windows must start with a full group (None), got {windows!r}")
+        for w in windows[1:]:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"a group's window must be a positive int or None, got {w!r}")
+        self.windows = windows
+        self.num_groups = len(windows)
+        self.inner = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.releasing = True  # the engine turns it off when the layers' windows contradict the plan
+
+    def __repr__(self) -> str:
+        return f"GroupedBlockManager(windows={self.windows}, {self.inner!r})"
+
+    # ------------------------------------------------------------------ the inner manager's pool
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.inner.num_cpu_blocks
+
+    @property
+    def gpu(self):
+        return self.inner.gpu
+
+    @property
+    def cpu(self):
+        return self.inner.cpu
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.inner.enable_prefix_caching
+
+    @property
+    def window_released(self) -> int:
+        return self.inner.window_released
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.inner.prefix_query_tokens // self.num_groups
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.inner.prefix_hit_tokens // self.num_groups
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        self.inner.set_prefix_caching(enabled)
+
+    def grow(self, num_blocks: int) -> None:
+        self.inner.grow(num_blocks)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def reset_prefix_cache(self) -> int:
+        return self.inner.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ helpers
+    def _subs(self, seq_id: Hashable) -> list[tuple]:
+        return [(seq_id, g) for g in range(self.num_groups)]
+
+    def _flat(self, requests: Iterable[tuple[Hashable, int]]) -> list[tuple[tuple, int]]:
+        return [((seq_id, g), n) for seq_id, n in requests for g in range(self.num_groups)]
+
+    def _check(self, seq_id: Hashable) -> None:
+        if not self.has_seq(seq_id):
+            raise ValueError(f"seq_id {seq_id!r} is unknown")
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a fresh sequence of `num_tokens` tokens takes: one table's worth in every group."""
+        return self.num_groups * self.inner.blocks_for(num_tokens)
+
+    # ------------------------------------------------------------------ lifecycle
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        n = _as_int("num_tokens", num_tokens, 0)
+        if self.has_seq(seq_id):
+            raise ValueError(f"seq_id {seq_id!r} already exists")
+        need = self.blocks_for(n)
+        if need > self.gpu.num_free:
+            raise NoFreeBlocksError(f"allocating {n} tokens needs {need} blocks, only {self.gpu.num_free} are free")
+        tables = [self.inner.allocate(sub, n) for sub in self._subs(seq_id)]
+        return tables[0]
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        self._check(parent_id)
+        if self.has_seq(child_id):
+            raise ValueError(f"child_id {child_id!r} already exists")
+        for g in range(self.num_groups):
+            self.inner.fork((parent_id, g), (child_id, g))
+
+    def free(self, seq_id: Hashable) -> None:
+        self._check(seq_id)
+        for sub in self._subs(seq_id):
+            self.inner.free(sub)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        self._check(seq_id)
+        n = _as_int("num_tokens", num_tokens, 0)
+        shift = self.inner._shift
+        for sub in self._subs(seq_id):  # every group accepts it, or nothing changes
+            seq = self.inner._get(sub)
+            if n > seq.num_tokens or n < seq.released << shift:
+                self.inner.truncate(sub, n)  # raises the documented ValueError
+        for sub in self._subs(seq_id):
+            self.inner.truncate(sub, n)
+
+    # ------------------------------------------------------------------ appends
+    def blocks_needed_to_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> int:
+        return self.inner.blocks_needed_to_append_many(self._flat([(seq_id, num_new_tokens)]))
+
+    def blocks_needed_to_append_many(self, requests: Iterable[tuple[Hashable, int]]) -> int:
+        return self.inner.blocks_needed_to_append_many(self._flat(requests))
+
+    def can_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
+        return self.blocks_needed_to_append(seq_id, num_new_tokens) <= self.gpu.num_free
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> AppendResult:
+        """Every group's next slots, all or nothing; the slots returned are group 0's, the copies every group's."""
+        need = self.blocks_needed_to_append(seq_id, num_new_tokens)
+        if need > self.gpu.num_free:
+            raise NoFreeBlocksError(f"appending {num_new_tokens} tokens to seq_id {seq_id!r} needs {need} blocks, "
+                                    f"only {self.gpu.num_free} are free")
+        results = [self.inner.append_slots(sub, num_new_tokens) for sub in self._subs(seq_id)]
+        return AppendResult(slots=results[0].slots, copies=[pair for r in results for pair in r.copies])
+
+    def append_decode_slots(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]] | None = None,
+                            num_computed: Sequence[int] | None = None) -> AppendResult | None:
+        """One decode slot of every sequence in every group, all or nothing (None: the per-sequence path)."""
+        k = self.num_groups
+        subs = [(seq_id, g) for g in range(k) for seq_id in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids lists a sequence twice")
+        result = self.inner.append_decode_slots(subs, None if token_ids is None else list(token_ids) * k,
+                                                None if num_computed is None else list(num_computed) * k)
+        if result is None:
+            return None
+        return AppendResult(slots=result.slots[: len(seq_ids)], copies=result.copies)
+
+    # ------------------------------------------------------------------ sliding release
+    def release_out_of_window(self, seqs: Iterable, window: int | None = None) -> int:
+        """Release every sliding group's blocks before its own window (`window`, the scheduler's largest one, is not
+        used: each group has its own); nothing while `releasing` is off."""
+        if not self.releasing:
+            return 0
+        seqs = list(seqs)
+        total = 0
+        for g, w in enumerate(self.windows):
+            if w is not None:
+                total += self.inner.release_out_of_window(
+                    [_Sub((s.seq_id, g), s.num_computed, s.token_ids) for s in seqs], w)
+        return total
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.inner.can_swap_out([sub for s in seq_ids for sub in self._subs(s)])
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        return self.inner.swap_out([sub for s in seq_ids for sub in self._subs(s)])
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.inner.can_swap_in([sub for s in seq_ids for sub in self._subs(s)])
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        return self.inner.swap_in([sub for s in seq_ids for sub in self._subs(s)])
+
+    def blocks_needed_to_swap_in_and_append(self, requests: Iterable[tuple[Hashable, int]]) -> int:
+        return self.inner.blocks_needed_to_swap_in_and_append(self._flat(requests))
+
+    # ------------------------------------------------------------------ prefix caching
+    def chain_keys(self, token_ids: Sequence[int], salt: int = 0) -> tuple[list[int], ...]:
+        """Each group's chain keys of `token_ids` (salted by group)."""
+        return tuple(self.inner.chain_keys(token_ids, group_salt(salt, g)) for g in range(self.num_groups))
+
+    def match_prefix(self, token_ids: Sequence[int], max_cached_tokens: int | None = None, *,
+                     known_keys: Sequence = (), salt: int = 0) -> GroupedMatch:
+        """The prefix every group has cached: each group's match, cut to the shortest of them."""
+        def match(g: int, cap: int | None) -> PrefixMatch:
+            keys = known_keys[g] if known_keys else ()
+            return self.inner.match_prefix(token_ids, cap, known_keys=keys, salt=group_salt(salt, g))
+
+        matches = [match(g, max_cached_tokens) for g in range(self.num_groups)]
+        cached = min(m.num_cached_tokens for m in matches)
+        matches = [m if m.num_cached_tokens == cached else match(g, cached) for g, m in enumerate(matches)]
+        return GroupedMatch(len(token_ids), cached, any(m.pending for m in matches), tuple(matches))
+
+    def blocks_needed_to_admit(self, requests: Iterable[tuple[GroupedMatch, int]]) -> int:
+        return self.inner.blocks_needed_to_admit((m, n) for match, n in requests for m in match.groups)
+
+    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int], match: GroupedMatch | None = None) -> int:
+        if self.has_seq(seq_id):
+            raise ValueError(f"seq_id {seq_id!r} already exists")
+        if match is None:
+            match = self.match_prefix(token_ids)
+        for m in match.groups:  # a stale match raises here, before any group changed
+            for block, entry_id in zip(m.blocks, m.entries):
+                if self.enable_prefix_caching and self.gpu.entry_id(block) != entry_id:
+                    raise ValueError("stale match: a matched block was evicted since match_prefix; match again")
+        counts = [self.inner.allocate_prefix((seq_id, g), token_ids, m) for g, m in enumerate(match.groups)]
+        return counts[0]
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
+        return [self.inner.commit(sub, token_ids, num_computed) for sub in self._subs(seq_id)][0]
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The inner cache's counters, with queries and tokens per sequence (every group is queried alike)."""
+        s, k = self.inner.prefix_cache_stats(), self.num_groups
+        return PrefixCacheStats(s.enabled, s.queries // k, s.query_tokens // k, s.hit_tokens // k, s.cached_blocks,
+                                s.evictable_blocks, s.evictions)
+
+    # ------------------------------------------------------------------ queries
+    def has_seq(self, seq_id: Hashable) -> bool:
+        try:
+            return self.inner.has_seq((seq_id, 0))
+        except TypeError:
+            return False
+
+    def seq_ids(self) -> list:
+        return [sub[0] for sub in self.inner.seq_ids() if sub[1] == 0]
+
+    def table_view(self, seq_id: Hashable) -> list[int]:
+        return self.inner.table_view((seq_id, 0))
+
+    def table_views(self, seq_ids: Sequence[Hashable]) -> list[list[int]]:
+        return self.inner.table_views([(s, 0) for s in seq_ids])
+
+    def group_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Each group's live table of a sequence (read only; released entries are `NULL_BLOCK`)."""
+        return [self.inner.table_view(sub) for sub in self._subs(seq_id)]
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of group 0's table."""
+        return self.inner.block_table((seq_id, 0))
+
+    def held_blocks(self, seq_id: Hashable) -> int:
+        """Blocks the sequence's tables hold now, over every group (released entries excluded)."""
+        return sum(self.inner._get(sub).num_held for sub in self._subs(seq_id))
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.inner.num_tokens((seq_id, 0))
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self.inner.is_swapped((seq_id, 0))
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        return self.inner.slot_mapping((seq_id, 0), start, end)
+
+    def group_slots(self, seq_id: Hashable, group: int, start: int, end: int) -> list[int]:
+        """Physical slots of tokens ``[start, end)`` in `group`'s table."""
+        return self.inner.slot_mapping((seq_id, group), start, end)
+
+    def usage(self) -> tuple[int, int]:
+        return self.inner.usage()
+
+    def stats(self) -> BlockStats:
+        """The pool's usage over every group's tables (`BlockManager.stats`); prefix counters per sequence."""
+        return replace(self.inner.stats(), prefix_query_tokens=self.prefix_query_tokens,
+                       prefix_hit_tokens=self.prefix_hit_tokens)
