@@ -1,0 +1,163 @@
+"""Mixed sliding / full stacks release their local layers' blocks through layer groups (issue 54, item 2).
+
+Tiny seeded float32 models of the mixed families (Gemma 3 with 2 global and 5 local layers, so groups of two layers
+and a padded last group; Gemma 2, gpt-oss, Cohere 2, Qwen2 with `max_window_layers`), a window of 8 tokens and
+blocks of 4, generations three windows long: the engine's tokens equal transformers' greedy `generate()`
+(DynamicCache) under preemption by recompute and by swap, beam search and parallel sampling equal the engine without
+groups, prefix-cache hits stay exact, and a grouped sequence holds fewer bytes of KV than an ungrouped one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_paged.cache import GroupedPagedCache, PagedCache
+from hf_paged.core import NULL_BLOCK
+from hf_paged.engine import Engine, SamplingParams
+from hf_paged.model_zoo import tiny_model
+
+WINDOW = 8
+BLOCK = 4
+NEW = 24
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36]]
+GREEDY = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention", "sliding_attention"]
+FAMILIES = {
+    "gemma3_text": dict(num_hidden_layers=7, layer_types=GEMMA3_TYPES),
+    "gemma2": {},
+    "gpt_oss": {},
+    "cohere2": {},
+    "qwen2": dict(use_sliding_window=True, max_window_layers=1, num_hidden_layers=3,
+                  layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    """(name, model, transformers' greedy tokens of every prompt)."""
+    model = tiny_model(request.param, sliding_window=WINDOW, **FAMILIES[request.param])
+    reference = []
+    for prompt in PROMPTS:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        reference.append(ids[0, len(prompt):].tolist())
+    return request.param, model, reference
+
+
+def _engine(model, **kwargs) -> Engine:
+    return Engine(model, **{"num_blocks": 64, "block_size": BLOCK, **kwargs})
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in out.outputs] for out in outputs]
+
+
+def _assert_no_leaks(engine: Engine) -> None:
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0 and stats.cpu_used_blocks == 0 and engine.block_manager.seq_ids() == [], stats
+
+
+def _peak_bytes(engine: Engine) -> dict:
+    """Record the most KV bytes one sequence holds right after each schedule (its appends done)."""
+    peak = {"bytes": 0}
+    schedule = engine.scheduler.schedule
+    bm, per_block = engine.block_manager, engine.cache.bytes_per_block()
+
+    def watched():
+        out = schedule()
+        for seq_id in bm.seq_ids():
+            if not bm.is_swapped(seq_id):
+                tables = bm.group_tables(seq_id) if hasattr(bm, "group_tables") else [bm.table_view(seq_id)]
+                held = sum(block != NULL_BLOCK for table in tables for block in table)
+                peak["bytes"] = max(peak["bytes"], held * per_block)
+        return out
+
+    engine.scheduler.schedule = watched
+    return peak
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_equals_transformers_and_holds_less(family, caching):
+    name, model, reference = family
+    engine = _engine(model, enable_prefix_caching=caching)
+    assert isinstance(engine.cache, GroupedPagedCache)
+    peak = _peak_bytes(engine)
+    assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
+    assert engine.kv_stats().window_released > 0
+    _assert_no_leaks(engine)
+
+    off = _engine(model, enable_prefix_caching=caching, release_window_blocks=False)
+    assert type(off.cache) is PagedCache
+    peak_off = _peak_bytes(off)
+    assert [o[0] for o in _tokens(off.generate(PROMPTS, GREEDY))] == reference
+    assert peak["bytes"] < peak_off["bytes"], (name, peak, peak_off)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_small_pool_preempts_and_the_tokens_stay_exact(family, mode):
+    name, model, reference = family
+    groups = _engine(model).cache.layer_groups.num_groups
+    blocks = groups * -(-(max(map(len, PROMPTS)) + NEW) // BLOCK) + 2  # one sequence's whole length fits, not three
+    engine = _engine(model, num_blocks=blocks, preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
+    assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
+    assert engine.scheduler.num_preemptions[mode] > 0
+    _assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=NEW, num_beams=3, num_return_sequences=2),
+    SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, num_return_sequences=3, do_sample=True, seed=7),
+], ids=["beam", "parallel-sampling"])
+def test_forks_equal_the_engine_without_groups(family, params):
+    _, model, _ = family
+    results = []
+    for release in (True, False):
+        engine = _engine(model, release_window_blocks=release, num_blocks=160)
+        results.append(_tokens(engine.generate(PROMPTS, params)))
+        if release:
+            assert engine.kv_stats().window_released > 0
+        _assert_no_leaks(engine)
+    assert results[0] == results[1]
+
+
+def test_prefix_cache_hits_are_exact(family):
+    _, model, reference = family
+    engine = _engine(model, num_blocks=160)
+    first = _tokens(engine.generate(PROMPTS, GREEDY))
+    again = _tokens(engine.generate(PROMPTS, GREEDY))  # the prompts' blocks are cached in every group
+    assert [o[0] for o in first] == [o[0] for o in again] == reference
+    stats = engine.prefix_cache_stats()
+    assert stats.hit_tokens > 0 and stats.queries == 2 * len(PROMPTS)
+    _assert_no_leaks(engine)
+
+
+def test_static_decode_path_stays_off(family):
+    """The CUDA-graph path's buffers hold one table per sequence: a grouped engine runs eager steps only."""
+    _, model, reference = family
+    engine = _engine(model)
+    engine.runner.decode_mode = "static"
+    assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
+    assert engine.runner.graph_steps == 0
+
+
+def test_windows_that_contradict_the_plan_release_nothing():
+    """The plan comes from the config; the windows the attention calls pass are checked before any release."""
+    model = tiny_model("gemma2", sliding_window=WINDOW)
+    engine = _engine(model)
+    groups = engine.cache.layer_groups
+    engine.cache.layer_groups = dataclasses.replace(groups, windows=tuple(w and w // 2 for w in groups.windows))
+    with pytest.warns(RuntimeWarning, match="no KV block is released"):
+        outs = engine.generate(PROMPTS[:1], GREEDY)
+    ids = model.generate(torch.tensor(PROMPTS[:1]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    assert _tokens(outs)[0][0] == ids[0, len(PROMPTS[0]):].tolist()
+    assert engine.kv_stats().window_released == 0 and not engine.block_manager.releasing
+
+
+def test_drop_in_use_is_refused():
+    model = tiny_model("gemma2", sliding_window=WINDOW)
+    engine = _engine(model)
+    with pytest.raises(RuntimeError, match="engine only"):
+        engine.cache._begin_forward(1, 1, torch.device("cpu"))
