@@ -99,8 +99,9 @@ def test_greedy_equals_transformers_and_holds_less(family, caching):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_small_pool_preempts_and_the_tokens_stay_exact(family, mode):
     name, model, reference = family
-    groups = _engine(model).cache.layer_groups.num_groups
-    blocks = groups * -(-(max(map(len, PROMPTS)) + NEW) // BLOCK) + 2  # one sequence's whole length fits, not three
+    plan = _engine(model).cache.layer_groups
+    grouped = plan.num_groups * -(-(max(map(len, PROMPTS)) + NEW) // BLOCK) + 2  # one sequence's length fits, not 3
+    blocks = -(-grouped * plan.group_size // len(plan.group_of))  # `num_blocks` counts one-table blocks
     engine = _engine(model, num_blocks=blocks, preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
     assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
     assert engine.scheduler.num_preemptions[mode] > 0

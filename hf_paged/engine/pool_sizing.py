@@ -52,7 +52,9 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     its scales are `kv_scales`, else those the model's checkpoint ships, else calibrated (`cache.kv_quant`).
 
     `group_layers` (the engine's `release_window_blocks`): a mixed sliding / full stack gets a `GroupedPagedCache`
-    (one block table per layer group, `cache.grouped_cache.plan_for`), whose block holds one group's layers."""
+    (one block table per layer group, `cache.grouped_cache.plan_for`), whose block holds one group's layers. A
+    `num_blocks` given counts blocks of every layer (what a one-table pool of that memory holds): the grouped pool
+    gets the same memory, `num_blocks * layers // group_size` blocks of one group."""
     probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
     pool_dtype = resolve_kv_cache_dtype(kv_cache_dtype) or dtype
     if kv_scales is None and pool_dtype != dtype:
@@ -62,6 +64,8 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     if groups is not None:
         probe = GroupedPagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads,
                                   layer_groups=groups)
+        if num_blocks is not None:
+            num_blocks = num_blocks * len(groups.group_of) // groups.group_size
     per_block = probe.bytes_per_block(pool_dtype)
     per_slot = StatePool.spec_bytes(specs)
     checkpoints = 0
