@@ -10,7 +10,7 @@ are a prefix of its table and that it still reads everything after them.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -95,6 +95,32 @@ def test_a_sequence_takes_blocks_in_every_group_and_releases_the_sliding_ones() 
     bm.truncate("a", 13)
     bm.free("a")
     assert bm.gpu.num_used == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(windows=st.lists(st.sampled_from([None, 1, 3, 8, 13]), min_size=1, max_size=3),
+       block_size=st.sampled_from([1, 2, 4, 8]), chunk=st.integers(1, 20), num_tokens=st.integers(1, 80))
+def test_blocks_to_hold_bounds_a_chunked_prefill(windows, block_size, chunk, num_tokens) -> None:
+    """A sequence prefilled in chunks, releasing before each (as the scheduler does), never holds more than
+    `blocks_to_hold`; `token_capacity` is the longest such sequence of whole blocks a pool holds."""
+    bm = GroupedBlockManager(10_000, block_size, [None] + windows)
+    bm.allocate("s", 0)
+
+    class Seq:
+        seq_id, num_computed, token_ids = "s", 0, ()
+
+    peak = 0
+    while Seq.num_computed < num_tokens:
+        bm.release_out_of_window([Seq], 0)
+        step = min(chunk, num_tokens - Seq.num_computed)
+        bm.append_slots("s", step)
+        Seq.num_computed += step
+        peak = max(peak, bm.held_blocks("s"))
+    assert peak <= bm.blocks_to_hold(num_tokens, chunk)
+    small = GroupedBlockManager(max(1, peak), block_size, [None] + windows)
+    capacity = small.token_capacity(chunk)
+    assert small.blocks_to_hold(capacity, chunk) <= small.num_blocks
+    assert small.blocks_to_hold(capacity + block_size, chunk) > small.num_blocks
 
 
 # ------------------------------------------------------------------------------------------------------ the machine
@@ -192,6 +218,7 @@ class GroupedMachine(RuleBasedStateMachine):
             return
         seq = self.next_seq
         self.next_seq += 1
+        free = self.bm.gpu.num_free
         cached = self.bm.allocate_prefix(seq, tokens, match)
         self.expected[seq] = tokens[:cached]
         for g, m in enumerate(match.groups):  # a hit maps blocks holding exactly these tokens, in this group
@@ -199,6 +226,7 @@ class GroupedMachine(RuleBasedStateMachine):
                 block = m.blocks[p // self.bm.block_size]
                 assert self.memory["gpu"][block * self.bm.block_size + p % self.bm.block_size] == (g, tokens[p])
         self.bm.append_slots(seq, len(tokens) - cached)
+        assert free - self.bm.gpu.num_free == need, "blocks_needed_to_admit is not what admission took"
         self.expected[seq] = tokens
         self.write(seq, cached)
 

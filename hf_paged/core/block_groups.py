@@ -159,6 +159,29 @@ class GroupedBlockManager:
         """Blocks a fresh sequence of `num_tokens` tokens takes: one table's worth in every group."""
         return self.num_groups * self.inner.blocks_for(num_tokens)
 
+    def blocks_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks one sequence of `num_tokens` tokens holds at once, prefilled in chunks of at most `chunk`
+        tokens (what `add_request` checks against the pool): a full group's whole table, a sliding group's window
+        and chunk (a step of ``k`` tokens after position ``s`` holds the blocks of ``[s - W + 1, s + k)``, at most
+        ``blocks_for(W - 1 + k) + 1``), unless `releasing` is off."""
+        per_table = self.inner.blocks_for(num_tokens)
+        if not self.releasing:
+            return self.num_groups * per_table
+        chunk = _as_int("chunk", chunk, 1)
+        return sum(per_table if w is None else min(per_table, self.inner.blocks_for(w - 1 + chunk) + 1)
+                   for w in self.windows)
+
+    def token_capacity(self, chunk: int) -> int:
+        """The longest sequence the whole pool can hold (`blocks_to_hold` within `num_blocks`), in whole blocks."""
+        low, high = 0, self.num_blocks  # table lengths: `blocks_to_hold` grows with them
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks_to_hold(mid << self.inner._shift, chunk) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low << self.inner._shift
+
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         n = _as_int("num_tokens", num_tokens, 0)
@@ -272,8 +295,20 @@ class GroupedBlockManager:
         matches = [m if m.num_cached_tokens == cached else match(g, cached) for g, m in enumerate(matches)]
         return GroupedMatch(len(token_ids), cached, any(m.pending for m in matches), tuple(matches))
 
+    def _in_window(self, match: PrefixMatch, group: int) -> PrefixMatch:
+        """`match` as group `group` keeps it at admission: a sliding group maps only the blocks its window still
+        reads before the first token to compute (`allocate_prefix` releases the others at once)."""
+        window = self.windows[group]
+        if window is None or not self.releasing or not match.blocks:
+            return match
+        first = max(0, match.num_cached_tokens - window + 1) >> self.inner._shift
+        return replace(match, blocks=match.blocks[first:], entries=match.entries[first:])
+
     def blocks_needed_to_admit(self, requests: Iterable[tuple[GroupedMatch, int]]) -> int:
-        return self.inner.blocks_needed_to_admit((m, n) for match, n in requests for m in match.groups)
+        """Blocks that admitting the matches takes: every group's new blocks, and the evictable cached blocks it
+        maps (a sliding group's within its window only)."""
+        return self.inner.blocks_needed_to_admit((self._in_window(m, g), n) for match, n in requests
+                                                 for g, m in enumerate(match.groups))
 
     def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int], match: GroupedMatch | None = None) -> int:
         if self.has_seq(seq_id):
@@ -285,6 +320,9 @@ class GroupedBlockManager:
                 if self.enable_prefix_caching and self.gpu.entry_id(block) != entry_id:
                     raise ValueError("stale match: a matched block was evicted since match_prefix; match again")
         counts = [self.inner.allocate_prefix((seq_id, g), token_ids, m) for g, m in enumerate(match.groups)]
+        for g, window in enumerate(self.windows):  # a sliding group keeps what its window reads (`_in_window`)
+            if window is not None and self.releasing:
+                self.inner.release_before((seq_id, g), max(0, counts[g] - window + 1))
         return counts[0]
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
