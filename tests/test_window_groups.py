@@ -162,3 +162,30 @@ def test_drop_in_use_is_refused():
     engine = _engine(model)
     with pytest.raises(RuntimeError, match="engine only"):
         engine.cache._begin_forward(1, 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_pool_smaller_than_every_groups_whole_table_serves_a_long_request(caching):
+    """A pool that holds the long request's full group whole but its local groups only over their window and a
+    chunk (`GroupedBlockManager.blocks_to_hold`): admitted, prefilled in chunks, exact."""
+    model = tiny_model("gemma3_text", sliding_window=WINDOW, **FAMILIES["gemma3_text"])
+    prompt = list(range(3, 43))  # 40 tokens: five windows
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    reference = ids[0, len(prompt):].tolist()
+    plan = _engine(model).cache.layer_groups
+    chunk = 8
+    probe = _engine(model, max_num_batched_tokens=chunk).block_manager
+    hold = probe.blocks_to_hold(len(prompt) + NEW, chunk)
+    assert hold < plan.num_groups * probe.inner.blocks_for(len(prompt) + NEW)
+    engine = _engine(model, num_blocks=-(-hold * plan.group_size // len(plan.group_of)), max_num_batched_tokens=chunk,
+                     enable_prefix_caching=caching)
+    assert engine.block_manager.num_blocks < plan.num_groups * probe.inner.blocks_for(len(prompt) + NEW)
+    for _ in range(2):  # (so small a pool evicts the local groups' first blocks: the second run hits nothing)
+        assert _tokens(engine.generate([prompt], GREEDY))[0][0] == reference
+    _assert_no_leaks(engine)
+    if caching:  # a pool that keeps the first run cached: the second maps the local groups' window only
+        roomy = _engine(model, num_blocks=64, max_num_batched_tokens=chunk)
+        for _ in range(2):
+            assert _tokens(roomy.generate([prompt], GREEDY))[0][0] == reference
+        assert roomy.prefix_cache_stats().hit_tokens >= len(prompt) - BLOCK
+        _assert_no_leaks(roomy)
