@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+import hf_paged.engine.engine as engine_module
 from hf_paged.cache import GroupedPagedCache, PagedCache
 from hf_paged.core import NULL_BLOCK
 from hf_paged.engine import Engine, SamplingParams
@@ -189,3 +190,26 @@ def test_a_pool_smaller_than_every_groups_whole_table_serves_a_long_request(cach
             assert _tokens(roomy.generate([prompt], GREEDY))[0][0] == reference
         assert roomy.prefix_cache_stats().hit_tokens >= len(prompt) - BLOCK
         _assert_no_leaks(roomy)
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kwargs, grouped", [
+    ({}, True),
+    ({"release_window_blocks": False}, False),
+    ({"compile_decode": True}, False),  # graphs asked for: one table (their buffers hold one a sequence)
+    ({"use_cuda_graph": True}, False),
+])
+def test_which_engines_group_their_layers(monkeypatch, kwargs, grouped):
+    seen = {}
+
+    def build(*args, **options):
+        seen.update(options)
+        raise _Built
+
+    monkeypatch.setattr(engine_module, "build_engine_cache", build)
+    with pytest.raises(_Built):
+        Engine(tiny_model("gemma2", sliding_window=WINDOW), **kwargs)
+    assert seen["group_layers"] is grouped
