@@ -137,12 +137,13 @@ def test_prefix_cache_hits_are_exact(family):
 
 
 def test_static_decode_path_stays_off(family):
-    """The CUDA-graph path's buffers hold one table per sequence: a grouped engine runs eager steps only."""
+    """The CUDA-graph path's buffers hold one table per sequence: a grouped engine runs eager steps only (and so
+    never pipelines its decode steps), with the same tokens."""
     _, model, reference = family
     engine = _engine(model)
     engine.runner.decode_mode = "static"
     assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
-    assert engine.runner.graph_steps == 0
+    assert engine.runner.graph_steps == 0 and engine.pipelined_steps == 0
 
 
 def test_windows_that_contradict_the_plan_release_nothing():
