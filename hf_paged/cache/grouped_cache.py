@@ -128,9 +128,9 @@ class GroupedPagedCache(PagedCache):
             return False, None
         seen = [self.layer_windows.get(layer) for layer in self.kv_layers]
         if not self.layer_groups.matches(seen):
-            warnings.warn(f"the attention layers passed sliding windows {seen}, not the {self.layer_groups.layer_windows()} "
-                          "their config declares: no KV block is released out of a window", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(f"the attention layers passed sliding windows {seen}, not the "
+                          f"{self.layer_groups.layer_windows()} their config declares: no KV block is released out of "
+                          "a window", RuntimeWarning, stacklevel=2)
             self.block_manager.releasing = False
             return True, None
         return True, max(w for w in self.layer_groups.windows if w is not None)

@@ -211,7 +211,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         step while an FP8 pool calibrates its scales (`PagedCache.kv_scales_pending`).
         """
         scheduled = sched.scheduled
-        return (self.decode_mode != "eager" and not self.grouped and len(scheduled) <= self.max_num_seqs and not self.cache.kv_scales_pending
+        return (self.decode_mode != "eager" and not self.grouped and len(scheduled) <= self.max_num_seqs
+                and not self.cache.kv_scales_pending
                 and (sched.decode_step or all(item.num_tokens == 1 and item.sample for item in scheduled)))
 
     def _execute_eager(self, sched: SchedulerOutput, extra_rows: list[tuple[int, int, int]] | None = None,

@@ -81,7 +81,9 @@ class RaggedGraphs:
 
     # ------------------------------------------------------------------ eligibility
     def _ragged_enabled(self) -> bool:
-        if self.hybrid or self.grouped:  # a hybrid model's ragged step calls its recurrent layers once per chunk: never recorded
+        # a hybrid model's ragged step calls its recurrent layers once per chunk, a grouped cache's steps carry one
+        # table per layer group: never recorded
+        if self.hybrid or self.grouped:
             return False
         mode = self.ragged_graphs
         if mode is None:
