@@ -119,8 +119,7 @@ def test_engine_static_and_compiled_decode(compiled):
         refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=9)[0, len(p):].tolist()
                 for p in prompts]
     # two at a time: the third prompt is prefilled after the first decode step (by the compiled layers, if compiled)
-    # (one block table: a grouped engine runs eager steps only, `tests/test_window_groups.py`)
-    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=2, compile_decode=compiled, release_window_blocks=False)
+    engine = hf_paged.Engine(model, block_size=8, max_num_seqs=2, compile_decode=compiled)
     engine.runner.decode_mode = "static"
     try:
         results = engine.generate(prompts, [hf_paged.SamplingParams(max_new_tokens=9) for _ in prompts])

@@ -48,6 +48,14 @@ def family(request):
     return request.param, model, reference
 
 
+@pytest.fixture(scope="module")
+def eos_free_reference(family):
+    """transformers' greedy tokens with no eos at all (what `ignore_eos` requests, which pipeline, get)."""
+    _, model, _ = family
+    return [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+                           )[0, len(p):].tolist() for p in PROMPTS]
+
+
 def _engine(model, **kwargs) -> Engine:
     return Engine(model, **{"num_blocks": 64, "block_size": BLOCK, **kwargs})
 
@@ -100,10 +108,7 @@ def test_greedy_equals_transformers_and_holds_less(family, caching):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_small_pool_preempts_and_the_tokens_stay_exact(family, mode):
     name, model, reference = family
-    plan = _engine(model).cache.layer_groups
-    grouped = plan.num_groups * -(-(max(map(len, PROMPTS)) + NEW) // BLOCK) + 2  # one sequence's length fits, not 3
-    blocks = -(-grouped * plan.group_size // len(plan.group_of))  # `num_blocks` counts one-table blocks
-    engine = _engine(model, num_blocks=blocks, preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
+    engine = _engine(model, num_blocks=_small_pool(model), preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
     assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
     assert engine.scheduler.num_preemptions[mode] > 0
     _assert_no_leaks(engine)
@@ -136,14 +141,30 @@ def test_prefix_cache_hits_are_exact(family):
     _assert_no_leaks(engine)
 
 
-def test_static_decode_path_stays_off(family):
-    """The CUDA-graph path's buffers hold one table per sequence: a grouped engine runs eager steps only (and so
-    never pipelines its decode steps), with the same tokens."""
-    _, model, reference = family
-    engine = _engine(model)
+def _small_pool(model) -> int:
+    """A `num_blocks` whose grouped pool holds one of the prompts' whole length, not three at once."""
+    plan = _engine(model).cache.layer_groups
+    grouped = plan.num_groups * -(-(max(map(len, PROMPTS)) + NEW) // BLOCK) + 2
+    return -(-grouped * plan.group_size // len(plan.group_of))  # `num_blocks` counts one-table blocks
+
+
+@pytest.mark.parametrize("mode", [None, "recompute", "swap"], ids=["roomy", "recompute", "swap"])
+def test_static_decode_path_and_pipelining(family, eos_free_reference, mode):
+    """The CUDA-graph path's buffers (run eagerly on the CPU) with a table store per layer group
+    (`hf_paged.runner.group_static`), pipelined (`generate()` of plain requests): the same tokens."""
+    _, model, _ = family
+    reference = eos_free_reference
+    pool = {} if mode is None else {"num_blocks": _small_pool(model), "preemption_mode": mode,
+                                     "swap_space": 0.01 if mode == "swap" else 0.0}
+    engine = _engine(model, **pool)
     engine.runner.decode_mode = "static"
-    assert [o[0] for o in _tokens(engine.generate(PROMPTS, GREEDY))] == reference
-    assert engine.runner.graph_steps == 0 and engine.pipelined_steps == 0
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o[0] for o in _tokens(outs)] == reference
+    assert engine.runner.graph_steps > 0 and engine.pipelined_steps > 0
+    assert engine.kv_stats().window_released > 0
+    if mode is not None:
+        assert engine.scheduler.num_preemptions[mode] > 0
+    _assert_no_leaks(engine)
 
 
 def test_windows_that_contradict_the_plan_release_nothing():
@@ -200,8 +221,8 @@ class _Built(Exception):
 @pytest.mark.parametrize("kwargs, grouped", [
     ({}, True),
     ({"release_window_blocks": False}, False),
-    ({"compile_decode": True}, False),  # graphs asked for: one table (their buffers hold one a sequence)
-    ({"use_cuda_graph": True}, False),
+    ({"compile_decode": True}, False),  # a compiled step asked for: one table (its op reads one a step)
+    ({"use_cuda_graph": True}, True),
 ])
 def test_which_engines_group_their_layers(monkeypatch, kwargs, grouped):
     seen = {}
