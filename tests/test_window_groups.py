@@ -214,6 +214,22 @@ def test_a_pool_smaller_than_every_groups_whole_table_serves_a_long_request(cach
         _assert_no_leaks(roomy)
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_reads_each_layers_group():
+    """`compile_decode` (about ten seconds of Inductor on the CPU): the fused op takes its layer's group step; the
+    compiled layers run the prefill steps too."""
+    model = tiny_model("gemma3_text", sliding_window=WINDOW, **FAMILIES["gemma3_text"])
+    reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+                                )[0, len(p):].tolist() for p in PROMPTS]
+    engine = _engine(model, max_num_seqs=2, compile_decode=True)
+    engine.runner.decode_mode = "static"
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o[0] for o in _tokens(outs)] == reference
+    assert engine.runner.graph_steps > 0 and engine.runner.compiled_prefill_steps > 0
+    assert engine.pipelined_steps > 0 and engine.kv_stats().window_released > 0
+    engine.close()
+
+
 class _Built(Exception):
     pass
 
@@ -221,7 +237,7 @@ class _Built(Exception):
 @pytest.mark.parametrize("kwargs, grouped", [
     ({}, True),
     ({"release_window_blocks": False}, False),
-    ({"compile_decode": True}, False),  # a compiled step asked for: one table (its op reads one a step)
+    ({"compile_decode": True}, True),
     ({"use_cuda_graph": True}, True),
 ])
 def test_which_engines_group_their_layers(monkeypatch, kwargs, grouped):

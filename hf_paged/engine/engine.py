@@ -100,9 +100,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             blocks however long it grows (`hf_paged.core.scheduler`, `BlockManager.release_before`). The windows are
             those the layers pass to the attention function, learnt on the first forward. Mixed stacks (Gemma 2/3's
             local and global layers, gpt-oss, Cohere 2: `layer_types` in the config) get one block table per layer
-            group (`hf_paged.cache.grouped_cache`): the local groups release their blocks, the global ones keep them.
-            Such an engine's decode step is not compiled (`compile_decode=True` asked for explicitly keeps one table
-            instead); CUDA graphs and pipelining stay. Default on; `kv_stats()` counts the released entries.
+            group (`hf_paged.cache.grouped_cache`): the local groups release their blocks, the global ones keep them
+            (its prefill steps are not replayed from graphs). Default on; `kv_stats()` counts the released entries.
         state_checkpoints: hybrid models (recurrent layers beside attention: Qwen3.5, Granite 4, Falcon-H1, LFM2,
             Jamba, ...) keep each running sequence's recurrent state in a slot of their own (`max_num_seqs` slots,
             counted in the KV memory budget, so admission never runs more sequences than there are slots). With
@@ -215,8 +214,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
             preemption_mode=preemption_mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints,
-            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,  # (a compiled step asked for: one table)
-            group_layers=release_window_blocks and (compile_auto or not compile_decode))
+            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, group_layers=release_window_blocks)
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(

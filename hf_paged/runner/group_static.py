@@ -11,8 +11,8 @@ slot mapping. Mixed into `ModelRunner`; everything here runs only when `self.gro
   group (a grouped step never takes the single-entry path: `GroupedBlockManager.append_decode_slots` reports no
   `changed` rows). Invalidation is group 0's (`invalidate_tables` forgets every row).
 * Slots: each group's slot of every row's token, `-1` on a bucket's padding rows (and while a graph is recorded).
-* The graph records the gathers of every group's tables (`group_steps`), so a replay reads what was uploaded.
-The compiled decode step stays off for a grouped cache: its op reads one table per step.
+* The graph records the gathers of every group's tables (`group_steps`), so a replay reads what was uploaded; the
+  compiled step's op (`attention.compiled_op`) picks its layer's group step like the eager attention function.
 """
 
 from __future__ import annotations

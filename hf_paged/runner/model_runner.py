@@ -107,9 +107,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, GroupedStatic, WarmUpF
         self.token_limit: int | None = None
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
-        # a grouped cache (one table per layer group): no compiled step, whose op reads one table (`group_static`)
-        self.grouped = isinstance(cache, GroupedPagedCache)
-        compile_decode = compile_decode and not self.grouped
+        self.grouped = isinstance(cache, GroupedPagedCache)  # one table per layer group (`group_static`)
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
