@@ -53,8 +53,10 @@ class GroupedStatic:
         b, mb = self._buffers, self.max_blocks_per_seq
         slots = host_set["group_slots"].numpy()
         tables = [bm.group_tables(seq_id) for seq_id in seq_ids]
-        for g in range(1, bm.num_groups):
-            slots[g - 1, :real] = [bm.group_slots(seq_id, g, p, p + 1)[0] for seq_id, p in zip(seq_ids, positions)]
+        shift = self.block_size.bit_length() - 1
+        mask = self.block_size - 1
+        for g in range(1, bm.num_groups):  # each row's one token: its slot in the group's table
+            slots[g - 1, :real] = [(t[g][p >> shift] << shift) | (p & mask) for t, p in zip(tables, positions)]
             slots[g - 1, real:bucket] = -1
         b["group_slots"].copy_(host_set["group_slots"], non_blocking=True)
         touched = {row for row, _ in changed} | {index // mb for index in flat}
