@@ -89,6 +89,7 @@ class GroupedBlockManager:
                 raise ValueError(f"a group's window must be a positive int or None, got {w!r}")
         self.windows = windows
         self.num_groups = len(windows)
+        self._sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
         self.inner = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
         self.releasing = True  # the engine turns it off when the layers' windows contradict the plan
 
@@ -254,13 +255,13 @@ class GroupedBlockManager:
         used: each group has its own); nothing while `releasing` is off."""
         if not self.releasing:
             return 0
-        seqs = list(seqs)
-        total = 0
-        for g, w in enumerate(self.windows):
-            if w is not None:
-                total += self.inner.release_out_of_window(
-                    [_Sub((s.seq_id, g), s.num_computed, s.token_ids) for s in seqs], w)
-        return total
+        shift, states = self.inner._shift, self.inner._seqs
+        due: dict[int, list[_Sub]] = {}  # the hot path: a (sequence, group) with nothing new to release costs a lookup
+        for s in seqs:
+            for g, w in self._sliding:
+                if (s.num_computed - w + 1) >> shift > states[s.seq_id, g].released:
+                    due.setdefault(g, []).append(_Sub((s.seq_id, g), s.num_computed, s.token_ids))
+        return sum(self.inner.release_out_of_window(subs, self.windows[g]) for g, subs in due.items())
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
