@@ -230,6 +230,32 @@ def test_compiled_decode_step_reads_each_layers_group():
     engine.close()
 
 
+@pytest.mark.slow
+def test_ragged_steps_on_the_static_buffers_read_each_layers_group():
+    """Prefill chunks beside decodes through the ragged buffers (what a CUDA graph of a prefill step replays; run
+    without the recording on the CPU), with every group's slots and tables: transformers' tokens; a bucket run on
+    dummy rows writes nothing in any group."""
+    model = tiny_model("gemma3_text", sliding_window=WINDOW, **FAMILIES["gemma3_text"])
+    prompts = [list(range(3, 48)), list(range(50, 59)), list(range(60, 90)), list(range(100, 117))]
+    reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+                                )[0, len(p):].tolist() for p in prompts]
+    engine = _engine(model, max_num_seqs=3, max_num_batched_tokens=24, compile_decode=True)
+    runner = engine.runner
+    runner.ragged_graphs = True
+    runner._ragged_tile = 5
+    runner.ragged_graph_tokens = 64
+    engine.warm_up(freeze_gc=False)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o[0] for o in _tokens(outs)] == reference
+    assert runner.ragged_graph_steps > 0 and engine.kv_stats().window_released > 0
+    held = engine.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # cached K/V in every group
+    pool = [t.clone() for t in engine.cache.kv.tensors]
+    runner._capture_ragged = lambda bucket, logits: None
+    runner._record_dummy(64)
+    assert all(torch.equal(a, b) for a, b in zip(pool, engine.cache.kv.tensors)) and held
+    engine.close()
+
+
 class _Built(Exception):
     pass
 

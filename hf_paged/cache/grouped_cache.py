@@ -16,9 +16,9 @@ local layers' blocks before their window only if those layers have tables of the
   release off (every block is kept, so the tokens stay exact).
 * Scope: one `KVShape` for every layer, every decoder layer an attention layer with its own K/V (no recurrent or
   KV-sharing layers), no FP8 pool; `plan_for` returns None otherwise (a plain `PagedCache`, today's behaviour).
-  Decode steps replay CUDA graphs, run compiled and pipeline as usual, over a table store per group
-  (`hf_paged.runner.group_static`; the compiled op picks its layer's group step as the attention function does);
-  only the ragged (prefill) graphs stay off, whose buffers hold one table: prefill steps run eagerly.
+  Steps replay CUDA graphs (decode and ragged), run compiled and pipeline as usual, over a table store and slot
+  buffers per group (`hf_paged.runner.group_static`; the compiled op picks its layer's group step as the attention
+  function does).
 """
 
 from __future__ import annotations

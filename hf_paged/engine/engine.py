@@ -100,8 +100,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             blocks however long it grows (`hf_paged.core.scheduler`, `BlockManager.release_before`). The windows are
             those the layers pass to the attention function, learnt on the first forward. Mixed stacks (Gemma 2/3's
             local and global layers, gpt-oss, Cohere 2: `layer_types` in the config) get one block table per layer
-            group (`hf_paged.cache.grouped_cache`): the local groups release their blocks, the global ones keep them
-            (its prefill steps are not replayed from graphs). Default on; `kv_stats()` counts the released entries.
+            group (`hf_paged.cache.grouped_cache`): the local groups release their blocks, the global ones keep them.
+            Default on; `kv_stats()` counts the released entries.
         state_checkpoints: hybrid models (recurrent layers beside attention: Qwen3.5, Granite 4, Falcon-H1, LFM2,
             Jamba, ...) keep each running sequence's recurrent state in a slot of their own (`max_num_seqs` slots,
             counted in the KV memory budget, so admission never runs more sequences than there are slots). With
