@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hf_paged.core import NULL_BLOCK, GroupedBlockManager, NoFreeBlocksError, plan_layer_groups
+from hf_paged.core import NULL_BLOCK, GroupedBlockManager, NoFreeBlocksError, plan_layer_groups, prefix_caching
 from hf_paged.core.block_groups import group_salt
 from hf_paged.core.layer_groups import config_layer_windows
 
@@ -65,9 +65,12 @@ def test_config_layer_windows() -> None:
     assert config_layer_windows(Config, 3) is None
 
 
-def test_group_salts_differ_and_fit_a_token() -> None:
-    salts = {group_salt(0, g) for g in range(8)} | {group_salt(5, g) for g in range(1, 8)}
-    assert len(salts) == 15 and all(0 <= s < 2**63 for s in salts)
+def test_group_salts_differ_without_hashing_and_fit_a_token() -> None:
+    salts = {group_salt(s, g) for s in (0, 1, 5, 255, 256) for g in range(8)}
+    assert len(salts) == 40 and all(0 <= s < 2**63 for s in salts)
+    assert {group_salt(s, 0) for s in (0, 1, 5)} == {0, 1, 5}  # group 0 keeps the request's salt
+    with pytest.raises(ValueError, match="group_salt"):
+        group_salt(0, 256)
 
 
 def test_bad_windows_are_refused() -> None:
@@ -148,10 +151,14 @@ class GroupedMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4]), num_cpu_blocks=st.integers(0, 16),
                 windows=st.lists(st.sampled_from([None, 2, 3, 5, 8]), min_size=0, max_size=3),
-                caching=st.booleans())
-    def setup(self, num_blocks, block_size, num_cpu_blocks, windows, caching) -> None:
+                caching=st.booleans(), colliding=st.booleans())
+    def setup(self, num_blocks, block_size, num_cpu_blocks, windows, caching, colliding) -> None:
+        """`colliding`: every chain key is the same (a patched hash): a hit must still be verified per group."""
         self.bm = GroupedBlockManager(num_blocks, block_size, [None] + windows, num_cpu_blocks,
                                       enable_prefix_caching=caching)
+        self.saved_hash = prefix_caching.hash_block
+        if colliding:
+            prefix_caching.hash_block = lambda parent, tokens: 7
 
     # ------------------------------------------------------------------ helpers
     def resident(self) -> list[int]:
@@ -376,6 +383,8 @@ class GroupedMachine(RuleBasedStateMachine):
                 assert allocator.ref_count(block) == holders[block]
 
     def teardown(self) -> None:
+        if hasattr(self, "saved_hash"):
+            prefix_caching.hash_block = self.saved_hash
         bm = getattr(self, "bm", None)
         if bm is None:
             return
@@ -387,3 +396,22 @@ class GroupedMachine(RuleBasedStateMachine):
 GroupedMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestGroupedMachine = GroupedMachine.TestCase
+
+
+def test_a_prefix_hit_maps_each_groups_own_blocks() -> None:
+    """Every group of a new sequence maps the blocks that group computed (salted keys), never another group's."""
+    bm = GroupedBlockManager(64, 4, [None, 8, 8, 16], enable_prefix_caching=True)
+    tokens = list(range(100, 114))
+    bm.allocate("a", len(tokens))
+    bm.commit("a", tokens, len(tokens))
+    match = bm.match_prefix(tokens + [1, 2])
+    assert match.num_cached_tokens == 12
+    for g, (m, table) in enumerate(zip(match.groups, bm.group_tables("a"))):
+        assert list(m.blocks) == table[:3], g
+    bm.allocate_prefix("b", tokens + [1, 2], match)
+    owners = {}
+    for seq in ("a", "b"):
+        for g, table in enumerate(bm.group_tables(seq)):
+            for block in table:
+                if block != NULL_BLOCK:
+                    assert owners.setdefault(block, g) == g

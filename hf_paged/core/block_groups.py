@@ -33,7 +33,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from .block_manager import BlockManager
-from .block_pool import ROOT_KEY, NoFreeBlocksError, _as_int, hash_block
+from .block_pool import NoFreeBlocksError, _as_int
 from .block_stats import AppendResult, BlockStats, PrefixCacheStats, PrefixMatch
 
 __all__ = ["GroupedBlockManager", "GroupedMatch", "group_salt"]
@@ -41,11 +41,19 @@ __all__ = ["GroupedBlockManager", "GroupedMatch", "group_salt"]
 
 def group_salt(salt: int, group: int) -> int:
     """The prefix-cache salt of `group`'s blocks of a sequence salted `salt` (group 0 keeps `salt`): other groups'
-    K/V of the same tokens are other data, so their chains start from another root."""
+    K/V of the same tokens are other data, so their chains start from another root (`block_pool.salted_root`).
+
+    Distinct for every (salt, group) without hashing, so even colliding chain keys never let one group's lookup
+    verify against another's entries (the root's parent entry is ``-salt``): group ``g > 0`` takes
+    ``2**62 + salt * 256 + g``, above every salt a request has (a LoRA adapter's id: a small count) and within the
+    int64 that a salt is hashed as. Groups are fewer than 256 (`plan_layer_groups` makes at most one per layer of a
+    kind, and a model has a few hundred layers at most).
+    """
     if group == 0:
         return salt
-    # a positive int64 (hashed as one token; its negation is the root's parent entry, never a real entry's id)
-    return hash_block(hash_block(ROOT_KEY, (salt,)), (-1, group)) >> 2 | 1
+    if not 0 < group < 256 or not 0 <= salt < 2**53:
+        raise ValueError(f"group_salt: group must be in 1..255 and salt in 0..2**53, got {group!r} and {salt!r}")
+    return (1 << 62) | (salt << 8) | group
 
 
 @dataclass(frozen=True)
@@ -82,8 +90,8 @@ class GroupedBlockManager:
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], num_cpu_blocks: int = 0, *,
                  enable_prefix_caching: bool = False) -> None:
         windows = tuple(windows)
-        if not windows or windows[0] is not None:
-            raise ValueError(f"windows must start with a full group (None), got {windows!r}")
+        if not windows or windows[0] is not None or len(windows) > 255:
+            raise ValueError(f"windows must start with a full group (None), at most 255 groups, got {windows!r}")
         for w in windows[1:]:
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
                 raise ValueError(f"a group's window must be a positive int or None, got {w!r}")
@@ -192,6 +200,8 @@ class GroupedBlockManager:
         if need > self.gpu.num_free:
             raise NoFreeBlocksError(f"allocating {n} tokens needs {need} blocks, only {self.gpu.num_free} are free")
         tables = [self.inner.allocate(sub, n) for sub in self._subs(seq_id)]
+        for g, sub in enumerate(self._subs(seq_id)):  # its blocks' keys, once committed, are salted by group
+            self.inner._seqs[sub].salt = group_salt(0, g)
         return tables[0]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
