@@ -45,6 +45,11 @@ def test_no_plan_where_one_table_does(windows) -> None:
     assert plan_layer_groups(windows) is None
 
 
+def test_a_plan_of_too_many_groups_keeps_one_table() -> None:
+    assert plan_layer_groups([None] + [8] * 254).num_groups == 255
+    assert plan_layer_groups([None] + [8] * 255) is None
+
+
 def test_plan_with_two_windows_and_bad_windows() -> None:
     plan = plan_layer_groups([None, 4, 8, 4, None, 8])
     assert plan.windows == (None, 4, 8) and plan.group_size == 2

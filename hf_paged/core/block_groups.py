@@ -15,11 +15,15 @@ tokens; group ``g > 0`` with a window ``W`` releases its blocks before ``num_com
 * Operations that may fail (append, allocate, truncate) check every group first and change nothing on failure; a
   step's copy-on-write and swap pairs are those of every group (block ids are global, so the pool applies each pair
   to every slot tensor).
-* Sizes: `blocks_for(n)` is what a fresh sequence of ``n`` tokens takes, ``num_groups`` tables' worth: admission
-  and `add_request`'s fit check stay exact for a first chunk (nothing is released before a step).
-* Prefix caching: a hit is the shortest of the groups' hits (each group's match is cut to it), so every group maps
-  the same whole blocks; a sliding group's committed blocks stay cached (evictable) after their release, so a hit
-  usually spans every group. `chain_keys` returns one key list per group.
+* Sizes: `blocks_for(n)` is what a fresh sequence of ``n`` tokens takes, ``num_groups`` tables' worth (admission of
+  a first chunk: nothing is released before a step); `blocks_to_hold(n, chunk)` is the most a sequence ever holds
+  (a sliding group: its window and a chunk), what `add_request` checks against the pool (`token_capacity`).
+* Prefix caching: a hit is the shortest of the groups' hits (each group's match is cut to it), and a sliding group
+  maps only the hit's blocks that its window still reads (`allocate_prefix` releases the others at once, and
+  `blocks_needed_to_admit` counts only those). A sliding group's committed blocks stay cached (evictable) after their
+  release, but they are released first and so evicted first: under memory pressure a hit may be cut short by a
+  sliding group (vLLM's sliding-window manager, which needs only the window's blocks before the hit point, would
+  keep it; here a lookup verifies the whole chain). `chain_keys` returns one key list per group.
 * Tables the runner reads: `table_view` / `table_views` are group 0's (whose slots `append_slots` returns);
   `group_tables` gives each group's. Statistics (`stats`) count every group's blocks; prefix counters are per
   sequence, not per group.
@@ -99,7 +103,7 @@ class GroupedBlockManager:
         self.num_groups = len(windows)
         self._sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
         self.inner = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
-        self.releasing = True  # the engine turns it off when the layers' windows contradict the plan
+        self.releasing = True  # off when the layers' windows contradict the plan (`GroupedPagedCache`)
 
     def __repr__(self) -> str:
         return f"GroupedBlockManager(windows={self.windows}, {self.inner!r})"

@@ -23,7 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LayerGroups", "config_layer_windows", "plan_layer_groups"]
+__all__ = ["MAX_GROUPS", "LayerGroups", "config_layer_windows", "plan_layer_groups"]
+
+#: most layer groups of a plan (a group's prefix-cache salt keeps its index in a byte: `block_groups.group_salt`);
+#: a stack that would need more keeps one table
+MAX_GROUPS = 255
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ def plan_layer_groups(windows: Sequence[int | None]) -> LayerGroups | None:
     already frees those).
 
     Layers of one window form one kind; ``group_size`` is the fewest layers of any kind, and each kind is cut, in
-    layer order, into groups of that size (the last padded). Full groups come first.
+    layer order, into groups of that size (the last padded). Full groups come first. None as well past `MAX_GROUPS`
+    groups.
     """
     if not windows:
         return None
@@ -73,6 +78,8 @@ def plan_layer_groups(windows: Sequence[int | None]) -> LayerGroups | None:
     if None not in kinds or len(kinds) < 2:
         return None
     size = min(len(layers) for layers in kinds.values())
+    if sum(-(-len(layers) // size) for layers in kinds.values()) > MAX_GROUPS:
+        return None
     order = [None] + sorted(w for w in kinds if w is not None)
     group_windows: list[int | None] = []
     members: list[tuple[int, ...]] = []
