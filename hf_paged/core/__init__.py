@@ -2,7 +2,8 @@
 
 Bottom layer of hf_paged (see docs/architecture.md): `block_pool` (free list, ref counts, prefix-cache index),
 `block_manager` (per-sequence block tables: fork, append with copy-on-write, truncate, free; mixins
-`prefix_caching`, `swapping` and `window`), `sequence` (request and sequence state) and `scheduler` (FCFS
+`prefix_caching`, `swapping` and `window`), `layer_groups` and `block_groups` (one table per layer group of a mixed
+sliding / full stack: `GroupedBlockManager`), `sequence` (request and sequence state) and `scheduler` (FCFS
 iteration-level scheduling with a token budget, chunked prefill and preemption). Everything above may import this
 package; it imports nothing of hf_paged.
 """
