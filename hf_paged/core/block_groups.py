@@ -83,6 +83,10 @@ class _Sub:
 class GroupedBlockManager:
     """`BlockManager`'s interface over one table per layer group (module docstring).
 
+    Why one class of this size: it is the whole interface the scheduler, the engine and the runner call on a block
+    manager, each method a short mapping of a sequence onto its groups' sub-sequences of the inner manager; split, the
+    one mapping (and its all-or-nothing checks) would be spread over several classes.
+
     Args:
         num_blocks, block_size, num_cpu_blocks, enable_prefix_caching: as `BlockManager` (one pool for all groups).
         windows: each group's sliding window (None: full attention); ``windows[0]`` must be None.
