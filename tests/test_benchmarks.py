@@ -570,3 +570,19 @@ def test_plot_summary_writes_a_png(tmp_path):
     plot_summary = pytest.importorskip("plot_summary")
     out = plot_summary.plot(plot_summary.load(plot_summary.DEFAULT_DATA), tmp_path / "summary.png", dpi=40)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kv_groups_bench_arguments_and_tiny_run(capsys):
+    """bench_kv_groups drives the real block managers: a grouped mixed stack holds less and runs a larger batch."""
+    bench_kv_groups = pytest.importorskip("bench_kv_groups")
+    args = bench_kv_groups.parse_args(["--contexts", "4096", "32768", "--budget-gib", "40"])
+    assert args.contexts == [4096, 32768] and args.budget_gib == 40 and args.layers == 62 and args.window == 1024
+    with pytest.raises(SystemExit):
+        bench_kv_groups.parse_args(["--chunk", "0"])
+    rows = bench_kv_groups.main(["--tiny"])
+    assert "| context |" in capsys.readouterr().out
+    for row in rows:
+        today, grouped = row["today"], row["grouped"]
+        assert grouped["bytes_per_seq"] < today["bytes_per_seq"] and grouped["max_batch"] > today["max_batch"] > 0
+        assert grouped["bytes_per_block"] * len(row["groups"]["windows"]) >= today["bytes_per_block"]  # (padding)
+    assert rows[-1]["saving"] > 0.6

@@ -98,6 +98,8 @@ def test_public_api_exported() -> None:
         "BlockManager",
         "BlockStats",
         "CachingBlockAllocator",
+        "GroupedBlockManager",
+        "LayerGroups",
         "NULL_BLOCK",
         "NoFreeBlocksError",
         "NoFreeSlotsError",
@@ -112,6 +114,7 @@ def test_public_api_exported() -> None:
         "SlotOps",
         "StateSlots",
         "hash_block",
+        "plan_layer_groups",
     }
     assert all(hasattr(core, name) for name in core.__all__)
     assert issubclass(NoFreeBlocksError, RuntimeError)

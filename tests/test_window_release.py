@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from hf_paged.cache import PagedCache
 from hf_paged.core import NULL_BLOCK, BlockManager
 from hf_paged.engine import Engine, SamplingParams
 from hf_paged.testing import tiny_model
@@ -179,14 +180,20 @@ def test_preemption_with_a_tiny_pool(model, reference, mode):
     _assert_no_leaks(engine)
 
 
-def test_mixed_stack_keeps_every_block():
-    """Qwen2 with a full-attention first layer (`max_window_layers=1`): the global layer reads every block."""
+def test_mixed_stack_releases_only_through_layer_groups():
+    """Qwen2 with a full-attention first layer (`max_window_layers=1`): the global layer reads every block, so one
+    table keeps them all; with a table per layer group (the default) the local layer's group releases its own
+    (`tests/test_window_groups.py`)."""
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
-    engine = _engine(model)
+    engine = _engine(model, release_window_blocks=False)
     engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16))
     assert engine.cache.sliding_window_bound() == (True, None)
     assert engine.scheduler.release_window is None and engine.kv_stats().window_released == 0
+    grouped = _engine(model)
+    grouped.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16))
+    assert PagedCache.sliding_window_bound(grouped.cache) == (True, None)  # one table could release nothing
+    assert grouped.scheduler.release_window == WINDOW and grouped.kv_stats().window_released > 0
 
 
 def test_largest_window_of_the_layers_decides():

@@ -69,8 +69,10 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     cache = _ACTIVE[0]
     if cache is None or cache._step is None:
         raise RuntimeError("hf_paged::write_and_decode ran outside hf_paged's compiled step (no active cache)")
-    step = cache._step
     key_cache, value_cache = cache.layer_caches(layer_idx)
+    # a grouped cache's layer reads and writes through its layer group's step (`StepMetadata.for_group`)
+    main = cache._step
+    step = main.for_group(getattr(key_cache, "_hf_paged_group", 0))
     k_scale, v_scale = cache.layer_scales(layer_idx)  # an FP8 pool's (static tensors: a CUDA graph reads them)
     if step.decode_only:  # the write is done by the decode kernel, which takes the new K/V from its input
         cache.calibrate_layer(layer_idx, key, value, step)  # (an FP8 pool's first write; never in a graph)
@@ -78,7 +80,7 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             query, key, value, key_cache, value_cache, step.slot_mapping, step.block_tables, step.seq_lens, scale,
             step.kv_start, split_counters=step.split_counters, sliding_window=sliding_window, softcap=softcap,
             sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
-    cache.write_layer(layer_idx, key, value, step)
+    cache.write_layer(layer_idx, key, value, main)
     return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
                                  step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
                                  softcap=softcap, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,

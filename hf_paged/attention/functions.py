@@ -262,7 +262,7 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
         cache.layer_windows[layer_idx] = opts["sliding_window"]
-    step = cache._step
+    step = cache._step.for_group(getattr(key, "_hf_paged_group", 0))  # a grouped cache: the layer group's tables
     k_scale, v_scale = getattr(key, "_hf_paged_scales", (None, None))  # an FP8 pool's (`PagedCache._tag_layers`)
     fp8 = dict(k_scale=k_scale, v_scale=v_scale)
     if query.requires_grad:  # gradients stop at the paged cache (see hf_paged.cache.paged_cache._cut_gradients)

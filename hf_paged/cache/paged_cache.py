@@ -284,14 +284,18 @@ class PagedCache(PoolShapes, DropInRows, Cache):
             num_blocks = max(_GROW_MIN_BLOCKS, min_blocks)
         else:
             num_blocks = self._auto_num_blocks(device, dtype)
-        self.kv = KVPool(self.kv_shapes, num_blocks, self.block_size, device, dtype, self.num_cpu_blocks)
-        self.block_manager = BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks)
+        self.kv, self.block_manager = self._new_pool(num_blocks, device, dtype)
         if self.kv_cache_dtype is not None:
             self.kv_scales = KVScales(self._kv_scales_arg, self.kv_layers, [s.kv_heads for s in self.kv_shapes],
                                       device, values_are_keys=[s.values_are_keys for s in self.kv_shapes])
         self._tag_layers()
         if self._state_config[0] is not None:  # the engine's: every state known, slots sized up front
             self._ensure_states(device)
+
+    def _new_pool(self, num_blocks: int, device: torch.device, dtype: torch.dtype) -> tuple[KVPool, BlockManager]:
+        """A new pool's K/V tensors and block manager (`GroupedPagedCache` lays its layers out in groups)."""
+        return (KVPool(self.kv_shapes, num_blocks, self.block_size, device, dtype, self.num_cpu_blocks),
+                BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks))
 
     def _ensure_states(self, device: torch.device) -> None:
         """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in batch row

@@ -49,6 +49,20 @@ class StepMetadata:
     # only in such a step (`hf_paged.cache.kv_quant`)
     host_writes: bool = False
     extra: dict = field(default_factory=dict)
+    # a grouped cache's step (`hf_paged.cache.grouped_cache`): each layer group's own step (slots and tables of the
+    # group's block tables), index 0 being this step itself; None for every other cache
+    group_steps: list[StepMetadata] | None = None
+
+    def for_group(self, group: int) -> StepMetadata:
+        """The step layer group `group` writes and reads through (this one for group 0 or an ungrouped cache).
+
+        A grouped cache's layers alias slot tensors across groups, so a step that writes tokens without its groups'
+        steps would write one group's slots into another group's blocks: refused loudly."""
+        if self.group_steps is not None:
+            return self.group_steps[group]
+        if group and self.host_writes:
+            raise RuntimeError("this step writes a grouped PagedCache without per-group steps (group_steps)")
+        return self
 
 
 def make_step(layout: str, slots: list[int], tables: list[list[int]], lens: list[int], q_lens: list[int],

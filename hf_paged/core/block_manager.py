@@ -197,6 +197,15 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         n = _as_int("num_tokens", num_tokens, 0)
         return (n + self._mask) >> self._shift
 
+    def blocks_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks one sequence of `num_tokens` tokens holds at once, prefilled in chunks of at most `chunk`
+        tokens: its whole table (`GroupedBlockManager` says less; what `add_request` checks against the pool)."""
+        return self.blocks_for(num_tokens)
+
+    def token_capacity(self, chunk: int) -> int:
+        """The longest sequence the whole pool can hold (`blocks_to_hold` within `num_blocks`)."""
+        return self.num_blocks << self._shift
+
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether :meth:`allocate` of ``num_tokens`` tokens would succeed now."""
         return self.blocks_for(num_tokens) <= self.gpu.num_free

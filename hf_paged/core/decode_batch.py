@@ -145,8 +145,9 @@ class DecodeBatch:
         """The block manager's records of `items` if the step can seed a batch: one item per running group, each
         group one plain running sequence, each last block that a token will go into private and uncached. Else None.
         (A batch reads and advances the block manager's records directly: it is that manager's batched decode
-        reservation, kept apart because it lives across steps.)"""
-        if not items or len(items) != len(groups):
+        reservation, kept apart because it lives across steps.) None for a `GroupedBlockManager`, whose records are
+        one per layer group: its decode steps take `append_decode_slots`."""
+        if not items or len(items) != len(groups) or getattr(block_manager, "grouped", False):
             return None
         running = SequenceStatus.RUNNING
         seqs = block_manager._seqs

@@ -23,7 +23,8 @@ the logits of later positions). If the block right after a waiting group's cache
 step by a running sequence (same prompt prefix, admitted a step earlier or prefilling in chunks), admission pauses
 for a step so that the group hits it instead of computing it a second time.
 
-Sliding windows (`release_window`, set by the engine when every attention layer of the model slides): at the start
+Sliding windows (`release_window`, set by the engine when every attention layer of the model slides, or for a mixed
+stack's `GroupedBlockManager`, which releases each sliding group at its own window): at the start
 of every `schedule()` each running sequence gives back the blocks wholly before the oldest key a future query can
 attend (`BlockManager.release_before`), after committing them to the prefix cache. The freed blocks count as free
 for this very step's decisions, so a long generation holds about `ceil(window / block_size) + 1` blocks.

@@ -9,8 +9,9 @@ and their references go back to the pool. See `hf_paged.core.block_manager` for 
   passes to the attention function as `sliding_window`; the attention function records it per layer in
   `PagedCache.layer_windows` on eager forwards, and once every layer was seen `PagedCache.sliding_window_bound()`
   gives the largest window W (None when some layer is full), which the engine hands to `Scheduler.release_window`.
-  Mixed stacks (Gemma 2/3's local and global layers, Qwen2 with `max_window_layers`) release nothing: the global
-  layers read every block, and the local layers' kernels only skip reading the blocks before their window.
+  In a mixed stack (Gemma 2/3's local and global layers, Qwen2 with `max_window_layers`) one table releases nothing,
+  the global layers reading every block: the engine gives such a stack one table per layer group instead
+  (`hf_paged.core.block_groups`, which runs this release on each sliding group's tables with its own window).
 * When: at the start of every `schedule()` and `schedule_decode_step()`, before any reservation, so the freed blocks
   serve this very step. A query at position p attends keys in (p - W, p] (`masking_utils`' sliding overlay, the
   kernels' `q - k < W`), and a sequence's oldest future query is at `num_computed`, so the blocks wholly before token

@@ -99,8 +99,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             window back to the pool after each step, so a sequence holds about `ceil(window / block_size) + 1`
             blocks however long it grows (`hf_paged.core.scheduler`, `BlockManager.release_before`). The windows are
             those the layers pass to the attention function, learnt on the first forward. Mixed stacks (Gemma 2/3's
-            local and global layers) keep every block: their global layers read them; their local layers only skip
-            reading the blocks before their window. Default on; `kv_stats()` counts the released entries.
+            local and global layers, gpt-oss, Cohere 2: `layer_types` in the config) get one block table per layer
+            group (`hf_paged.cache.grouped_cache`): the local groups release their blocks, the global ones keep them.
+            Default on; `kv_stats()` counts the released entries.
         state_checkpoints: hybrid models (recurrent layers beside attention: Qwen3.5, Granite 4, Falcon-H1, LFM2,
             Jamba, ...) keep each running sequence's recurrent state in a slot of their own (`max_num_seqs` slots,
             counted in the KV memory budget, so admission never runs more sequences than there are slots). With
@@ -213,7 +214,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
             preemption_mode=preemption_mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints,
-            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+            kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, group_layers=release_window_blocks)
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(

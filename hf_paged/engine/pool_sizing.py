@@ -14,17 +14,20 @@ vLLM does at start-up.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
 from ..attention import profile_state_specs
 from ..cache import (
     BLOCKLESS_POOL_BLOCKS,
+    GroupedPagedCache,
     PagedCache,
     StatePool,
     checkpoint_kv_scales,
     memory_fraction,
     parse_memory,
+    plan_for,
     resolve_kv_cache_dtype,
 )
 from ..runner import recording
@@ -36,7 +39,7 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
                        kv_heads: int | None, num_blocks: int | None, kv_cache_memory, gpu_memory_utilization: float,
                        swap_space: float, preemption_mode: str, max_num_seqs: int, max_num_batched_tokens: int,
                        enable_prefix_caching: bool, state_checkpoints: int | None, kv_cache_dtype: str = "auto",
-                       kv_scales=None) -> tuple[PagedCache, dict]:
+                       kv_scales=None, group_layers: bool = False) -> tuple[PagedCache, dict]:
     """The engine's `PagedCache`, sized up front, and the model's recurrent-state specs (`{}` for attention-only
     models).
 
@@ -46,13 +49,24 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     the sequences swapped with them.
 
     `kv_cache_dtype` "fp8" stores the blocks in one byte an element (the budget holds twice a bf16 pool's blocks);
-    its scales are `kv_scales`, else those the model's checkpoint ships, else calibrated (`cache.kv_quant`)."""
+    its scales are `kv_scales`, else those the model's checkpoint ships, else calibrated (`cache.kv_quant`).
+
+    `group_layers` (the engine's `release_window_blocks`): a mixed sliding / full stack gets a `GroupedPagedCache`
+    (one block table per layer group, `cache.grouped_cache.plan_for`), whose block holds one group's layers. A
+    `num_blocks` given counts blocks of every layer (what a one-table pool of that memory holds): the grouped pool
+    gets the same memory, `num_blocks * layers // group_size` blocks of one group."""
     probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
     pool_dtype = resolve_kv_cache_dtype(kv_cache_dtype) or dtype
     if kv_scales is None and pool_dtype != dtype:
         kv_scales = checkpoint_kv_scales(model) or None
-    per_block = probe.bytes_per_block(pool_dtype)
     specs = profile_state_specs(model)  # every recurrent state (shape, dtype), from one call of each mixer
+    groups = plan_for(model.config, probe, fp8=pool_dtype != dtype, recurrent=bool(specs)) if group_layers else None
+    if groups is not None:
+        probe = GroupedPagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads,
+                                  layer_groups=groups)
+        if num_blocks is not None:
+            num_blocks = num_blocks * len(groups.group_of) // groups.group_size
+    per_block = probe.bytes_per_block(pool_dtype)
     per_slot = StatePool.spec_bytes(specs)
     checkpoints = 0
     if specs and enable_prefix_caching:
@@ -77,7 +91,7 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     if per_block:  # (blocks that cost nothing need no sizing: every rank has the same count)
         num_blocks = engine_pool_blocks(model, probe, tp, device, pool_dtype, per_block, num_blocks, kv_bytes,
                                         max_num_batched_tokens, gpu_memory_utilization, reserved)
-    cache = PagedCache(
+    cache = (PagedCache if groups is None else partial(GroupedPagedCache, layer_groups=groups))(
         config=model.config, num_kv_heads=kv_heads, num_blocks=num_blocks, block_size=block_size, device=device,
         dtype=dtype, kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
         num_cpu_blocks=max(num_cpu_blocks, 0),

@@ -99,7 +99,7 @@ class Requests:
                 f"{name}={width} exceeds max_num_batched_tokens="
                 f"{self.scheduler.max_num_batched_tokens}: its samples are scheduled together, one token each"
             )
-        blocks = self.block_manager.blocks_for(total) * width
+        blocks = self.block_manager.blocks_to_hold(total, self.scheduler.max_num_batched_tokens) * width
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {blocks} KV blocks (prompt {len(token_ids)} + max_new_tokens {params.max_new_tokens})"

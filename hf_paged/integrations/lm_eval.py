@@ -214,7 +214,8 @@ class HFPagedLM(HFLM):
         computed = num_tokens - 1
         if engine.max_model_len is not None and computed > engine.max_model_len:
             return False
-        return engine.block_manager.blocks_for(computed) <= engine.block_manager.num_blocks
+        bm = engine.block_manager
+        return bm.blocks_to_hold(computed, engine.scheduler.max_num_batched_tokens) <= bm.num_blocks
 
     def _score_on_engine(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                          disable_tqdm: bool) -> list[RequestOutput]:

@@ -53,6 +53,8 @@ class GraphCapture:
         """Fill the static buffers with dummy rows (slot -1, length 0, table row 0): no writes, no reads."""
         b = self._buffers
         b["slots"].fill_(-1)
+        if "group_slots" in b:  # a grouped cache's other layer groups (`group_static`)
+            b["group_slots"].fill_(-1)
         b["lens"].zero_()
         b["rows"].zero_()
         if self.hybrid:  # recurrent states: every row reads and writes the scratch slot, never a sequence's

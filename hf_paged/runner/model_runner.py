@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from ..attention import active_cache
-from ..cache import PagedCache, StepMetadata
+from ..cache import GroupedPagedCache, PagedCache, StepMetadata
 from ..cache.host_ints import int_tensor
 from ..core import SchedulerOutput
 from .graphs import GraphCapture, decode_forward
+from .group_static import GroupedStatic
 from .lora import LoraSlots
 from .model_ref import ModelRef
 from .ragged_graphs import RaggedGraphs
@@ -78,7 +79,7 @@ atexit.register(_drop_graphs_at_exit)
 __all__ = ["ModelRunner"]
 
 
-class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
+class ModelRunner(GraphCapture, RaggedGraphs, TableStore, GroupedStatic, WarmUpForwards):
     """Runs each scheduled step as one forward of the model over the paged cache (see the module docstring).
 
     Why one class of this size: the eager path, the static decode buffers, the table store and the CUDA graphs (or
@@ -106,6 +107,7 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         self.token_limit: int | None = None
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
+        self.grouped = isinstance(cache, GroupedPagedCache)  # one table per layer group (`group_static`)
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
@@ -246,6 +248,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             tokens += pad
         pin = self.device.type == "cuda"
         step = self.cache._make_step("ragged", slots, tables, lens, q_lens, self.device)
+        if self.grouped:
+            self.cache.attach_group_steps(step, sched.scheduled, tokens)
         if self.hybrid:  # each sequence's recurrent-state slot, and its rows (`hf_paged.attention.recurrent`)
             state_slots = int_tensor(bm.state.slots([item.seq.seq_id for item in sched.scheduled]), torch.long, pin=pin)
             step.state_slots = state_slots.to(self.device, non_blocking=True)
@@ -360,6 +364,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
             }
             for _ in range(2)
         ]
+        if self.grouped:
+            self._ensure_group_buffers()
         self.invalidate_tables()
 
     def release(self) -> None:
@@ -391,11 +397,12 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
 
     def _step_metadata(self, batch: int) -> StepMetadata:
         b = self._buffers
-        return StepMetadata(
+        step = StepMetadata(
             layout="ragged", slot_mapping=b["slots"][:batch], block_tables=b["tables"][:batch],
             seq_lens=b["lens"][:batch], cu_seqlens_q=b["cu"][: batch + 1], max_seqlen_q=1, decode_only=True,
             split_counters=b["counters"], state_slots=b["state"][:batch] if self.hybrid else None,
         )
+        return self._with_group_steps(step, batch) if self.grouped else step
 
     def _run_model(self, batch: int) -> torch.Tensor:
         """The decode forward over the static buffers (what a graph records): gather the tables, run the model.
@@ -531,6 +538,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, WarmUpForwards):
         # whole buffers (a few KB): contiguous pinned copies stay asynchronous, column slices would not
         b["meta"].copy_(host_set["meta"], non_blocking=True)
         self._upload_tables(host_set, changed, flat, blocks)
+        if self.grouped:
+            self._group_inputs(host_set, seq_ids, pos, rows, changed, flat, real, bucket)
         if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
             torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
         logits = run() if run is not None else self._run_model(bucket)

@@ -138,6 +138,8 @@ class RaggedGraphs:
             flats = {dtype: tensor.numpy() for dtype, tensor in host_set["ragged"].items()}
             host_set["ragged_views"] = {name: flats[dtype][a : a + n]
                                         for name, (dtype, a, n) in self._ragged_offsets.items()}
+        if self.grouped:  # a grouped cache's other layer groups (`group_static`)
+            self._ensure_ragged_groups(t, nv)
 
     # ------------------------------------------------------------------ the step
     def _execute_ragged(self, sched: SchedulerOutput, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
@@ -163,6 +165,8 @@ class RaggedGraphs:
         for dtype, flat in self._ragged_flat.items():
             flat.copy_(host_set["ragged"][dtype], non_blocking=True)
         self._upload_tables(host_set, changed, (), ())
+        if self.grouped:
+            self._ragged_group_inputs(host_set, scheduled, rows, changed, bucket)
         if run is not None:
             logits = run()
             self.ragged_graph_replays += 1
@@ -226,9 +230,10 @@ class RaggedGraphs:
         r = self._ragged
         nv, kept = self._ragged_sizes(bucket)
         torch.index_select(self._buffers["store"], 0, r["vrows"][:nv], out=r["tables"][:nv])
-        self.cache.set_engine_step(StepMetadata(
+        step = StepMetadata(
             layout="ragged", slot_mapping=r["slots"][:bucket], block_tables=r["tables"][:nv], seq_lens=r["lens"][:nv],
-            cu_seqlens_q=r["cu"][: nv + 1], max_seqlen_q=self._ragged_tile, decode_only=False))
+            cu_seqlens_q=r["cu"][: nv + 1], max_seqlen_q=self._ragged_tile, decode_only=False)
+        self.cache.set_engine_step(self._with_ragged_group_steps(step, nv, bucket) if self.grouped else step)
         with self._compiled_prefill(self._compiled, bucket):
             output = self.model(input_ids=r["ids"][:bucket][None], position_ids=r["pos"][:bucket][None],
                                 past_key_values=self.cache, use_cache=True, logits_to_keep=r["keep"][:kept])
@@ -282,6 +287,8 @@ class RaggedGraphs:
             with torch.inference_mode():  # (the buffers are inference tensors: a step made them)
                 for dtype, flat in self._ragged_flat.items():
                     flat.copy_(host_set["ragged"][dtype])  # synchronous: the next step rewrites the host buffers
+                if self.grouped:  # (every layer group's slots)
+                    self._ragged["group_slots"].fill_(-1)
                 logits = self._ragged_forward(bucket)
         except Exception as error:  # noqa: BLE001 - as a failed recording: ragged steps run eagerly from now on
             self._give_up_ragged(error)

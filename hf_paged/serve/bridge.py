@@ -107,7 +107,7 @@ class EngineBridge:
 
     def context_limit(self) -> int:
         """Tokens a request (prompt and output) may hold: the model's context or the whole KV pool."""
-        pool = self.engine.block_manager.num_blocks * self.engine.cache.block_size
+        pool = self.engine.block_manager.token_capacity(self.engine.scheduler.max_num_batched_tokens)
         return pool if self.engine.max_model_len is None else min(pool, self.engine.max_model_len)
 
     def compile_grammar(self, params: SamplingParams) -> None:

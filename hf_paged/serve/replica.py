@@ -230,7 +230,7 @@ def _ready_info(engine: Engine, tokenizer, device: str) -> dict:
     return {"tokenizer": tokenizer, "pid": os.getpid(), "device": device,
             "model_name": str(getattr(engine.model, "name_or_path", "") or "hf-paged"),
             "max_model_len": engine.max_model_len,
-            "pool_tokens": engine.block_manager.num_blocks * engine.cache.block_size,
+            "pool_tokens": engine.block_manager.token_capacity(engine.scheduler.max_num_batched_tokens),
             "block_size": engine.cache.block_size, "logits_width": engine.logits_width(),
             "stop_ids": tuple(engine.stop_token_ids())}
 

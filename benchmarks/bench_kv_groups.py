@@ -1,0 +1,169 @@
+"""KV memory of a mixed sliding / full stack with one block table (today) and with layer groups (issue 54, item 2).
+
+For a model shape (default: Gemma-3-27B's text stack, 62 layers of 16 KV heads x 128, every sixth layer global, the
+others with a 1,024-token window, bf16) and each context length, two numbers per layout:
+
+* **KV bytes per sequence**: a sequence is prefilled to the context in chunks of `--chunk` tokens and decodes one
+  more token, through the real block managers (`BlockManager` for one table, `GroupedBlockManager` for the groups,
+  whose sliding groups release before every chunk as the scheduler does: `release_out_of_window`); the blocks its
+  tables hold then, times the bytes of a block from the real caches (`PagedCache.bytes_per_block`,
+  `GroupedPagedCache.bytes_per_block`; the grouping is `plan_for` of the config). Also the peak during the prefill.
+* **Largest running batch at a fixed KV budget** (`--budget-gib`): the pool is sized as the engine sizes it from
+  `kv_cache_memory` (`PagedCache._auto_num_blocks`), and sequences are prefilled to the context one after another in
+  that pool until the next one no longer fits (each must keep room for its next decode token).
+
+Everything is block bookkeeping (no tensors, no model weights: the config alone), so the CPU measures it exactly.
+
+    python benchmarks/bench_kv_groups.py                                 # Gemma-3-27B, 4k / 32k / 128k, 60 GiB
+    python benchmarks/bench_kv_groups.py --contexts 8192 32768 --budget-gib 40 --json out.json
+    python benchmarks/bench_kv_groups.py --tiny                          # a tiny shape (the test's smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Gemma3TextConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_paged.cache import GroupedPagedCache, PagedCache, plan_for  # noqa: E402
+from hf_paged.core import BlockManager, GroupedBlockManager, NoFreeBlocksError  # noqa: E402
+
+_GIB = 2**30
+
+
+class _Seq:
+    """What `release_out_of_window` reads of a scheduler sequence."""
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id, self.num_computed, self.token_ids = seq_id, 0, []
+
+
+def gemma3_config(layers: int = 62, kv_heads: int = 16, head_dim: int = 128, window: int = 1024,
+                  pattern: int = 6) -> Gemma3TextConfig:
+    """A Gemma 3 text config of this shape (Gemma-3-27B's by default); only the KV-relevant fields matter."""
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return Gemma3TextConfig(num_hidden_layers=layers, num_key_value_heads=kv_heads, num_attention_heads=2 * kv_heads,
+                            head_dim=head_dim, hidden_size=256, intermediate_size=256, vocab_size=256,
+                            sliding_window=window, layer_types=types)
+
+
+def _prefill(bm, seq: _Seq, context: int, chunk: int, window: int | None) -> int:
+    """Prefill `seq` to `context` tokens in chunks, then reserve one decode token; return the most blocks its tables
+    held at once. Raises `NoFreeBlocksError` (nothing of the failing chunk reserved) when the pool is full."""
+    peak = end = 0
+    while end <= context:  # the prompt's chunks, then one decode token
+        n = min(chunk, context - end) or 1
+        if window is not None:
+            bm.release_out_of_window([seq], window)
+        bm.append_slots(seq.seq_id, n)  # all or nothing
+        end += n
+        seq.num_computed = end
+        peak = max(peak, held(bm, seq.seq_id))
+    return peak
+
+
+def held(bm, seq_id: int) -> int:
+    """Blocks the sequence's tables hold now (released entries excluded)."""
+    if isinstance(bm, GroupedBlockManager):
+        return bm.held_blocks(seq_id)
+    return sum(block >= 0 for block in bm.table_view(seq_id))
+
+
+def measure(config, context: int, *, block_size: int, chunk: int, budget: int, dtype: torch.dtype) -> dict:
+    """One context length: bytes per sequence and the largest batch in `budget` bytes, for both layouts."""
+    today = PagedCache(config=config, num_blocks=1, block_size=block_size, kv_cache_memory=budget)
+    plan = plan_for(config, today)
+    if plan is None:
+        raise ValueError("this config is not a mixed sliding / full stack: there is nothing to group")
+    grouped = GroupedPagedCache(config=config, num_blocks=1, block_size=block_size, kv_cache_memory=budget,
+                                layer_groups=plan)
+    window = max(w for w in plan.windows if w is not None)
+    row = {"context": context}
+    for name, cache in (("today", today), ("grouped", grouped)):
+        per_block = cache.bytes_per_block(dtype)
+        num_blocks = cache._auto_num_blocks(torch.device("cpu"), dtype)  # what `kv_cache_memory` buys
+
+        def manager(blocks: int, name: str = name):
+            if name == "today":
+                return BlockManager(blocks, block_size)
+            return GroupedBlockManager(blocks, block_size, plan.windows)
+
+        release = window if name == "grouped" else None  # one table of a mixed stack releases nothing
+        one = manager(max(num_blocks, (context // block_size + 2) * plan.num_groups))
+        one.allocate(0, 0)
+        seq = _Seq(0)
+        peak = _prefill(one, seq, context, chunk, release)
+        steady = held(one, 0)
+        pool = manager(num_blocks)
+        batch = 0
+        while True:
+            seq = _Seq(batch)
+            pool.allocate(batch, 0)
+            try:
+                _prefill(pool, seq, context, chunk, release)
+            except NoFreeBlocksError:
+                break
+            batch += 1
+        row[name] = {"bytes_per_block": per_block, "pool_blocks": num_blocks, "blocks_per_seq": steady,
+                     "bytes_per_seq": steady * per_block, "peak_bytes_per_seq": peak * per_block, "max_batch": batch}
+    row["saving"] = 1 - row["grouped"]["bytes_per_seq"] / row["today"]["bytes_per_seq"]
+    row["batch_ratio"] = row["grouped"]["max_batch"] / row["today"]["max_batch"] if row["today"]["max_batch"] else None
+    row["groups"] = {"group_size": plan.group_size, "windows": list(plan.windows)}
+    return row
+
+
+def table(rows: list[dict], budget_gib: float) -> str:
+    lines = [f"KV budget {budget_gib:g} GiB; groups: size {rows[0]['groups']['group_size']}, "
+             f"windows {rows[0]['groups']['windows']}",
+             "| context | today MiB/seq | grouped MiB/seq | saving | today batch | grouped batch | batch x |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        t, g = r["today"], r["grouped"]
+        ratio = f"{r['batch_ratio']:.1f}" if r["batch_ratio"] is not None else "inf (today: 0)"
+        lines.append(f"| {r['context']:,} | {t['bytes_per_seq'] / 2**20:,.1f} | {g['bytes_per_seq'] / 2**20:,.1f} | "
+                     f"{r['saving']:.1%} | {t['max_batch']} | {g['max_batch']} | {ratio} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--budget-gib", type=float, default=60.0, help="KV memory of the pool (kv_cache_memory)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the engine's token budget)")
+    parser.add_argument("--layers", type=int, default=62)
+    parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--pattern", type=int, default=6, help="every pattern-th layer is global")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape and small contexts (CPU smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.contexts, args.budget_gib, args.block_size, args.chunk = [256, 1024], 0.01, 4, 64
+        args.layers, args.kv_heads, args.head_dim, args.window = 12, 2, 16, 32
+    if min(args.contexts) < 1 or args.budget_gib <= 0 or args.chunk < 1:
+        parser.error("contexts, --budget-gib and --chunk must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    config = gemma3_config(args.layers, args.kv_heads, args.head_dim, args.window, args.pattern)
+    budget = int(args.budget_gib * _GIB)
+    rows = [measure(config, c, block_size=args.block_size, chunk=args.chunk, budget=budget, dtype=torch.bfloat16)
+            for c in args.contexts]
+    print(table(rows, args.budget_gib))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Which K/V layers share a block table: the grouping of a mixed sliding / full attention stack (pure Python).
+
+Why groups: a mixed stack (Gemma 2/3's 5 local : 1 global layers, gpt-oss, Cohere 2, Qwen2 with
+`max_window_layers`) cannot release a block out of the local layers' window while one table serves every layer: the
+global layers still read it. With one table per *group* of layers, the sliding groups' tables release what fell out
+of their window (`hf_paged.core.block_groups`) and only the full groups keep every block.
+
+The layout (vLLM v1's hybrid allocator, written anew here): all groups have the same number of layers, ``group_size``
+(the fewest layers of any kind, so the full layers make whole groups), and one block id holds that many layers' K/V.
+The pool has ``group_size`` *slot* tensors; layer ``l`` reads and writes slot tensor ``slot_of[l]`` (its position in
+its group) through its group's table. Layers at the same position of different groups alias one tensor, which is
+safe because a block id belongs to one group's tables at a time (one allocator, no cross-group sharing: prefix-cache
+keys are salted by group). A kind whose layers do not fill their last group pads it (those slots' memory goes
+unused for that group's blocks). Gemma-3-27B: 62 layers = 10 full + 52 sliding -> ``group_size`` 10, one full group
+and six sliding groups (the last one holds 2 layers), so a block id costs 10 layers instead of 62.
+
+Scope (v1): a stack whose K/V layers all share one `KVShape` and have at least one full and one sliding layer;
+`plan_layer_groups` returns None otherwise and the cache keeps its one table (today's behaviour).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["MAX_GROUPS", "LayerGroups", "config_layer_windows", "plan_layer_groups"]
+
+#: most layer groups of a plan (a group's prefix-cache salt keeps its index in a byte: `block_groups.group_salt`);
+#: a stack that would need more keeps one table
+MAX_GROUPS = 255
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """The grouping of a pool's K/V layers (pool order): see the module docstring.
+
+    ``windows[g]``: group ``g``'s sliding window in tokens (None: full attention, keeps every block);
+    ``members[g]``: its pool layers, at most ``group_size``; ``group_of[i]`` / ``slot_of[i]``: pool layer ``i``'s
+    group and slot tensor. Group 0 is always a full group (its table is the one the rest of hf-paged sees).
+    """
+
+    group_size: int
+    windows: tuple[int | None, ...]
+    members: tuple[tuple[int, ...], ...]
+    group_of: tuple[int, ...]
+    slot_of: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each pool layer's window, as planned (what the attention calls must confirm: `matches`)."""
+        return [self.windows[g] for g in self.group_of]
+
+    def matches(self, windows: Sequence[int | None]) -> bool:
+        """Whether the windows the layers' attention calls passed (pool order) are the planned ones."""
+        return list(windows) == self.layer_windows()
+
+
+def plan_layer_groups(windows: Sequence[int | None]) -> LayerGroups | None:
+    """The groups of K/V layers whose windows are `windows` (pool order; None: full attention), or None when grouping
+    gains nothing: every layer full, or every layer sliding (the one-table release of `hf_paged.core.window`
+    already frees those).
+
+    Layers of one window form one kind; ``group_size`` is the fewest layers of any kind, and each kind is cut, in
+    layer order, into groups of that size (the last padded). Full groups come first. None as well past `MAX_GROUPS`
+    groups.
+    """
+    if not windows:
+        return None
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"a layer's sliding window must be a positive int or None, got {w!r}")
+    kinds: dict[int | None, list[int]] = {}
+    for index, w in enumerate(windows):
+        kinds.setdefault(w, []).append(index)
+    if None not in kinds or len(kinds) < 2:
+        return None
+    size = min(len(layers) for layers in kinds.values())
+    if sum(-(-len(layers) // size) for layers in kinds.values()) > MAX_GROUPS:
+        return None
+    order = [None] + sorted(w for w in kinds if w is not None)
+    group_windows: list[int | None] = []
+    members: list[tuple[int, ...]] = []
+    group_of = [0] * len(windows)
+    slot_of = [0] * len(windows)
+    for w in order:
+        layers = kinds[w]
+        for start in range(0, len(layers), size):
+            chunk = tuple(layers[start : start + size])
+            for slot, layer in enumerate(chunk):
+                group_of[layer], slot_of[layer] = len(members), slot
+            members.append(chunk)
+            group_windows.append(w)
+    return LayerGroups(size, tuple(group_windows), tuple(members), tuple(group_of), tuple(slot_of))
+
+
+def config_layer_windows(config, num_layers: int) -> list[int | None] | None:
+    """Each decoder layer's sliding window as a transformers config declares it (``layer_types`` with
+    "sliding_attention" / "full_attention" and ``sliding_window``), or None when the config does not say (no
+    ``layer_types``, another layer kind such as "chunked_attention" or a recurrent mixer, no window).
+
+    Why the config: the pool is laid out before any forward; the engine then checks the plan against the windows
+    the attention calls actually pass (`LayerGroups.matches`) before any block is released.
+    """
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers or not isinstance(window, int) or window < 1:
+        return None
+    out: list[int | None] = []
+    for kind in types:
+        if kind == "sliding_attention":
+            out.append(window)
+        elif kind == "full_attention":
+            out.append(None)
+        else:
+            return None
+    return out

@@ -1,0 +1,142 @@
+"""The static decode path (CUDA graphs, pipelined decoding) of a grouped cache: one table store per layer group.
+
+A grouped cache (`hf_paged.cache.grouped_cache`) gives every layer group its own block tables and slots, so a static
+decode step needs, besides group 0's buffers (`ModelRunner`'s, unchanged), each other group's: a table store with
+the same rows as group 0's (a sequence's row holds its table of that group), the step's gathered tables and its
+slot mapping. Mixed into `ModelRunner`; everything here runs only when `self.grouped`.
+
+* Uploads: a group's table changes exactly when group 0's does (a new block and a copy-on-write of the shared
+  partial last block happen in every group at the same token; entries released out of a window keep their stale,
+  valid, unread ids, as in `table_store`), so the rows group 0 uploads this step are uploaded whole in every other
+  group (a grouped step never takes the single-entry path: `GroupedBlockManager.append_decode_slots` reports no
+  `changed` rows). Invalidation is group 0's (`invalidate_tables` forgets every row).
+* Slots: each group's slot of every row's token, `-1` on a bucket's padding rows (and while a graph is recorded).
+* The graph records the gathers of every group's tables (`group_steps`), so a replay reads what was uploaded; the
+  compiled step's op (`attention.compiled_op`) picks its layer's group step like the eager attention function.
+* Ragged steps (`ragged_graphs`: prefill chunks, recorded per token bucket) likewise: each group's slot of every
+  token and its tables gathered for the step's virtual sequences by the same store rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import StepMetadata, device_table
+
+__all__ = ["GroupedStatic"]
+
+
+class GroupedStatic:
+    """Mixed into `ModelRunner` (which provides `cache`, `device`, `max_num_seqs`, `max_blocks_per_seq`,
+    `_buffers`, `_host_sets`, `_store_capacity` and `table_rows_uploaded`)."""
+
+    def _ensure_group_buffers(self) -> None:
+        """The other groups' device buffers and, in each host set, their pinned staging (`_ensure_buffers`)."""
+        k = self.cache.block_manager.num_groups - 1
+        n, mb, dev = self.max_num_seqs, self.max_blocks_per_seq, self.device
+        pin = dev.type == "cuda"
+        self._buffers.update({
+            "group_slots": torch.full((k, n), -1, dtype=torch.long, device=dev),
+            "group_tables": torch.zeros((k, n, mb), dtype=torch.int32, device=dev),
+            "group_store": torch.zeros((k, self._store_capacity, mb), dtype=torch.int32, device=dev),
+            "group_staging": torch.zeros((n, k, mb), dtype=torch.int32, device=dev),  # [:m] contiguous
+            "group_staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
+        })
+        for host_set in self._host_sets:
+            host_set["group_slots"] = torch.zeros((k, n), dtype=torch.long, pin_memory=pin)
+            host_set["group_staging"] = torch.zeros((n, k, mb), dtype=torch.int32, pin_memory=pin)
+            host_set["group_staging_rows"] = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+
+    def _group_inputs(self, host_set: dict, seq_ids: list, positions, rows, changed: list, flat,
+                      real: int, bucket: int) -> None:
+        """Upload the other groups' slots of this step and their rows of the sequences whose group-0 row changed
+        (`changed` whole rows, `flat` single entries)."""
+        bm = self.cache.block_manager
+        b, mb = self._buffers, self.max_blocks_per_seq
+        slots = host_set["group_slots"].numpy()
+        tables = [bm.group_tables(seq_id) for seq_id in seq_ids]
+        shift = self.block_size.bit_length() - 1
+        mask = self.block_size - 1
+        for g in range(1, bm.num_groups):  # each row's one token: its slot in the group's table
+            slots[g - 1, :real] = [(t[g][p >> shift] << shift) | (p & mask) for t, p in zip(tables, positions)]
+            slots[g - 1, real:bucket] = -1
+        b["group_slots"].copy_(host_set["group_slots"], non_blocking=True)
+        self._upload_group_rows(host_set, tables, rows, {row for row, _ in changed} | {index // mb for index in flat})
+
+    def _upload_group_rows(self, host_set: dict, tables: list, rows, touched: set) -> None:
+        """Upload whole the other groups' rows `touched` (`tables[i]`: every group's table of the step's row `i`,
+        whose store row is `rows[i]`)."""
+        if not touched:
+            return
+        bm, b = self.cache.block_manager, self._buffers
+        picked = [(int(row), i) for i, row in enumerate(rows) if int(row) in touched]
+        staged = host_set["group_staging"].numpy()
+        for j, (_, i) in enumerate(picked):
+            for g in range(1, bm.num_groups):
+                table = tables[i][g]
+                staged[j, g - 1, : len(table)] = device_table(table)
+        m = len(picked)
+        host_set["group_staging_rows"].numpy()[:m] = [row for row, _ in picked]
+        b["group_staging"][:m].copy_(host_set["group_staging"][:m], non_blocking=True)
+        b["group_staging_rows"][:m].copy_(host_set["group_staging_rows"][:m], non_blocking=True)
+        for g in range(bm.num_groups - 1):
+            b["group_store"][g].index_copy_(0, b["group_staging_rows"][:m], b["group_staging"][:m, g])
+        self.table_rows_uploaded += m * (bm.num_groups - 1)
+
+    # ------------------------------------------------------------------ ragged steps (`ragged_graphs`)
+    def _ensure_ragged_groups(self, tokens: int, virtual: int) -> None:
+        """The other groups' slots (`tokens`) and gathered tables (`virtual` sequences) of the ragged buffers."""
+        k = self.cache.block_manager.num_groups - 1
+        pin = self.device.type == "cuda"
+        self._ragged["group_slots"] = torch.full((k, tokens), -1, dtype=torch.int32, device=self.device)
+        self._ragged["group_tables"] = torch.zeros((k, virtual, self.max_blocks_per_seq), dtype=torch.int32,
+                                                   device=self.device)
+        for host_set in self._host_sets:
+            host_set["ragged_group_slots"] = torch.zeros((k, tokens), dtype=torch.int32, pin_memory=pin)
+
+    def _ragged_group_inputs(self, host_set: dict, scheduled: list, rows, changed: list, bucket: int) -> None:
+        """A ragged step's other groups: each token's slot (-1 on padding) and the rows whose tables changed."""
+        bm = self.cache.block_manager
+        shift, mask = self.block_size.bit_length() - 1, self.block_size - 1
+        tables = [bm.group_tables(item.seq.seq_id) for item in scheduled]
+        slots = host_set["ragged_group_slots"].numpy()
+        for g in range(1, bm.num_groups):
+            at = 0
+            for item, item_tables in zip(scheduled, tables):
+                start, n = item.start, item.num_tokens
+                if n == 1:
+                    slots[g - 1, at] = (item_tables[g][start >> shift] << shift) | (start & mask)
+                else:
+                    slots[g - 1, at : at + n] = bm.group_slots(item.seq.seq_id, g, start, start + n)
+                at += n
+            slots[g - 1, at:bucket] = -1
+        self._ragged["group_slots"].copy_(host_set["ragged_group_slots"], non_blocking=True)
+        self._upload_group_rows(host_set, tables, rows, {row for row, _ in changed})
+
+    def _with_ragged_group_steps(self, step: StepMetadata, virtual: int, bucket: int) -> StepMetadata:
+        """A ragged step on the ragged buffers with every other group's (tables gathered for its virtual
+        sequences by the same store rows; recorded in a graph)."""
+        r, b = self._ragged, self._buffers
+        steps = [step]
+        for g in range(self.cache.block_manager.num_groups - 1):
+            torch.index_select(b["group_store"][g], 0, r["vrows"][:virtual], out=r["group_tables"][g, :virtual])
+            steps.append(StepMetadata(
+                layout="ragged", slot_mapping=r["group_slots"][g, :bucket], block_tables=r["group_tables"][g, :virtual],
+                seq_lens=step.seq_lens, cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_seqlen_q,
+                decode_only=False))
+        step.group_steps = steps
+        return step
+
+    def _with_group_steps(self, step: StepMetadata, batch: int) -> StepMetadata:
+        """`step` (group 0's, on the static buffers) with every other group's: their tables gathered by the same
+        store rows (recorded in a graph), their slots."""
+        b = self._buffers
+        steps = [step]
+        for g in range(self.cache.block_manager.num_groups - 1):
+            torch.index_select(b["group_store"][g], 0, b["rows"][:batch], out=b["group_tables"][g, :batch])
+            steps.append(StepMetadata(
+                layout="ragged", slot_mapping=b["group_slots"][g, :batch], block_tables=b["group_tables"][g, :batch],
+                seq_lens=step.seq_lens, cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=1, decode_only=True,
+                split_counters=step.split_counters))
+        step.group_steps = steps
+        return step
