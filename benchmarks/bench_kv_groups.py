@@ -15,7 +15,7 @@ others with a 1,024-token window, bf16) and each context length, two numbers per
 Everything is block bookkeeping (no tensors, no model weights: the config alone), so the CPU measures it exactly.
 
     python benchmarks/bench_kv_groups.py                                 # Gemma-3-27B, 4k / 32k / 128k, 60 GiB
-    python benchmarks/bench_kv_groups.py --contexts 8192 32768 --budget-gib 40 --json out.json
+    python benchmarks/bench_kv_groups.py --contexts 8192 32768 --budget-gib 40 --out benchmarks/results/<dir>
     python benchmarks/bench_kv_groups.py --tiny                          # a tiny shape (the test's smoke run)
 """
 
@@ -131,7 +131,7 @@ def table(rows: list[dict], budget_gib: float) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--budget-gib", type=float, default=60.0, help="KV memory of the pool (kv_cache_memory)")
@@ -143,7 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--pattern", type=int, default=6, help="every pattern-th layer is global")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape and small contexts (CPU smoke run)")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--out", type=Path, help="directory for kv_groups.json and kv_groups.png")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.tiny:
         args.contexts, args.budget_gib, args.block_size, args.chunk = [256, 1024], 0.01, 4, 64
@@ -160,9 +165,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [measure(config, c, block_size=args.block_size, chunk=args.chunk, budget=budget, dtype=torch.bfloat16)
             for c in args.contexts]
     print(table(rows, args.budget_gib))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_groups.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+        plot(rows, args.out / "kv_groups.png")
     return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """KV MiB per sequence and the largest batch, one table against layer groups, per context (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"{r['context']:,}" for r in rows]
+    x = range(len(rows))
+    fig, (mem, batch) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for offset, (name, colour) in enumerate((("today", "tab:gray"), ("grouped", "tab:blue"))):
+        xs = [i + (offset - 0.5) * 0.4 for i in x]
+        mem.bar(xs, [r[name]["bytes_per_seq"] / 2**20 for r in rows], 0.4, color=colour, label=name)
+        batch.bar(xs, [r[name]["max_batch"] for r in rows], 0.4, color=colour, label=name)
+    for ax, title in ((mem, "KV MiB per sequence"), (batch, "largest running batch at the budget")):
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title)
+        ax.legend()
+    mem.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

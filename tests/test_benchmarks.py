@@ -416,6 +416,9 @@ COMMAND_LINES = {
                     {"adapters": "0,1,2,4,8", "rank": 16, "num_requests": 256, "lora_kernel": "auto"}),
                    (["--adapters", "0,8", "--lora-kernel", "torch", "--kernel-rows", "1,256"],
                     {"adapters": "0,8", "lora_kernel": "torch", "kernel_rows": "1,256", "kernel_shape": "4096,4096"})],
+    "bench_kv_groups": [(["--contexts", "4096", "32768", "--budget-gib", "40"],
+                         {"contexts": [4096, 32768], "budget_gib": 40, "layers": 62, "window": 1024}),
+                        (["--out", "r"], {"contexts": [4096, 32768, 131072], "budget_gib": 60.0})],
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
                        {"tokenizer": "t", "requests": 400, "batch_size": 64, "kv_cache_dtype": "auto"}),
                       (["--tokenizer", "t", "--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"})],
@@ -454,6 +457,7 @@ BAD_COMMAND_LINES = {
     "bench_mla": [["--shape", "v3"], ["--batches", "0"], ["--contexts", "a,b"]],
     "bench_lm_eval": [[]],  # --tokenizer is required
     "bench_lora": [["--lora-kernel", "cuda"], ["--rank", "r"]],
+    "bench_kv_groups": [["--contexts", "a"], ["--budget-gib", "x"]],
     "bench_startup": [["--bytecode", "compiled"]],
     "bench_structured": [["--num-requests", "many"], ["--dtype", "int8"]],
     "probe_compiled": [["--dtype", "float16"]],
@@ -572,14 +576,13 @@ def test_plot_summary_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_kv_groups_bench_arguments_and_tiny_run(capsys):
+def test_kv_groups_bench_arguments_and_tiny_run(capsys, tmp_path):
     """bench_kv_groups drives the real block managers: a grouped mixed stack holds less and runs a larger batch."""
     bench_kv_groups = pytest.importorskip("bench_kv_groups")
-    args = bench_kv_groups.parse_args(["--contexts", "4096", "32768", "--budget-gib", "40"])
-    assert args.contexts == [4096, 32768] and args.budget_gib == 40 and args.layers == 62 and args.window == 1024
     with pytest.raises(SystemExit):
         bench_kv_groups.parse_args(["--chunk", "0"])
-    rows = bench_kv_groups.main(["--tiny"])
+    rows = bench_kv_groups.main(["--tiny", "--out", str(tmp_path)])
+    assert (tmp_path / "kv_groups.json").exists()
     assert "| context |" in capsys.readouterr().out
     for row in rows:
         today, grouped = row["today"], row["grouped"]

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hf_paged.core import NULL_BLOCK, GroupedBlockManager, NoFreeBlocksError, plan_layer_groups, prefix_caching
 from hf_paged.core.block_groups import group_salt
-from hf_paged.core.layer_groups import config_layer_windows
+from hf_paged.core.layer_groups import MAX_GROUPS, config_layer_windows
 
 # ------------------------------------------------------------------------------------------------------ the plan
 
@@ -46,8 +46,8 @@ def test_no_plan_where_one_table_does(windows) -> None:
 
 
 def test_a_plan_of_too_many_groups_keeps_one_table() -> None:
-    assert plan_layer_groups([None] + [8] * 254).num_groups == 255
-    assert plan_layer_groups([None] + [8] * 255) is None
+    assert plan_layer_groups([None] + [8] * (MAX_GROUPS - 1)).num_groups == MAX_GROUPS
+    assert plan_layer_groups([None] + [8] * MAX_GROUPS) is None
 
 
 def test_plan_with_two_windows_and_bad_windows() -> None:
