@@ -9,6 +9,8 @@ are a prefix of its table and that it still reads everything after them.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -398,9 +400,19 @@ class GroupedMachine(RuleBasedStateMachine):
         assert bm.gpu.num_free == bm.num_blocks and bm.cpu.num_free == bm.num_cpu_blocks
 
 
-GroupedMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
+GroupedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestGroupedMachine = GroupedMachine.TestCase
+
+
+class _LongRun(GroupedMachine):
+    """The same machine with more runs (``-m slow``): $HF_PAGED_LONG_EXAMPLES of them, 250 by default."""
+
+
+_LongRun.TestCase.settings = settings(max_examples=int(os.environ.get("HF_PAGED_LONG_EXAMPLES", "250")),
+                                      stateful_step_count=40, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
+TestGroupedMachineLong = pytest.mark.slow(_LongRun.TestCase)
 
 
 def test_a_prefix_hit_maps_each_groups_own_blocks() -> None:

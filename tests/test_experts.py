@@ -40,7 +40,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton cases: on 
 _SWEEP = json.loads((ROOT / "docs" / "architectures.json").read_text())["architectures"]
 MOE_PASSING = [r["model_type"] for r in _SWEEP if "mixture_of_experts" in r["features"] and r["verdict"] == "pass"]
 # recurrent hybrids: seconds per generate on the CPU (their recurrent layers, not the experts)
-SLOW = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+# (the slowest to build and run: `make test-fast` leaves them to the full suite)
+SLOW = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gemma4", "gemma4_text"}
 POOL = dict(num_blocks=32, block_size=4)
 
 

@@ -36,6 +36,7 @@ def test_fix_gguf_tokenizer_takes_eos_pad_and_length_from_the_config(eos, pad, w
     assert tokenizer.clean_up_tokenization_spaces is False
 
 
+@pytest.mark.slow
 def test_the_converted_smollm2_is_its_gguf_dequantized():
     """The SmolLM2 copy the tests load is `load_gguf` of the GGUF file (the file-path form; `hf_paged.testing` converts
     it once per machine): its config and tokenizer say what the GGUF metadata says (eos / pad put back, no

@@ -300,7 +300,8 @@ SHARING = {
 }
 
 
-@pytest.mark.parametrize("family", list(SHARING))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "gemma4_text" else f
+                                    for f in SHARING])
 def test_layers_reading_an_earlier_layers_kv_hold_no_blocks_and_match_transformers(family):
     """Gemma 3n / 4: the last `num_kv_shared_layers` layers read the K/V of the last earlier layer of their type
     (their modeling code hands them that layer's pool views); they write none and get no blocks."""
