@@ -754,3 +754,49 @@ def test_seeded_random_walk_preempts_and_drains(mode):
 def test_zz_print_totals():
     """Runs last in this file: the numbers of the whole state-machine session (for the README's guarantees)."""
     print(f"\nstate-machine totals: {dict(sorted(TOTALS.items()))}")
+
+
+# A run the long machine found (2026-11-29): a hybrid model's parallel-sampling group, preempted by recompute, came
+# back with one sample's prompt all cached but its last token, which `_plan` holds back until the others are there;
+# admission gave tables and the running status only to the planned samples, so that one sat in a running group as
+# waiting, with no table. ("add", prompt_len, kind s/p/b, width, max_new, eos_prob) or ("step", seed, steps).
+_HELD_BACK_SAMPLE = [
+    ("add", 12, "s", 2, 7, 0.1), ("add", 5, "s", 3, 1, 0.0), ("add", 12, "s", 3, 4, 0.0), ("add", 1, "s", 1, 1,
+    0.0), ("step", 160737, 5), ("step", 1173, 7), ("add", 1, "s", 1, 1, 0.0), ("add", 4, "s", 2, 4, 0.0),
+    ("add", 1, "s", 2, 1, 0.0), ("add", 1, "s", 2, 1, 0.0), ("add", 2, "s", 3, 7, 0.0), ("add", 1, "s", 1, 6,
+    0.0), ("step", 162, 2), ("step", 94, 1), ("add", 2, "s", 1, 1, 0.0), ("add", 2, "s", 1, 1, 0.0), ("step", 0,
+    1), ("add", 1, "s", 1, 1, 0.0), ("add", 2, "s", 1, 1, 0.0), ("add", 1, "s", 2, 1, 0.0), ("step", 3175, 6),
+    ("add", 6, "s", 2, 8, 0.0), ("step", 0, 1), ("add", 2, "s", 3, 1, 0.0), ("add", 1, "s", 2, 3, 0.0), ("step",
+    4_294_967_295, 4), ("add", 12, "s", 1, 6, 0.0), ("add", 1, "s", 1, 4, 0.0), ("add", 3, "s", 1, 1, 0.0),
+    ("add", 2, "s", 1, 2, 0.0), ("add", 1, "s", 1, 3, 0.0), ("add", 1, "s", 1, 1, 0.0), ("add", 1, "s", 1, 1,
+    0.0), ("step", 3, 1), ("step", 0, 1), ("add", 2, "s", 1, 3, 0.4), ("step", 426, 7), ("step", 791, 8),
+    ("add", 2, "s", 2, 6, 0.4), ("step", 4, 6), ("add", 7, "p", 3, 2, 0.0), ("add", 11, "b", 2, 4, 0.4), ("add",
+    8, "p", 2, 1, 0.4), ("step", 0, 8), ("add", 4, "p", 3, 1, 0.1), ("step", 42053594, 6), ("add", 14, "b", 2,
+    3, 0.0), ("add", 8, "b", 3, 7, 0.1), ("add", 6, "s", 3, 2, 0.1), ("step", 385, 7), ("add", 6, "s", 3, 4,
+    0.4), ("add", 5, "b", 2, 6, 0.0), ("step", 13577, 3), ("add", 12, "p", 1, 6, 0.4), ("step", 46052144, 7),
+    ("add", 1, "p", 2, 8, 0.4), ("step", 701309, 5), ("add", 7, "s", 1, 6, 0.1), ("add", 9, "p", 3, 7, 0.0),
+    ("add", 7, "b", 1, 8, 0.0), ("step", 523188873, 2), ("step", 2231143, 7), ("add", 1, "p", 2, 8, 0.1),
+    ("add", 2, "p", 3, 1, 0.1), ("add", 10, "p", 3, 4, 0.1), ("step", 1200, 1), ("add", 12, "p", 3, 3, 0.1),
+    ("step", 1213, 1), ("step", 19, 8), ("add", 7, "b", 2, 6, 0.1), ("add", 4, "s", 2, 7, 0.0), ("add", 2, "b",
+    1, 3, 0.0), ("add", 2, "b", 2, 8, 0.0), ("step", 145, 1), ("add", 8, "b", 3, 2, 0.1), ("add", 13, "p", 1, 1,
+    0.1), ("add", 7, "s", 3, 4, 0.1), ("add", 6, "p", 3, 7, 0.0), ("step", 355760, 6), ("add", 13, "b", 2, 4,
+    0.0), ("step", 1681, 5), ("step", 1256, 7), ("add", 10, "s", 3, 8, 0.1), ("step", 19, 6), ("step", 362880,
+    8), ("add", 12, "b", 2, 8, 0.0), ("add", 4, "b", 3, 7, 0.0), ("add", 8, "s", 2, 2, 0.1), ("add", 4, "s", 3,
+    8, 0.0), ("add", 8, "p", 2, 4, 0.0), ("add", 4, "p", 1, 5, 0.0), ("step", 384685, 3), ("step", 0, 4),
+    ("add", 14, "s", 1, 7, 0.0)
+]
+
+
+def test_admission_runs_every_sample_also_one_whose_last_token_waits():
+    machine = SchedulerMachine()
+    machine.setup(num_blocks=12, num_cpu_blocks=0, swap=False, prefix_caching=True, admission_max_wait=0,
+                  max_num_seqs=3, admission_batch=1, max_num_batched_tokens=5, slots=True, block_size=2)
+    kinds = {"s": "single", "p": "parallel", "b": "beam"}
+    for action in _HELD_BACK_SAMPLE:
+        if action[0] == "add":
+            _, prompt_len, kind, width, max_new, eos_prob = action
+            machine.add(prompt_len=prompt_len, spec=Spec(kinds[kind], width, max_new, eos_prob))
+        else:
+            machine.step(seed=action[1], steps=action[2])
+        machine.invariants_hold()
+    machine.teardown()

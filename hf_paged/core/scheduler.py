@@ -309,7 +309,10 @@ class Scheduler(AdmissionPolicy):
                         break
                 self.waiting.pop(0)
                 self._short_of_blocks = None
-                for seq, _ in plan:
+                # every live sequence gets its table and runs, also one that `_plan` left out of this step (hybrid
+                # models: a sample whose last prompt token waits for the group's others): left waiting, it would sit
+                # in a running group with no table
+                for seq in group.live_seqs():
                     if caching:
                         cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, matches[seq.seq_id])
                         assert cached == seq.num_computed, "prefix match changed during admission"
@@ -463,7 +466,8 @@ class Scheduler(AdmissionPolicy):
             seq.num_computed = matches[seq.seq_id].num_cached_tokens
         plan = self._plan(group, budget)
         if plan is not None:
-            needed = bm.blocks_needed_to_admit((matches[seq.seq_id], n) for seq, n in plan)
+            planned = {seq.seq_id: n for seq, n in plan}  # (every live sequence is admitted: `schedule`)
+            needed = bm.blocks_needed_to_admit((matches[seq.seq_id], planned.get(seq.seq_id, 0)) for seq in seqs)
             headroom = self.watermark_blocks if self.running else 0
             if needed + headroom <= bm.gpu.num_free:
                 return plan, matches
