@@ -10,16 +10,15 @@ them with an error); an error escaping `step()` itself fails every request in fl
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 
 from ..engine import Engine, RequestOutput, SamplingParams
+from .engine_loop import run_engine_loop
 from .structured import warm_up_grammars
 
 __all__ = ["EngineBridge", "ReplicaUnavailable", "RequestFailed", "RequestRefused"]
 
-log = logging.getLogger("hf_paged.serve")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -155,29 +154,7 @@ class EngineBridge:
                 pass
 
     def _run(self) -> None:
-        engine = self.engine
-        while True:
-            if self._stopping and not engine.has_unfinished():
-                break
-            if not engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                self._deliver(self._collect())  # aborted requests are reported outside steps
-                continue
-            try:
-                outs = engine.step()
-            except Exception as error:  # noqa: BLE001 - the server must keep serving
-                log.exception("engine step failed outside its requests")
-                self._fail_all(error)
-                continue
-            self._deliver(outs)
-        self._deliver(self._collect())
-
-    def _collect(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except Exception:  # noqa: BLE001
-            return []
+        run_engine_loop(self.engine, self._wake, lambda: self._stopping, self._deliver, self._fail_all)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, grace: float = 5.0) -> None:

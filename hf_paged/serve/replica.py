@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine, RequestOutput, default_max_num_batched_tokens
+from .engine_loop import run_engine_loop
 from .structured import warm_up_grammars
 
 __all__ = ["ReplicaSpec", "encode", "replica_main"]
@@ -178,28 +179,7 @@ class _Replica:
 
     # ------------------------------------------------------------------ the engine loop (main thread)
     def run(self) -> None:
-        engine = self.engine
-        while True:
-            if self._stopping and not engine.has_unfinished():
-                break
-            if not engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-            try:
-                outs = engine.step()
-            except Exception as error:  # noqa: BLE001 - fail the requests in flight, keep serving
-                log.exception("engine step failed outside its requests")
-                self._fail_all(error)
-                continue
-            if outs:
-                self._send(outs)
-        self._send(self._collect())
-
-    def _collect(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except Exception:  # noqa: BLE001
-            return []
+        run_engine_loop(self.engine, self._wake, lambda: self._stopping, self._send, self._fail_all)
 
     def _send(self, outs: list[RequestOutput]) -> None:
         batch = []
