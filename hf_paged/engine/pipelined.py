@@ -68,6 +68,7 @@ class _InFlight:
     # structured outputs: the grammar ends its tokens brought ({id(seq): "grammar" | "grammar_rejected"}), once the
     # matchers have accepted them (`_accept_in_flight`); None before
     grammar_ends: dict | None = None
+    host_list: list[int] | None = None  # `host` as a list, once read (`_host_tokens`)
 
 
 class PipelinedDecode:
@@ -205,7 +206,7 @@ class PipelinedDecode:
                     and batch.number - rows.number <= 1 and rows.generation == batch.generation:
                 return self._apply_rows(current, batch, rows)
             return self._apply_batch(current, rows, current.host.tolist())
-        tokens = current.host.tolist()
+        tokens = _host_tokens(current)
         advanced, finished = [], []
         ends = current.grammar_ends
         for item, token in zip(current.sched.scheduled, tokens):
@@ -322,7 +323,7 @@ class PipelinedDecode:
         if current.event is not None:
             current.event.synchronize()
         accept = self.structured.accept
-        for item, token in zip(current.sched.scheduled, current.host.tolist()):
+        for item, token in zip(current.sched.scheduled, _host_tokens(current)):
             seq = item.seq
             if item.group.masked and not seq.status.is_finished:
                 end = accept(item.group, seq, token)
@@ -354,6 +355,14 @@ class PipelinedDecode:
             advanced, _ = self._apply(current)
             self._track(current.sched)
             self._unreported.extend(g for g in advanced if g.is_finished)
+
+
+def _host_tokens(current: _InFlight) -> list[int]:
+    """A launched step's tokens as a list (after its event), converted once: a constrained step's matchers read them
+    before `_apply` does."""
+    if current.host_list is None:
+        current.host_list = current.host.tolist()
+    return current.host_list
 
 
 def _source_rows(before: SchedulerOutput, step: SchedulerOutput) -> list[int]:
