@@ -95,6 +95,14 @@ SHAPES = {
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                          sliding_window=None, vocab_size=32000, tie_word_embeddings=False),
+    # multi-head latent attention (issue 54): DeepSeek-V2-Lite (the 576-wide latent in the pool; 64 experts, 6 per
+    # token, 2 shared; 31 GB of weights in bf16: GPU only, initialised on the device)
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                             n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             vocab_size=102400, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
     "tiny-hybrid": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -378,12 +386,13 @@ class StepTimer:
 
 
 def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True,
-              prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+              prefix_caching: bool = True, kv_cache_dtype: str = "auto", window_groups: bool = True):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
     CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
     keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`);
     `prefix_caching=False` runs without the prefix cache (systems `paged_nocache`, `paged_compiled_nocache`).
-    `kv_cache_dtype`: the engine's ("fp8": an FP8 KV pool)."""
+    `kv_cache_dtype`: the engine's ("fp8": an FP8 KV pool). `window_groups=False` keeps one block table for every
+    layer (systems `*_onetable`), so sliding-window layers hold their whole context as before block groups."""
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -395,7 +404,8 @@ def run_paged(model, workload, args, progress: bool, compile_decode: bool = Fals
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory=args.kv_cache_memory, compile_decode=compile_decode,
-                             enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                             enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                             release_window_blocks=window_groups)
     engine.runner.compile_prefill = compile_decode and compile_prefill
     try:
         return _run_engine(engine, workload, args, progress, setup_start, kv_cache_dtype)
@@ -488,6 +498,12 @@ def _kv_dtypes(text: str) -> list[str]:
     return dtypes
 
 
+def _paged_base(system: str) -> str:
+    """An hf_paged system's name without its options: `_nocache` (no prefix cache) and `_onetable` (one block table
+    for every layer: sliding-window layers keep their blocks, `release_window_blocks=False`), in any order."""
+    return system.replace("_nocache", "").replace("_onetable", "")
+
+
 def _runs(systems: str, kv_dtypes: list[str]) -> list[tuple[str, str, str]]:
     """(label, system, KV cache dtype) of every run: each hf_paged system once per dtype (labelled `SYSTEM+fp8`
     for a dtype other than "auto"), the others once."""
@@ -507,8 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
-                        help="comma list of: paged, paged_compiled, paged_compiled_eager_prefill, generate_batch, "
-                             "generate_batch_graphs, dynamic")
+                        help="comma list of: paged, paged_compiled, paged_compiled_eager_prefill (each may end in "
+                             "_nocache: no prefix cache, and/or _onetable: one block table for every layer), "
+                             "generate_batch, generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
     parser.add_argument("--dynamic-max-batches", type=int, default=0,
                         help="time DynamicCache on its first N batches only (0: all) and report its rate there")
@@ -627,11 +644,11 @@ def main(argv: list[str] | None = None) -> None:
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                     (out / "profile_paged.txt").write_text(text.getvalue())
-                elif system in ("paged", "paged_compiled", "paged_compiled_eager_prefill", "paged_compiled_nocache",
-                                "paged_nocache"):
+                elif _paged_base(system) in ("paged", "paged_compiled", "paged_compiled_eager_prefill"):
                     extra = run_paged(model, workload, args, progress, compile_decode=system.startswith("paged_comp"),
-                                      compile_prefill=system != "paged_compiled_eager_prefill",
-                                      prefix_caching=not system.endswith("_nocache"), kv_cache_dtype=kv_dtype)
+                                      compile_prefill=_paged_base(system) != "paged_compiled_eager_prefill",
+                                      prefix_caching="_nocache" not in system, kv_cache_dtype=kv_dtype,
+                                      window_groups="_onetable" not in system)
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

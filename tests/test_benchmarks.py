@@ -448,7 +448,9 @@ COMMAND_LINES = {
     "probe_compiled": [(["--jobs", "2", "--dtype", "bfloat16"], {"jobs": 2, "dtype": "bfloat16", "model_types": []})],
     "profile_decode": [([], {"until_running": [0], "steps": 30, "dtype": None}),
                        (["--compile-decode", "--finished-only", "--until-running", "240,64,8", "--steps", "3"],
-                        {"until_running": [240, 64, 8], "compile_decode": True, "steps": 3})],
+                        {"until_running": [240, 64, 8], "compile_decode": True, "steps": 3}),
+                       (["--workload", "shared_system", "--prefill", "--no-prefix-caching"],
+                        {"workload": "shared_system", "prefill": True, "no_prefix_caching": True})],
 }
 # values each parser must refuse (exit 2 with a usage message)
 BAD_COMMAND_LINES = {

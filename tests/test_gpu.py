@@ -260,3 +260,45 @@ def test_hybrid_models_on_cuda(family, compile_decode):
     assert engine.runner.graph_steps > 0 and engine.runner.graph_failure is None
     stats = engine.kv_stats()
     assert stats.used_blocks == 0 and stats.state_slots_used == 0
+
+
+GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("gemma3_text", dict(sliding_window=8, num_hidden_layers=7, layer_types=GEMMA3_TYPES)),  # block groups
+    ("gpt_oss", dict(sliding_window=8)),  # block groups, sinks, the hf_paged experts
+    ("deepseek_v2", {}),  # the latent in the pool
+    ("glm4_moe_lite", {}),
+    ("mamba", {}),  # a pure recurrent model
+])
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_grouped_latent_and_recurrent_families_on_cuda(family, overrides, compile_decode):
+    """Families whose pool differs from one table of K/V, on the GPU: block groups (local layers release what fell out
+    of their window), multi-head latent attention (one latent head absorbed into the query) and Mamba's states in
+    slots. The eager or compiled step, recorded in CUDA graphs, with chunked prefill, preemption and prefix hits,
+    gives transformers' greedy tokens (float32), and every block and slot comes back."""
+    from transformers import GenerationConfig
+
+    from hf_paged.model_zoo import tiny_model as zoo_model
+
+    model = zoo_model(family, **overrides).cuda()
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    prompts = [[t % 200 for t in p] for p in _prompts(12, seed=7)]
+    prompts += [prompts[0][:20] + [t % 200 for t in p] for p in _prompts(3, seed=8)]  # prompts sharing a prefix
+    # the mask given: a prompt may hold token 0, which generate() would otherwise take for padding (pad_token_id 0)
+    refs = [model.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), device="cuda"),
+                           max_new_tokens=24, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+            for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                             compile_decode=compile_decode)
+    assert engine.runner.use_cuda_graph
+    assert engine.runner.grouped == family in ("gemma3_text", "gpt_oss")
+    outs = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.graph_failure is None
+    assert family == "mamba" or sum(engine.scheduler.num_preemptions.values()) > 0  # (mamba holds no blocks)
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0 and stats.state_slots_used == 0
+    engine.close()
