@@ -28,6 +28,10 @@ the draw over the kept ones whenever it is kept itself, which it is iff the mass
 draw is over the keys above it; after ``DRAW_FIRST_ROUNDS`` such rounds the row searches as above. With p = 0.95 most
 rows end after three row passes, none of them a search pass.
 
+With ``decided`` (the top-k fast path, :mod:`hf_paged.kernels.triton_topk_sampling`) the kernel is compiled with
+``SKIP_DECIDED``: a row whose token the fast path already wrote to ``out`` (>= 0) returns at once, the others (-1)
+run as above.
+
 FP contraction is switched off at launch (``enable_fp_fusion=False``) so ``x * inv_t + g`` rounds as in torch.
 Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 """

@@ -37,7 +37,7 @@ BLOCK = 512
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "vocab"])  # one variant a logits dtype, whatever k and the vocabulary
 def _candidate_kernel(values_ptr, indices_ptr, count, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr,
                       seed_ptr, offset_ptr, out_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
