@@ -16,7 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_paged.kernels import reference_sampling  # noqa: E402
+import hf_paged  # noqa: E402
+from hf_paged.engine.device_sampling import DevicePicker  # noqa: E402
+from hf_paged.kernels import reference_sampling, sampling  # noqa: E402
 from hf_paged.kernels.sampling import (  # noqa: E402
     TOP_K_MAX,
     candidate_count,
@@ -25,6 +27,7 @@ from hf_paged.kernels.sampling import (  # noqa: E402
     sample_tokens,
     top_k_bound,
 )
+from hf_paged.testing import tiny_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter only runs without a GPU)
 
@@ -243,13 +246,9 @@ def test_triton_fast_path_matches_reference():
 def test_picker_takes_the_fast_path(monkeypatch, backend):
     """The engine's picker passes the bound of its host columns: top-k steps take the fast path (same tokens as
     with it switched off), a step with a row without top-k does not."""
-    from hf_paged.engine.device_sampling import DevicePicker
-
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     device = torch.device(DEVICE)
     seen = []
-    import hf_paged.kernels.sampling as sampling
-
     real = sampling.sample_normalised
     monkeypatch.setattr("hf_paged.engine.device_sampling.sample_normalised",
                         lambda *a, **kw: seen.append(kw["top_k_bound"]) or real(*a, **kw))
@@ -267,3 +266,35 @@ def test_picker_takes_the_fast_path(monkeypatch, backend):
     picker.top_k_fast_path = True
     picker.pick(logits, without_k, offsets)
     assert seen == [12, 0, 0]
+
+
+def test_engine_tokens_are_the_same_with_the_fast_path(monkeypatch):
+    """An engine (tiny llama, static decode path: pipelined, batched) gives every request the same tokens with the
+    fast path on and off: top-k rows with top-p and min-p, and greedy rows in the same steps."""
+    model = tiny_model("llama", seed=4)
+    prompts = [[5 + i, 17, 33 + 2 * i, 8] for i in range(6)]
+    params = [hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=0.9, top_k=20,
+                                      top_p=0.9, seed=1),
+              hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=1.3, top_k=50,
+                                      min_p=0.05, seed=2),
+              hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True),
+              hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True, do_sample=True, top_k=5, seed=4),
+              hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=0.5, top_k=1,
+                                      seed=5),
+              hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True, do_sample=True, top_k=64, top_p=0.5,
+                                      seed=6)]
+    calls = []
+    real = reference_sampling.sample_top_k
+    monkeypatch.setattr(reference_sampling, "sample_top_k", lambda *a: calls.append(a[-1]) or real(*a))
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(DevicePicker, "top_k_fast_path", fast)
+        engine = hf_paged.Engine(model, block_size=4, num_blocks=100, max_num_seqs=8, seed=0)
+        engine.runner.decode_mode = "static"
+        runs.append([o.outputs[0].token_ids for o in engine.generate(prompts, params)])
+        engine.close()
+        if fast:
+            assert len(calls) >= 9  # every step samples through it (its bound: 64)
+            calls.clear()
+    assert not calls
+    assert runs[0] == runs[1]
