@@ -76,10 +76,9 @@ class DevicePicker:
         self._host = [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
                       for _ in range(2)]
         self._dev = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in shapes)
-        # per host set: the spec list whose parameter columns it holds, whether one of them has min-p and the
-        # top-k fast path's bound (`top_k_bound`) (a
-        # `DecodeBatch` passes one list for all its steps: its columns are filled once per set); the list itself is
-        # kept, so its id cannot be reused
+        # per host set: the spec list whose parameter columns it holds, whether one of them has min-p, and the top-k
+        # fast path's bound (`top_k_bound`) (a `DecodeBatch` passes one list for all its steps: its columns are filled
+        # once per set); the list itself is kept, so its id cannot be reused
         self._filled: list[tuple[list, bool, int] | None] = [None, None]
         # the spec list (and row count) whose float and top-k columns the device buffers hold now, and the device
         # rows of the last row count: a `DecodeBatch`'s steps upload only their offsets, and slice nothing again

@@ -15,7 +15,9 @@ Top-k fast path (``top_k_bound``): a caller that knows on the host that every sa
 call samples from each row's `candidate_count` largest logits (one ``torch.topk``, one small kernel:
 :mod:`hf_paged.kernels.triton_topk_sampling`; `reference_sampling.sample_top_k` on the CPU), the full sampler taking
 only the rows those cannot decide. Same tokens. The bound only chooses the path: a row it does not hold for (or one
-whose tie at the k-th value reaches past the list) is sampled by the full sampler, which the device decides (no sync).
+whose tie at the k-th value reaches past the list) is sampled by the full sampler, which the device decides (no sync:
+the fast path's launches are the same whatever the logits, so it is as safe under CUDA-graph capture; the engine's
+picker is not captured, it runs right after the step's graph).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ _INTS = (torch.int32, torch.int64)
 # the row, then a sort of the selected), and k <= 256 covers the settings in use (transformers' default 50, Gemma's
 # 64, Qwen's 20, 40-100 elsewhere). A larger k takes the full kernel, which is exact too.
 TOP_K_MAX = 256
-# candidates kept beyond k, at least: a tie at the k-th value must end inside the list (flat bf16 rows of 262,144
-# tokens hold about two tokens per bf16 step around the 64th largest value)
+# candidates kept beyond k, at least: a tie at the k-th value must end inside the list. bf16 ties often: in 173 of 240
+# flat bf16 rows of 262,144 tokens (bench_sampling's, T 1.0) the 64th and 65th values are equal, so a list of k + 1
+# would leave most rows to the full kernel; with 2k (128) the list decided all 240, flat or peaked, and all of the
+# Qwen shape's (k 20: 52 candidates) too (`reference_sampling.candidate_tokens` on the CPU: the same decisions)
 _MARGIN = 32
 
 
