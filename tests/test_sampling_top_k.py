@@ -298,3 +298,32 @@ def test_engine_tokens_are_the_same_with_the_fast_path(monkeypatch):
             calls.clear()
     assert not calls
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("vocab,k,temperature", [(262144, 64, 1.0), (151936, 20, 0.7), (32000, 256, 0.8)])
+def test_gpu_fast_path_matches_the_full_kernel(monkeypatch, vocab, k, temperature):
+    """Real shapes on the GPU: the fast path's tokens are the full kernel's for 240 bf16 rows (flat, peaked, greedy
+    rows, a tie at the k-th value past the list, a NaN row), and the reference's for a greedy, a flat and a peaked row."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    rows = 240
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g, device="cuda")
+    logits[rows // 2:] *= 2.5
+    logits[rows // 2:, :6] += 15.0
+    logits[5, : 4 * k] = 9.0  # a tie at the k-th value reaching past the candidates: the full kernel decides it
+    logits[6, 1] = float("nan")
+    logits = logits.to(torch.bfloat16)
+    temp = torch.full((rows,), temperature, device="cuda")
+    temp[::9] = 0.0
+    args = (logits, temp, torch.full((rows,), k, device="cuda"), torch.full((rows,), 0.95, device="cuda"),
+            torch.where(torch.arange(rows, device="cuda") % 3 == 0, 0.02, 0.0),
+            torch.arange(rows, device="cuda") * 7919 + 1, torch.full((rows,), 77, device="cuda"))
+    full = sample_tokens(*args)
+    fast = sample_tokens(*args, top_k_bound=k)
+    assert torch.equal(fast, full), (fast != full).nonzero()
+    few = torch.tensor([0, 1, 130])  # (the reference reads a row of 262,144 in seconds)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    ref = sample_tokens(*(a[few.to(a.device)].cpu() for a in args))
+    assert torch.equal(fast[few.cuda()].cpu(), ref)
