@@ -16,7 +16,17 @@ under ``--out``. A second table times the all-greedy pick as the engine's picker
 Triton argmax spread over every SM while there are no more rows than SMs, torch's above) against
 ``torch.argmax(dim=-1)``, for float32 and bfloat16 logits, and checks they agree.
 
+A third table times the top-k fast path (``sample_normalised(..., top_k_bound=k)``: ``torch.topk`` of each row's
+largest logits, a candidate kernel, the full kernel for the rows those cannot decide) against the full kernel alone,
+on bf16 logits, flat (``randn``, as a random-weight model's) and peaked (``randn * 2.5`` plus six tokens at +15), at
+the Gemma-3 shape (262,144 tokens, T 1.0, top-k 64, top-p 0.95) and a Qwen shape (151,936, T 0.7, top-k 20, top-p
+0.95), 1 / 64 / 240 rows: each path's time with ``do_bench`` (as called: launches included, L2 flushed) and its GPU
+time replayed from a CUDA graph (`graph_ms`: what the engine's pick costs behind the step's graph), the
+``torch.topk`` alone, and how many rows fell back to the full kernel. It checks that both paths give the same
+tokens. ``--top-k-only`` runs only that table; ``--tiny`` runs it at small shapes on the CPU (torch backend).
+
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench [--quick]
+    PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --top-k-only
 """
 
 from __future__ import annotations
@@ -25,13 +35,21 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from hf_paged.kernels.sampling import greedy_picker, sample_tokens  # noqa: E402
+from hf_paged.kernels import get_backend, reference_sampling  # noqa: E402
+from hf_paged.kernels.sampling import (  # noqa: E402
+    candidate_count,
+    greedy_picker,
+    inverse_temperature,
+    sample_normalised,
+    sample_tokens,
+)
 
 PARAMS = {  # name -> (temperature, top_k, top_p, min_p)
     "greedy": (0.0, 0, 1.0, 0.0),
@@ -39,6 +57,12 @@ PARAMS = {  # name -> (temperature, top_k, top_p, min_p)
     "t0.8-k50": (0.8, 50, 1.0, 0.0),
     "t0.7-k50-p0.9-m0.05": (0.7, 50, 0.9, 0.05),
 }
+TOP_K_SHAPES = {  # name -> (vocab, temperature, top_k, top_p): the top-k fast path's table
+    "gemma3-t1.0-k64-p0.95": (262144, 1.0, 64, 0.95),
+    "qwen-t0.7-k20-p0.95": (151936, 0.7, 20, 0.95),
+}
+TOP_K_ROWS = [1, 64, 240]
+TINY_SHAPES = {"tiny-t1.0-k64-p0.95": (1024, 1.0, 64, 0.95), "tiny-t0.7-k20-p0.95": (800, 0.7, 20, 0.95)}
 
 
 def torch_sort_sampler(logits, temperature, top_k, top_p, min_p, generator):
@@ -125,22 +149,121 @@ def time_argmax(rows_list, vocabs, bw) -> list[dict]:
     return out
 
 
+def top_k_logits(kind: str, rows: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
+    """bf16 logits: "flat" (``randn``) or "peaked" (``randn * 2.5``, six random tokens a row raised by 15)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g, device=device)
+    if kind == "peaked":
+        x = x * 2.5
+        x.scatter_add_(1, torch.randint(0, vocab, (rows, 6), generator=g, device=device),
+                       torch.full((rows, 6), 15.0, device=device))
+    return x.to(torch.bfloat16)
+
+
+def _host_ms(fn, reps: int = 3) -> float:
+    """Median wall time of `fn()` in ms (the CPU run)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _fallback_rows(logits, args, count) -> int:
+    """Rows the candidates leave to the full kernel (-1), computed as the fast path does on this device."""
+    values, indices = torch.topk(logits, count, dim=1)
+    if get_backend(logits.device) == "triton":
+        from hf_paged.kernels import triton_topk_sampling
+
+        decided = triton_topk_sampling.candidate_tokens(values, indices, logits.shape[1], *args)
+    else:
+        decided = reference_sampling.candidate_tokens(values.cpu(), indices.cpu(), logits.shape[1],
+                                                      *(a.cpu() for a in args))
+    return int((decided < 0).sum())
+
+
+def time_top_k(rows_list, shapes, device: str) -> list[dict]:
+    """The top-k fast path vs the full kernel (module docstring), one markdown row per shape, logits kind and rows."""
+    cuda = device == "cuda"
+    if cuda:
+        import triton.testing
+
+        def timer(fn):
+            return triton.testing.do_bench(fn, warmup=10, rep=50)
+    else:
+        timer = _host_ms
+    out = []
+    print("\n| top-k fast path | logits | rows | fallback rows | kernel µs | fast µs | topk µs | kernel/fast | "
+          "kernel graph µs | fast graph µs | graph kernel/fast |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (vocab, temperature, k, p) in shapes.items():
+        for kind in ("flat", "peaked"):
+            for rows in rows_list:
+                logits = top_k_logits(kind, rows, vocab, device, seed=rows)
+                inv_t = torch.from_numpy(inverse_temperature([temperature] * rows)).to(device)
+                args = (inv_t, torch.full((rows,), k, dtype=torch.int32, device=device),
+                        torch.full((rows,), p, device=device), torch.full((rows,), -float("inf"), device=device),
+                        torch.arange(rows, device=device) * 1000 + 7, torch.full((rows,), 100, device=device))
+                count = candidate_count(k, vocab)
+
+                def full(x=logits, a=args):
+                    return sample_normalised(x, *a)
+
+                def fast(x=logits, a=args, k=k):
+                    return sample_normalised(x, *a, top_k_bound=k)
+
+                if not torch.equal(full(), fast()):
+                    raise SystemExit(f"the fast path's tokens differ: {name} {kind} {rows} rows")
+                row = dict(shape=name, logits=kind, rows=rows, vocab=vocab, top_k=k, top_p=p, candidates=count,
+                           fallback_rows=_fallback_rows(logits, args, count), kernel_us=timer(full) * 1e3,
+                           fast_us=timer(fast) * 1e3, topk_us=timer(lambda x=logits, c=count: torch.topk(x, c)) * 1e3)
+                row["kernel_graph_us"] = row["fast_graph_us"] = float("nan")
+                if cuda:
+                    row["kernel_graph_us"] = graph_ms(full) * 1e3
+                    try:
+                        row["fast_graph_us"] = graph_ms(fast) * 1e3
+                    except Exception as exc:  # (a capture the fast path could not join: say so, time the rest)
+                        print(f"fast path capture failed: {type(exc).__name__}: {exc}")
+                out.append(row)
+                print(f"| {name} | {kind} | {rows} | {row['fallback_rows']} | {row['kernel_us']:.1f} | "
+                      f"{row['fast_us']:.1f} | {row['topk_us']:.1f} | {row['kernel_us'] / row['fast_us']:.2f}x | "
+                      f"{row['kernel_graph_us']:.1f} | {row['fast_graph_us']:.1f} | "
+                      f"{row['kernel_graph_us'] / row['fast_graph_us']:.2f}x |", flush=True)
+                del logits
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--greedy-only", action="store_true", help="only the greedy-pick table")
+    ap.add_argument("--top-k-only", action="store_true", help="only the top-k fast path's table")
+    ap.add_argument("--tiny", action="store_true", help="the top-k table at small shapes on the CPU")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.tiny:
+        os.makedirs(args.out, exist_ok=True)
+        results = time_top_k([1, 4], TINY_SHAPES, "cpu")
+        with open(os.path.join(args.out, "top_k.json"), "w") as f:
+            json.dump(dict(meta=dict(device="cpu", torch=torch.__version__), top_k=results), f, indent=1)
+        return
     if not torch.cuda.is_available():
-        sys.exit("bench_sampling.py needs CUDA")
+        sys.exit("bench_sampling.py needs CUDA (or --tiny)")
     import triton.testing
     from roofline import copy_bandwidth
 
     os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if args.top_k_only:
+        results = time_top_k(TOP_K_ROWS, TOP_K_SHAPES, "cuda")
+        with open(os.path.join(args.out, "top_k.json"), "w") as f:
+            json.dump(dict(meta=meta, top_k=results), f, indent=1)
+        return
     bw = copy_bandwidth()
     rows_list = [1, 8, 24, 64, 256] if args.quick else [1, 4, 16, 24, 32, 64, 128, 256]
     vocabs = [32000, 151936] if args.quick else [32000, 128256, 151936]
@@ -161,10 +284,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['torch_us'] / row['kernel_us']:.1f}x |", flush=True)
             del logits
     greedy_picks = time_argmax(rows_list, vocabs, bw)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_bandwidth_bytes_per_s=bw)
+    top_k = [] if args.greedy_only else time_top_k(TOP_K_ROWS, TOP_K_SHAPES, "cuda")
+    meta["copy_bandwidth_bytes_per_s"] = bw
     with open(os.path.join(args.out, "sampling.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results, greedy_picks=greedy_picks), f, indent=1)
+        json.dump(dict(meta=meta, results=results, greedy_picks=greedy_picks, top_k=top_k), f, indent=1)
     try:
         import matplotlib
 

@@ -430,7 +430,9 @@ COMMAND_LINES = {
                   (["--device", "cpu", "--tiny", "--shapes", "gpt-oss", "--rows", "1,3", "--tune"],
                    {"device": "cpu", "tiny": True, "shapes": "gpt-oss", "rows": "1,3", "tune": True})],
     "bench_prefix": [(["--task-len", "4", "8"], {"task_len": [4, 8], "output_len": (8, 32), "device": "cpu"})],
-    "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False})],
+    "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False}),
+                       (["--out", "o", "--top-k-only"], {"top_k_only": True, "tiny": False}),
+                       (["--tiny"], {"tiny": True, "top_k_only": False})],
     "bench_serving": [(["--model", "llama-1b", "--model-dir", "/tmp/m", "--tokenizer", "t", "--systems", "hf_paged",
                         "--append", "--rates", "1,2,4", "--num-requests", "60", "--rate-timeout", "150", "--out", "o"],
                        {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False}),
@@ -591,3 +593,13 @@ def test_kv_groups_bench_arguments_and_tiny_run(capsys, tmp_path):
         assert grouped["bytes_per_seq"] < today["bytes_per_seq"] and grouped["max_batch"] > today["max_batch"] > 0
         assert grouped["bytes_per_block"] * len(row["groups"]["windows"]) >= today["bytes_per_block"]  # (padding)
     assert rows[-1]["saving"] > 0.6
+
+
+def test_sampling_bench_times_the_top_k_fast_path_on_the_cpu(capsys):
+    """bench_sampling's top-k table at a tiny shape on the CPU (torch backend): both paths run, give the same tokens
+    (the table refuses otherwise) and are reported with the rows that fell back."""
+    bench_sampling = pytest.importorskip("bench_sampling")
+    rows = bench_sampling.time_top_k([2], {"tiny": (256, 0.8, 8, 0.9)}, "cpu")
+    assert [(r["rows"], r["logits"], r["candidates"]) for r in rows] == [(2, "flat", 40), (2, "peaked", 40)]
+    assert all(r["kernel_us"] > 0 and r["fast_us"] > 0 and 0 <= r["fallback_rows"] <= 2 for r in rows)
+    assert "| top-k fast path |" in capsys.readouterr().out

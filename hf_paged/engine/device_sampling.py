@@ -6,7 +6,9 @@ greedy), top-k, top-p, min-p and a seed, plus the position it draws for. `Device
 step at once: the parameters travel in one pinned upload, already in the kernel's form (inverse temperature, effective
 top-k: computed on the host, bitwise as `hf_paged.kernels.sampling.sample_tokens` computes them on the device), the
 draw is one kernel, nothing waits for the host, so sampled requests take the pipelined, graph-replayed decode path of
-greedy ones.
+greedy ones. When every sampled row of a step has top-k on with k <= `TOP_K_MAX` (the bound is read off the host
+columns as they are filled), the step takes the sampler's top-k fast path (`hf_paged.kernels.sampling`: the same
+tokens from each row's largest logits; the rows those cannot decide fall back on the device).
 
 Seeds: the draw of a token is a function of (seed, offset) only, where offset = the token's position in its
 sequence plus the sample index of a parallel-sampling request shifted by 32 bits. So a seeded request gives the same
@@ -29,6 +31,7 @@ from ..kernels.sampling import (
     inverse_temperature,
     log_min_p,
     sample_normalised,
+    top_k_bound,
 )
 from ..runner import recording
 from .params import SamplingParams
@@ -53,7 +56,10 @@ def device_params(params: SamplingParams, seed: int) -> tuple[float, int, float,
 
 class DevicePicker:
     """Per-row parameters uploaded through pinned buffers (two sets, alternated: a pipelined step fills one while the
-    step before may still read the other), then one sampling kernel for the whole step."""
+    step before may still read the other), then one sampling call for the whole step. `top_k_fast_path` (default on)
+    lets steps whose sampled rows all have a small top-k take the sampler's fast path (same tokens)."""
+
+    top_k_fast_path = True
 
     def __init__(self, device: torch.device, max_rows: int, seed: int | None) -> None:
         self.device = device
@@ -70,10 +76,10 @@ class DevicePicker:
         self._host = [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
                       for _ in range(2)]
         self._dev = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in shapes)
-        # per host set: the spec list whose parameter columns it holds, and whether one of them has min-p (a
-        # `DecodeBatch` passes one list for all its steps: its columns are filled once per set); the list itself is
-        # kept, so its id cannot be reused
-        self._filled: list[tuple[list, bool] | None] = [None, None]
+        # per host set: the spec list whose parameter columns it holds, whether one of them has min-p, and the top-k
+        # fast path's bound (`top_k_bound`) (a `DecodeBatch` passes one list for all its steps: its columns are filled
+        # once per set); the list itself is kept, so its id cannot be reused
+        self._filled: list[tuple[list, bool, int] | None] = [None, None]
         # the spec list (and row count) whose float and top-k columns the device buffers hold now, and the device
         # rows of the last row count: a `DecodeBatch`'s steps upload only their offsets, and slice nothing again
         self._uploaded: tuple[list, int] | None = None
@@ -94,7 +100,8 @@ class DevicePicker:
         if self.device.type != "cuda" or vocab <= 0:
             return
         logits = torch.zeros((1, vocab), dtype=dtype, device=self.device)
-        self.pick(logits, [(1.0, 2, 0.5, 0.0, 0)], [0])
+        self.pick(logits, [(1.0, 2, 0.5, 0.0, 0)], [0])  # the top-k fast path (the tied row falls back: every kernel)
+        self.pick(logits, [(1.0, 0, 0.5, 0.0, 0)], [0])  # the full kernel alone
         warm_greedy = getattr(self._argmax, "warm_up", None)  # the Triton pick's two paths; torch's argmax has one
         for pick_dtype in {dtype, torch.float32}:
             if warm_greedy is not None:
@@ -121,7 +128,7 @@ class DevicePicker:
         f, i, k = (t.numpy() for t in host)
         filled = self._filled[0]
         if filled is not None and filled[0] is specs:
-            with_min_p = filled[1]
+            _, with_min_p, bound = filled
         else:  # this set holds other rows' columns: fill them
             f[0, :n] = inverse_temperature(_column(specs, 0, np.float32))
             f[1, :n] = _column(specs, 2, np.float32)
@@ -131,7 +138,8 @@ class DevicePicker:
                 f[2, :n] = -np.inf  # log_min_p of rows without min-p
             i[0, :n] = _column(specs, 4, np.int64)
             k[0, :n] = effective_top_k(_column(specs, 1, np.int64), logits.shape[1])
-            self._filled[0] = (specs, with_min_p)
+            bound = top_k_bound(f[0, :n], k[0, :n])
+            self._filled[0] = (specs, with_min_p, bound)
         i[1, :n] = offsets
         dev_f, dev_i, dev_k = self._dev
         dev_i.copy_(host[1], non_blocking=True)  # seeds and offsets
@@ -145,7 +153,7 @@ class DevicePicker:
                                    dev_i[1, :n])
         _, inv_t, top_k, top_p, min_p, seeds, draws = views
         return sample_normalised(logits, inv_t, top_k, top_p, log_min_p(min_p) if with_min_p else min_p, seeds,
-                                 draws)
+                                 draws, top_k_bound=bound if self.top_k_fast_path else 0)
 
 
 def _column(specs: list[tuple], index: int, dtype) -> np.ndarray:

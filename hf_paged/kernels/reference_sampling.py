@@ -15,13 +15,16 @@ Rows are processed together in chunks (the work is vectorised over rows; the dec
 4. min-p: keep ``x - m >= log(min_p)`` (``p_i >= min_p * p_max``).
 5. draw: ``argmax(x_i + G_i)`` over kept tokens, ``G_i = -log(-log(u_i))`` (Gumbel-max: exact sampling from the
    renormalised kept distribution, no cumsum), with ``u_i`` a counter-based hash of (seed, offset, i).
+
+`sample_top_k` is the top-k fast path (see `candidate_tokens`): the same tokens, read off each row's largest
+``count`` logits, the rows it cannot decide exactly from them passed to `sample_tokens`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_tokens", "kept_threshold", "uniform_bits", "NUM_CANDIDATES"]
+__all__ = ["sample_tokens", "sample_top_k", "candidate_tokens", "kept_threshold", "uniform_bits", "NUM_CANDIDATES"]
 
 NUM_CANDIDATES = 16
 _CHUNK_ELEMENTS = 1 << 22
@@ -146,3 +149,67 @@ def _sample_rows(logits, inv_t, top_k, top_p, log_min_p, seed, offset) -> torch.
     index = torch.arange(vocab, dtype=torch.long)[None, :]
     score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], index), -float("inf"))
     return score.argmax(1)
+
+
+def sample_top_k(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, count: int) -> torch.Tensor:
+    """`sample_tokens`' tokens (int64, on the CPU) from each row's ``count`` largest logits (`candidate_tokens`);
+    the rows those cannot decide (a tie reaching past them, top-k off or >= count, non-finite or zero values) go
+    through `sample_tokens`."""
+    logits = logits.cpu()
+    params = [t.cpu() for t in (inv_t, top_k, top_p, log_min_p, seed, offset)]
+    values, indices = logits.topk(min(count, logits.shape[1]), dim=1)
+    out = candidate_tokens(values, indices, logits.shape[1], *params)
+    rest = torch.nonzero(out < 0).flatten()
+    if rest.numel():
+        out[rest] = sample_tokens(logits[rest], *(t[rest] for t in params))
+    return out
+
+
+def candidate_tokens(values: torch.Tensor, indices: torch.Tensor, vocab: int, inv_t: torch.Tensor,
+                     top_k: torch.Tensor, top_p: torch.Tensor, log_min_p: torch.Tensor, seed: torch.Tensor,
+                     offset: torch.Tensor) -> torch.Tensor:
+    """Each row's token, as `sample_tokens` picks it, from its ``L`` largest logits sorted (``values, indices [R, L]``
+    of ``topk(L)`` of a row of ``vocab``), or -1 where they do not decide it. The Triton fast path's candidate kernel
+    (`triton_topk_sampling`) does the same, row by row.
+
+    Why they decide it: scaling by ``inv_t > 0`` keeps the order (it may merge neighbours into ties), so the sorted
+    candidates give the row's sorted scaled values from the top. The top-k set is every token whose key is >= the k-th
+    largest, ``x[k-1]``: when ``x[k-1] > x[L-1]`` (or ``L = vocab``) no token outside the list reaches it, and the set
+    is the list's first ``n >= k`` entries, ties at the boundary included. Where the set holds no zero (the one value
+    whose two keys, -0 and +0, compare equal as floats) and no NaN, keys and floats order it alike: top-p keeps the
+    values ``>= x[j]``, ``j`` the first rank whose running mass ``sum exp(x - m)`` reaches ``p * Z``, ``Z`` the set's
+    mass (the reference's threshold: the mass of the keys >= ``x[j]`` reaches the target, that of the keys above it
+    does not); min-p and the Gumbel-max draw (same noise for the same token index, the least index among equal scores)
+    follow. A greedy row (``inv_t = 0``) takes the least index of the values equal to the first, when the list holds
+    all of them (a value past the list's last). Undecided: a tie reaching the list's end, ``k`` off or ``>= L``, a
+    non-finite maximum, a zero or NaN in the kept set."""
+    rows, count = values.shape
+    v = values.float()
+    idx = indices.long()
+    full = count >= vocab
+    none = torch.full((rows,), vocab, dtype=torch.long)
+    # greedy rows
+    top = v[:, 0]
+    greedy_ok = (top == top) & (full | (v[:, -1] < top))
+    greedy = torch.where(v == top[:, None], idx, none[:, None]).amin(1)
+    # sampled rows
+    x = v * inv_t[:, None]
+    k = top_k.long()
+    m = x[:, :1]
+    kth = x.gather(1, (k - 1).clamp(0, count - 1)[:, None])
+    in_k = x >= kth
+    bad = (in_k & ((x == 0) | (x != x))).any(1)
+    ok = (k >= 1) & (k < count) & (m[:, 0] < float("inf")) & (kth[:, 0] == kth[:, 0]) & ~bad
+    ok &= full | (kth[:, 0] > x[:, -1])
+    e = torch.where(in_k, torch.exp(x - m), 0.0)
+    running = e.cumsum(1)
+    reach = in_k & (running >= top_p[:, None] * running[:, -1:])
+    j = torch.where(reach, torch.arange(count)[None, :], count).amin(1)
+    thr = torch.where((top_p < 1.0) & (j < count), x.gather(1, j.clamp(max=count - 1)[:, None])[:, 0], kth[:, 0])
+    keep = in_k & (x >= thr[:, None]) & ((x - m) >= log_min_p[:, None])
+    k1, k2 = row_keys(seed, offset)
+    score = torch.where(keep, x + gumbel(k1[:, None], k2[:, None], idx), -float("inf"))
+    best = score.amax(1, keepdim=True)
+    sampled = torch.where(keep & (score == best), idx, none[:, None]).amin(1)
+    return torch.where(inv_t > 0, torch.where(ok, sampled, -1), torch.where(greedy_ok, greedy, -1))

@@ -9,6 +9,15 @@ Semantics (transformers' warpers, in their order): temperature, then top-k (``0`
 top-k / top-p boundary are kept together. The draw is exact sampling from the renormalised kept distribution, keyed
 only on the row's (seed, offset), never on its batch. The preparation here is a handful of element-wise ops on
 ``[R]`` tensors (no host sync), so the call is safe under CUDA-graph capture on the Triton path.
+
+Top-k fast path (``top_k_bound``): a caller that knows on the host that every sampled row has top-k on with
+``k <= top_k_bound <= TOP_K_MAX`` (the engine's picker does: `top_k_bound` of its host columns) passes it, and the
+call samples from each row's `candidate_count` largest logits (one ``torch.topk``, one small kernel:
+:mod:`hf_paged.kernels.triton_topk_sampling`; `reference_sampling.sample_top_k` on the CPU), the full sampler taking
+only the rows those cannot decide. Same tokens. The bound only chooses the path: a row it does not hold for (or one
+whose tie at the k-th value reaches past the list) is sampled by the full sampler, which the device decides (no sync:
+the fast path's launches are the same whatever the logits, so it is as safe under CUDA-graph capture; the engine's
+picker is not captured, it runs right after the step's graph).
 """
 
 from __future__ import annotations
@@ -19,19 +28,31 @@ import torch
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
 __all__ = ["argmax_rows", "greedy_picker", "sample_tokens", "sample_normalised", "inverse_temperature",
-           "effective_top_k", "log_min_p"]
+           "effective_top_k", "log_min_p", "top_k_bound", "candidate_count", "TOP_K_MAX"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
+# the largest top-k of the fast path. Its candidate lists (`candidate_count`: 2k, up to 512) fit one tile of the
+# candidate kernel (one compiled variant); torch.topk's cost hardly depends on k at these sizes (a radix select over
+# the row, then a sort of the selected), and k <= 256 covers the settings in use (transformers' default 50, Gemma's
+# 64, Qwen's 20, 40-100 elsewhere). A larger k takes the full kernel, which is exact too.
+TOP_K_MAX = 256
+# candidates kept beyond k, at least: a tie at the k-th value must end inside the list. bf16 ties often: in 173 of 240
+# flat bf16 rows of 262,144 tokens (bench_sampling's, T 1.0) the 64th and 65th values are equal, so a list of k + 1
+# would leave most rows to the full kernel; with 2k (128) the list decided all 240, flat or peaked, and all of the
+# Qwen shape's (k 20: 52 candidates) too (`reference_sampling.candidate_tokens` on the CPU: the same decisions)
+_MARGIN = 32
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+                  min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *,
+                  top_k_bound: int = 0) -> torch.Tensor:
     """Token ids ``[R]`` (int64, on the logits' device) of ``logits [R, V]``.
 
     Every other argument is a ``[R]`` tensor on the same device: ``temperature`` (float, 0 = greedy), ``top_k``
     (int), ``top_p`` and ``min_p`` (float), ``seed`` (int64, >= 0) and ``offset`` (int64, >= 0: where the row draws,
-    e.g. its position). A row's token depends only on its logits and its own parameters.
+    e.g. its position). A row's token depends only on its logits and its own parameters. ``top_k_bound``: the top-k
+    fast path's bound (module docstring; 0: none), the same tokens.
     """
     _check_tensor("logits", logits, 2, _FLOATS)
     dev = logits.device
@@ -45,24 +66,53 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         raise ValueError("logits must have a non-empty vocabulary dimension")
     if vocab >= 2**31:
         raise ValueError(f"logits vocabulary {vocab} is too large (< 2**31)")
+    if not isinstance(top_k_bound, int) or isinstance(top_k_bound, bool) or top_k_bound < 0:
+        raise ValueError(f"top_k_bound must be an int >= 0, got {top_k_bound!r}")
     args = (inverse_temperature(temperature.float()), effective_top_k(top_k, vocab), top_p.float().contiguous(),
             log_min_p(min_p.float()), seed.long().contiguous(), offset.long().contiguous())
-    return sample_normalised(logits, *args)
+    return sample_normalised(logits, *args, top_k_bound=top_k_bound)
 
 
 def sample_normalised(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+                      log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, *,
+                      top_k_bound: int = 0) -> torch.Tensor:
     """`sample_tokens` for parameters already in the kernels' form: ``inv_t`` (float32, 0 for greedy), ``top_k``
     (int32, 0 when off), ``top_p`` (float32), ``log_min_p`` (float32, -inf when off), ``seed`` and ``offset``
     (int64), all contiguous ``[R]`` on the logits' device.
 
     Why: the engine's picker computes that form on the host while it fills its upload (`inverse_temperature`,
-    `effective_top_k`), so a sampled step spends no dozen element-wise launches on it. Nothing is checked here."""
+    `effective_top_k`), so a sampled step spends no dozen element-wise launches on it. Nothing is checked here.
+    ``top_k_bound``: `sample_tokens`'; the fast path runs when it is in ``1..TOP_K_MAX``."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    args = (logits, inv_t, top_k, top_p, log_min_p, seed, offset)
+    fast = 0 < top_k_bound <= TOP_K_MAX and logits.shape[1] > 1
     if get_backend(logits.device) == "triton":
-        return _triton_module("triton_sampling").sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset)
-    return reference_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset).to(logits.device)
+        if fast:
+            return _triton_module("triton_topk_sampling").sample_top_k(
+                *args, candidate_count(top_k_bound, logits.shape[1]))
+        return _triton_module("triton_sampling").sample_tokens(*args)
+    if fast:
+        return reference_sampling.sample_top_k(*args, candidate_count(top_k_bound, logits.shape[1])).to(logits.device)
+    return reference_sampling.sample_tokens(*args).to(logits.device)
+
+
+def candidate_count(bound: int, vocab: int) -> int:
+    """How many of a row's largest logits the fast path reads for top-k up to `bound`: ``2 * bound``, at least
+    ``bound + 32`` (a tie at the k-th value must end inside the list for the list to decide the row), at most the
+    vocabulary. 512 at `TOP_K_MAX`."""
+    return min(vocab, bound + max(bound, _MARGIN))
+
+
+def top_k_bound(inv_t: np.ndarray, top_k: np.ndarray) -> int:
+    """The fast path's bound of a call, on the host: the largest top-k of its sampled rows (``inv_t > 0``) when every
+    one of them has top-k on and at most `TOP_K_MAX`, else 0 (also when no row samples). ``inv_t`` and ``top_k``:
+    the normalised columns (`inverse_temperature`, `effective_top_k`)."""
+    k = np.asarray(top_k)[np.asarray(inv_t) > 0]
+    if k.size == 0 or int(k.min()) <= 0:
+        return 0
+    bound = int(k.max())
+    return bound if bound <= TOP_K_MAX else 0
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,10 @@ the draw over the kept ones whenever it is kept itself, which it is iff the mass
 draw is over the keys above it; after ``DRAW_FIRST_ROUNDS`` such rounds the row searches as above. With p = 0.95 most
 rows end after three row passes, none of them a search pass.
 
+With ``decided`` (the top-k fast path, :mod:`hf_paged.kernels.triton_topk_sampling`) the kernel is compiled with
+``SKIP_DECIDED``: a row whose token the fast path already wrote to ``out`` (>= 0) returns at once, the others (-1)
+run as above.
+
 FP contraction is switched off at launch (``enable_fp_fusion=False``) so ``x * inv_t + g`` rounds as in torch.
 Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 """
@@ -393,8 +397,25 @@ def _sample_kernel(logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, l
                    out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                    NC: tl.constexpr, CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
                    STORE_THRESHOLD: tl.constexpr, DRAW_FIRST_ROUNDS: tl.constexpr,
-                   DRAW_FIRST_MIN_P: tl.constexpr, SORT_N: tl.constexpr):
+                   DRAW_FIRST_MIN_P: tl.constexpr, SORT_N: tl.constexpr, SKIP_DECIDED: tl.constexpr):
     row = tl.program_id(0)
+    if SKIP_DECIDED:  # the top-k fast path decided the rows whose token is already in `out` (>= 0)
+        todo = tl.load(out_ptr + row) < 0
+    else:
+        todo = True
+    if todo:
+        _sample_row(row, logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, seed_ptr,
+                    offset_ptr, out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK, SEARCH_BLOCK, NC, CAP,
+                    VALUE_SPAN, PREFETCH, STORE_THRESHOLD, DRAW_FIRST_ROUNDS, DRAW_FIRST_MIN_P, SORT_N)
+
+
+@triton.jit
+def _sample_row(row, logits_ptr, stride, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
+                out_ptr, list_x_ptr, list_i_ptr, threshold_ptr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                NC: tl.constexpr, CAP: tl.constexpr, VALUE_SPAN: tl.constexpr, PREFETCH: tl.constexpr,
+                STORE_THRESHOLD: tl.constexpr, DRAW_FIRST_ROUNDS: tl.constexpr, DRAW_FIRST_MIN_P: tl.constexpr,
+                SORT_N: tl.constexpr):
+    """One row of `_sample_kernel`: its greedy pick, or its search and draw."""
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + row)
     cols = tl.arange(0, BLOCK)
@@ -481,20 +502,21 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
                   block: int = BLOCK, search_block: int = SEARCH_BLOCK, num_warps: int = NUM_WARPS,
                   prefetch: bool = PREFETCH, thresholds: torch.Tensor | None = None,
                   draw_first_rounds: int = DRAW_FIRST_ROUNDS, draw_first_min_p: float = DRAW_FIRST_MIN_P,
-                  sort_n: int | None = None) -> torch.Tensor:
+                  sort_n: int | None = None, decided: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids ``[R]`` of ``logits [R, V]`` (see the module docstring); ``cap``, ``block``, ``search_block``
     (powers of two), ``num_warps``, ``prefetch``, ``draw_first_rounds`` (0: always search), ``draw_first_min_p`` and
     ``sort_n`` (0, or a power of two >= 16: the most tokens `_select` sorts; 0: the search alone; None: `SORT_N`, or
     `INTERPRETED_SORT_N` under the interpreter) are tuning knobs that never change a token. ``thresholds`` (``[R]``
     int32, for tests): receives each sampled row's top-k / top-p threshold key, as `reference_sampling.kept_threshold`
-    defines it (every row then searches)."""
+    defines it (every row then searches). ``decided`` (``[R]`` int64, the top-k fast path's `triton_topk_sampling`):
+    rows holding a token (>= 0) are left as they are, the others (-1) sampled; it is filled in and returned."""
     if sort_n is None:
         sort_n = default_sort_n()
     sort_n = int(sort_n)
     if sort_n and (sort_n < 16 or sort_n & (sort_n - 1)):
         raise ValueError(f"sort_n must be 0 or a power of two >= 16, got {sort_n}")
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    out = torch.empty(rows, dtype=torch.long, device=logits.device) if decided is None else decided
     if rows == 0:
         return out
     list_x = torch.empty((rows, cap), dtype=torch.float32, device=logits.device)
@@ -505,5 +527,5 @@ def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor
                             STORE_THRESHOLD=thresholds is not None,
                             DRAW_FIRST_ROUNDS=0 if thresholds is not None else int(draw_first_rounds),
                             DRAW_FIRST_MIN_P=float(draw_first_min_p), SORT_N=sort_n,
-                            num_warps=num_warps, enable_fp_fusion=False)
+                            SKIP_DECIDED=decided is not None, num_warps=num_warps, enable_fp_fusion=False)
     return out
