@@ -33,8 +33,8 @@ for part in $PARTS; do
         > "$OUT/groups.log" 2>&1 ;;
     mla) timeout 280 $BENCH --model deepseek-v2-lite --workload sharegpt --num-requests 256 \
         --systems paged_compiled,dynamic --dynamic-max-batches 1 --system-timeout 200 > "$OUT/mla.log" 2>&1 ;;
-    hprefill) timeout 130 $PY benchmarks/profile_decode.py --model qwen3.5-9b --workload shared_system \
-        --num-requests 200 --prefill --steps 4 --out "$OUT/hprefill" > "$OUT/hprefill.log" 2>&1 ;;
+    hprefill) timeout 220 $PY benchmarks/profile_decode.py --model qwen3.5-9b --workload shared_system \
+        --num-requests 200 --prefill --steps 3 --out "$OUT/hprefill" > "$OUT/hprefill.log" 2>&1 ;;
     *) echo "unknown part $part (tests, groups, mla, hprefill)"; continue ;;
   esac
   echo "exit $?"

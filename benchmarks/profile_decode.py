@@ -125,6 +125,8 @@ def profile_window(engine, step, args, stem: str, out: Path) -> None:
             sync(args.device)
             step_ms.append((time.perf_counter() - t0) * 1000)
             step_prompt.append(engine.stats["prefill_tokens"] - before)
+            if args.prefill:  # as it goes: a slow window still says something when a time limit cuts it
+                print(f"   step {len(step_ms)}: {step_ms[-1]:.1f} ms, {step_prompt[-1]} prompt tokens", flush=True)
         wall_ms = (time.perf_counter() - start) / args.steps * 1000
     rows = device_rows(prof, args.device)
     events = prof.key_averages()
@@ -158,10 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device.startswith("cuda")
     dtype = _DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     workload = make_workload(args.workload, args.num_requests, 0)
+    start = time.perf_counter()
     model = build_model(args.model, args.device, dtype)
+    built = time.perf_counter()
     engine = hf_paged.Engine(model, compile_decode=args.compile_decode, kv_cache_memory=args.kv_cache_memory,
                              enable_prefix_caching=not args.no_prefix_caching)
     engine.warm_up()
+    print(f"model built in {built - start:.1f} s, engine made and warmed up in {time.perf_counter() - built:.1f} s",
+          flush=True)
     for prompt, n in workload:
         engine.add_request(prompt, max_new_tokens=n, ignore_eos=True, **sampling_kwargs(args))
     step = lambda: engine.step(finished_only=args.finished_only)
