@@ -26,7 +26,7 @@ BENCH="$PY benchmarks/bench_generate.py --no-progress --out $OUT"
 for part in $PARTS; do
   echo "== $(date +%T) $part"
   case "$part" in
-    tests) timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "grouped_latent or hybrid" \
+    tests) timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "${TEST_K:-grouped_latent or hybrid}" \
         > "$OUT/tests.log" 2>&1 ;;
     groups) timeout 150 $BENCH --model gemma3-1b --workload uniform --num-requests 256 --kv-cache-memory 3GiB \
         --systems paged_compiled,paged_compiled_onetable --temperature 1.0 --top-k 64 --top-p 0.95 \
@@ -34,7 +34,7 @@ for part in $PARTS; do
     mla) timeout 280 $BENCH --model deepseek-v2-lite --workload sharegpt --num-requests 256 \
         --systems paged_compiled,dynamic --dynamic-max-batches 1 --system-timeout 200 > "$OUT/mla.log" 2>&1 ;;
     hprefill) timeout 220 $PY benchmarks/profile_decode.py --model qwen3.5-9b --workload shared_system \
-        --num-requests 200 --prefill --steps 3 --out "$OUT/hprefill" > "$OUT/hprefill.log" 2>&1 ;;
+        --num-requests 200 --prefill --steps 6 --out "$OUT/hprefill" > "$OUT/hprefill.log" 2>&1 ;;
     *) echo "unknown part $part (tests, groups, mla, hprefill)"; continue ;;
   esac
   echo "exit $?"

@@ -15,7 +15,7 @@ some prompts are done): the same lists, each step's wall time and scheduled prom
 own CPU time (a prefill step that is slow on the host shows there). `--no-prefix-caching` runs without the prefix
 cache, for workloads that share a prompt (`shared_system`).
 
-It writes, under `--out`, `<name>_at<running>.txt` (the profiler's table by device time), `.json` (a Chrome trace) and
+It writes, under `--out` (a prefill window without its Chrome trace), `<name>_at<running>.txt` (the profiler's table by device time), `.json` (a Chrome trace) and
 `_kernels.json` (every kernel in launch order: name, start and duration in us): the kernel-by-kernel listing of a step
 that the write-ups in benchmarks/results/ read (h100_2026-11-26h call b, h100_2026-11-27f call a, h200_2026-11-28
 calls 1 and 4). The profiler stretches kernels shorter than a few us; time them in CUDA graphs for those.
@@ -132,7 +132,8 @@ def profile_window(engine, step, args, stem: str, out: Path) -> None:
     events = prof.key_averages()
     table = events.table(sort_by="device_time_total" if cuda else "self_cpu_time_total", row_limit=30)
     (out / f"{stem}.txt").write_text(table)
-    prof.export_chrome_trace(str(out / f"{stem}.json"))
+    if not args.prefill:  # (a prefill window's trace runs to gigabytes when its steps compile: not written)
+        prof.export_chrome_trace(str(out / f"{stem}.json"))
     (out / f"{stem}_kernels.json").write_text(json.dumps(
         {"model": args.model, "window": stem, "steps": args.steps, "device": args.device,
          "step_ms": step_ms, "step_prompt_tokens": step_prompt,

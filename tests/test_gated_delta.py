@@ -150,3 +150,34 @@ def test_broken_fla_install_is_reported_not_swallowed(monkeypatch):
     with pytest.warns(UserWarning, match="cannot be imported"):
         assert gated_deltanet._fla_chunk() is None
     gated_deltanet._fla_chunk.cache_clear()
+
+
+def test_warm_up_covers_the_counts_that_compile_anew(monkeypatch):
+    """`gated_deltanet.warm_up` calls fla's variable-length chunk once per count of `warm_up_counts` (every l2-norm
+    block count up to the token limit, token counts that are and are not multiples of 16, 1 / 3 / 16 sequences, short
+    steps), with each call's inputs consistent: cu_seqlens from 0 to the tokens, one initial state a sequence. Without
+    CUDA (or fla) it does nothing."""
+    counts = gated_deltanet.warm_up_counts(8192, 32)
+    assert {-(-t * 32 // 65536) for t, _ in counts} == {1, 2, 3, 4}
+    assert {t % 16 == 0 for t, _ in counts} == {True, False} and {n for _, n in counts} == {1, 3, 16}
+    assert min(t for t, _ in counts) == 1 and max(t for t, _ in counts) == 8192
+    assert all(0 < n <= t <= 64 for t, n in gated_deltanet.warm_up_counts(64, 4))
+
+    model = torch.nn.Linear(2, 2)
+    assert gated_deltanet.warm_up(model, 512) == 0  # no fast path on CUDA: nothing to warm
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                 use_qk_l2norm_in_kernel):
+        tokens = q.shape[1]
+        assert q.shape == k.shape == (1, tokens, 4, 8) and v.shape == (1, tokens, 4, 16)
+        assert g.shape == beta.shape == (1, tokens, 4) and g.dtype == torch.float32 and (g <= 0).all()
+        assert cu_seqlens_cpu[0] == 0 and cu_seqlens_cpu[-1] == tokens and (cu_seqlens_cpu.diff() > 0).all()
+        assert initial_state.shape == (len(cu_seqlens_cpu) - 1, 4, 8, 16) and output_final_state
+        calls.append((tokens, len(cu_seqlens_cpu) - 1))
+
+    monkeypatch.setattr(gated_deltanet, "_fla_chunk", lambda: fake_fla)
+    monkeypatch.setattr(gated_deltanet, "_fast_shapes",
+                        lambda m: {(4, 8, 16, torch.float32, torch.device("cpu"))})
+    assert gated_deltanet.warm_up(model, 512) == len(calls) == len(gated_deltanet.warm_up_counts(512, 4))
+    assert calls == gated_deltanet.warm_up_counts(512, 4)

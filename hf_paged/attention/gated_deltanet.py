@@ -14,6 +14,14 @@ projections, convolution weights, gates, norm and output projection, and runs, f
 
 It is installed (`install`, from `recurrent.install`) on modules with Qwen3.5's layout, and used on CUDA (the CPU
 runs the module's own code, which the architecture sweep compares with transformers token for token).
+
+`warm_up` runs the variable-length call at the engine's warm-up over the token and sequence counts that make Triton
+compile (or flash-linear-attention autotune) a kernel anew. Triton specialises a kernel's integer arguments (the
+step's tokens, sequences and chunks) on being 1, a multiple of 16 or neither, and fla's l2 norm autotunes per
+``cdiv(tokens * heads, 65536)``: on an H200 (Qwen3.5-9B shape, 200 requests sharing a system prompt, prefix hits) the
+first step of ~130 sequences took 12.7 s for 12,912 prompt tokens, 11.2 s of it fla's host time compiling and
+autotuning (`benchmarks/results/h200_2026-11-29d/`), where the engine's warm-up had run only a few sequences of a
+few hundred tokens.
 `tests/test_gated_delta.py` runs this path on the CPU (`FORCE` on) against transformers' tokens and recurrent rule.
 """
 
@@ -31,7 +39,7 @@ from transformers.activations import ACT2FN
 
 from ..kernels.gated_delta import gdn_decode
 
-__all__ = ["FORCE", "GatedDeltaNetPath", "varlen_conv"]
+__all__ = ["FORCE", "GatedDeltaNetPath", "varlen_conv", "warm_up", "warm_up_counts"]
 
 FORCE = False  # run the fast path on the CPU too (tests)
 _ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
@@ -208,6 +216,51 @@ class GatedDeltaNetPath:
             core.index_copy_(0, rows, torch.cat(outs).to(core.dtype))
             final = torch.cat(finals)
         state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+
+
+def warm_up_counts(max_tokens: int, heads: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the warm-up's calls: for every l2-norm block count up to `max_tokens` (tokens * heads
+    per 65,536), its largest token count as a multiple of 16 and not, over 1, 3 and 16 sequences; and short steps
+    (1, 17 and 48 tokens)."""
+    counts = {(1, 1), (17, 1), (48, 3)}
+    for blocks in range(1, -(-max_tokens * heads // 65536) + 1):
+        top = max(16, min(max_tokens, blocks * 65536 // heads) // 16 * 16)
+        counts |= {(top, 1), (top, 16), (top - 3, 3), (top - 1, 1)}
+    return sorted((t, n) for t, n in counts if 0 < n <= t <= max_tokens)
+
+
+def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
+    """Run flash-linear-attention's variable-length chunk call once for each of `warm_up_counts` and each distinct
+    layer shape of `model`'s fast paths (CUDA, fla installed), on random inputs, so that its kernels compile and
+    autotune now, not in a serving step (module docstring). Returns the number of calls (0: nothing to warm)."""
+    fla = _fla_chunk()
+    shapes = _fast_shapes(model)
+    if fla is None or not shapes:
+        return 0
+    calls = 0
+    with torch.inference_mode():
+        for heads, key_dim, value_dim, dtype, device in sorted(shapes, key=str):
+            for tokens, seqs in warm_up_counts(max_tokens, heads):
+                cu = torch.from_numpy(np.linspace(0, tokens, seqs + 1).round().astype(np.int64))
+                q, k = (torch.randn(1, tokens, heads, key_dim, dtype=dtype, device=device) for _ in range(2))
+                v = torch.randn(1, tokens, heads, value_dim, dtype=dtype, device=device)
+                g = -torch.rand(1, tokens, heads, device=device)  # log decays, float32 as `_project` makes them
+                beta = torch.rand(1, tokens, heads, dtype=dtype, device=device)
+                initial = torch.zeros(seqs, heads, key_dim, value_dim, device=device)
+                fla(q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=cu.to(device),
+                    cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)
+                calls += 1
+    return calls
+
+
+def _fast_shapes(model: torch.nn.Module) -> set[tuple]:
+    """(value heads, key dim, value dim, dtype, device) of every fast path of `model` on CUDA."""
+    shapes = set()
+    for module in model.modules():
+        if module.__dict__.get("_hf_paged_fast") is not None and module.in_proj_qkv.weight.is_cuda:
+            weight = module.in_proj_qkv.weight
+            shapes.add((module.num_v_heads, module.head_k_dim, module.head_v_dim, weight.dtype, weight.device))
+    return shapes
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from .. import kernels
+from ..attention import gated_deltanet
 from ..cache import attention_heads, layer_kv_shapes
 from . import recording
 
@@ -63,7 +64,8 @@ class WarmUpForwards:
         query length per tile shape the kernel can pick for this model's heads is run
         (`kernels.prefill_tile_lengths`), so each is compiled (a missed one cost a serving step about a second of
         JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
-        (slot -1) and every table points at block 0.
+        (slot -1) and every table points at block 0. A hybrid's gated DeltaNet layers then warm flash-linear-attention's
+        variable-length call over the token and sequence counts that compile anew (`gated_deltanet.warm_up`).
         """
         heads, _ = attention_heads(self.cache.config)  # the group sizes: the same on every TP rank
         # every layer shape's tile shapes (Gemma 4's global layers tile by their own head size and group)
@@ -73,6 +75,8 @@ class WarmUpForwards:
         with torch.inference_mode():
             for q_len in lengths:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
+        if self.hybrid:
+            gated_deltanet.warm_up(self.model, max_tokens)
         if self.device.type == "cuda":
             recording.device_synchronize(self.device)
 
