@@ -22,7 +22,7 @@ on bf16 logits, flat (``randn``, as a random-weight model's) and peaked (``randn
 the Gemma-3 shape (262,144 tokens, T 1.0, top-k 64, top-p 0.95) and a Qwen shape (151,936, T 0.7, top-k 20, top-p
 0.95), 1 / 64 / 240 rows: each path's time with ``do_bench`` (as called: launches included, L2 flushed) and its GPU
 time replayed from a CUDA graph (`graph_ms`: what the engine's pick costs behind the step's graph), the
-``torch.topk`` alone, the fast path's selection alone (`triton_topk_sampling.select`: topk over pieces of long rows, then over those), and how many rows fell back to the full kernel. It checks that both paths give the same
+``torch.topk`` alone, and how many rows fell back to the full kernel. It checks that both paths give the same
 tokens. ``--top-k-only`` runs only that table; ``--tiny`` runs it at small shapes on the CPU (torch backend).
 
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench [--quick]
@@ -194,11 +194,9 @@ def time_top_k(rows_list, shapes, device: str) -> list[dict]:
     else:
         timer = _host_ms
     out = []
-    from hf_paged.kernels.triton_topk_sampling import select
-
-    print("\n| top-k fast path | logits | rows | fallback rows | kernel µs | fast µs | topk µs | select µs | "
-          "kernel/fast | kernel graph µs | fast graph µs | graph kernel/fast |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| top-k fast path | logits | rows | fallback rows | kernel µs | fast µs | topk µs | kernel/fast | "
+          "kernel graph µs | fast graph µs | graph kernel/fast |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (vocab, temperature, k, p) in shapes.items():
         for kind in ("flat", "peaked"):
             for rows in rows_list:
@@ -219,8 +217,7 @@ def time_top_k(rows_list, shapes, device: str) -> list[dict]:
                     raise SystemExit(f"the fast path's tokens differ: {name} {kind} {rows} rows")
                 row = dict(shape=name, logits=kind, rows=rows, vocab=vocab, top_k=k, top_p=p, candidates=count,
                            fallback_rows=_fallback_rows(logits, args, count), kernel_us=timer(full) * 1e3,
-                           fast_us=timer(fast) * 1e3, topk_us=timer(lambda x=logits, c=count: torch.topk(x, c)) * 1e3,
-                           select_us=timer(lambda x=logits, c=count: select(x, c)) * 1e3)
+                           fast_us=timer(fast) * 1e3, topk_us=timer(lambda x=logits, c=count: torch.topk(x, c)) * 1e3)
                 row["kernel_graph_us"] = row["fast_graph_us"] = float("nan")
                 if cuda:
                     row["kernel_graph_us"] = graph_ms(full) * 1e3
@@ -230,8 +227,7 @@ def time_top_k(rows_list, shapes, device: str) -> list[dict]:
                         print(f"fast path capture failed: {type(exc).__name__}: {exc}")
                 out.append(row)
                 print(f"| {name} | {kind} | {rows} | {row['fallback_rows']} | {row['kernel_us']:.1f} | "
-                      f"{row['fast_us']:.1f} | {row['topk_us']:.1f} | {row['select_us']:.1f} | "
-                      f"{row['kernel_us'] / row['fast_us']:.2f}x | "
+                      f"{row['fast_us']:.1f} | {row['topk_us']:.1f} | {row['kernel_us'] / row['fast_us']:.2f}x | "
                       f"{row['kernel_graph_us']:.1f} | {row['fast_graph_us']:.1f} | "
                       f"{row['kernel_graph_us'] / row['fast_graph_us']:.2f}x |", flush=True)
                 del logits

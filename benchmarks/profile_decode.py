@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first --steps steps (the prefills) instead of steady decode windows")
     parser.add_argument("--no-prefix-caching", action="store_true", help="run the engine without the prefix cache")
+    parser.add_argument("--one-table", action="store_true",
+                        help="one block table for every layer (release_window_blocks=False: no block groups)")
     parser.add_argument("--until-running", type=counts, default=[0],
                         help="comma list: before each window, step on until at most this many sequences run "
                              "(0: profile at once, after the prefills)")
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args.model, args.device, dtype)
     built = time.perf_counter()
     engine = hf_paged.Engine(model, compile_decode=args.compile_decode, kv_cache_memory=args.kv_cache_memory,
-                             enable_prefix_caching=not args.no_prefix_caching)
+                             enable_prefix_caching=not args.no_prefix_caching,
+                             release_window_blocks=not args.one_table)
     engine.warm_up()
     print(f"model built in {built - start:.1f} s, engine made and warmed up in {time.perf_counter() - built:.1f} s",
           flush=True)
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.add_request(prompt, max_new_tokens=n, ignore_eos=True, **sampling_kwargs(args))
     step = lambda: engine.step(finished_only=args.finished_only)
     name = f"profile_{args.model}_{args.workload}" + (f"_t{args.temperature:g}" if args.temperature else "") + (
-        "_compiled" if args.compile_decode else "")
+        "_compiled" if args.compile_decode else "") + ("_onetable" if args.one_table else "")
     if args.prefill:
         profile_window(engine, step, args, f"{name}_prefill", out)
         engine.close()

@@ -451,8 +451,8 @@ COMMAND_LINES = {
     "profile_decode": [([], {"until_running": [0], "steps": 30, "dtype": None}),
                        (["--compile-decode", "--finished-only", "--until-running", "240,64,8", "--steps", "3"],
                         {"until_running": [240, 64, 8], "compile_decode": True, "steps": 3}),
-                       (["--workload", "shared_system", "--prefill", "--no-prefix-caching"],
-                        {"workload": "shared_system", "prefill": True, "no_prefix_caching": True})],
+                       (["--workload", "shared_system", "--prefill", "--no-prefix-caching", "--one-table"],
+                        {"workload": "shared_system", "prefill": True, "no_prefix_caching": True, "one_table": True})],
 }
 # values each parser must refuse (exit 2 with a usage message)
 BAD_COMMAND_LINES = {

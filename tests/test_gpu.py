@@ -294,7 +294,7 @@ def test_grouped_latent_and_recurrent_families_on_cuda(family, overrides, compil
     engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=64,
                              compile_decode=compile_decode)
     assert engine.runner.use_cuda_graph
-    assert engine.runner.grouped == family in ("gemma3_text", "gpt_oss")
+    assert engine.runner.grouped == (family in ("gemma3_text", "gpt_oss"))
     outs = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert engine.runner.graph_steps > 0 and engine.runner.graph_failure is None

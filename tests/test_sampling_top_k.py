@@ -225,22 +225,6 @@ def test_triton_candidate_kernel_matches_torch():
     assert torch.equal(got.cpu(), want) and (want == -1).any() and (want >= 0).any()
 
 
-@pytest.mark.parametrize("rows,vocab,count,piece", [(3, 1000, 40, 64), (5, 4096, 128, 512), (2, 4100, 7, 256),
-                                                     (4, 777, 16, 100), (2, 300, 16, 100)])
-def test_selection_in_pieces_gives_the_largest_values(rows, vocab, count, piece):
-    """`select` (the fast path's candidates; long rows in two rounds of topk over pieces, a shorter last piece):
-    the same sorted values as one topk, each index pointing at its value, no index twice; ties at the top too."""
-    tt = pytest.importorskip("hf_paged.kernels.triton_topk_sampling")
-    gen = torch.Generator().manual_seed(rows * vocab)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(rows, vocab, generator=gen).to(dtype)
-        x[0, 5] = x[0, vocab - 3] = x.max() + 1  # a tie at the top, across pieces
-        values, indices = tt.select(x, count, piece)
-        assert torch.equal(values, x.topk(count, dim=1).values)
-        assert torch.equal(x.gather(1, indices), values)
-        assert all(len(set(r.tolist())) == count for r in indices)
-
-
 def test_triton_fast_path_matches_reference():
     """The whole Triton path (topk, candidate kernel, the full kernel for the undecided rows only) gives the
     reference's tokens: rows decided by the candidates, a tie past the list and a greedy tie past it."""

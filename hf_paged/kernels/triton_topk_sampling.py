@@ -5,9 +5,11 @@ Why: the full kernel runs one program per row and reads a row of a large vocabul
 threshold (H200, Gemma-3-1B's 262,144 tokens, 240 flat bf16 rows at top-k 64 / top-p 0.95: 1.42 ms). With top-k on,
 every token the draw can take is among the row's k largest (ties at the boundary aside), so:
 
-1. the ``count`` largest logits of each row, sorted (``count`` = `candidate_count` of the call's largest k: the k
-   largest and a margin, so that a tie at the k-th value usually ends inside the list): `select`, ``torch.topk`` in
-   two rounds for long rows (each row cut into pieces, the ``count`` largest of every piece, then of those);
+1. ``torch.topk(logits, count)`` (sorted; ``count`` = `candidate_count` of the call's largest k: the k largest and a
+   margin, so that a tie at the k-th value usually ends inside the list). It takes most of the path's time on long
+   rows (H200, 240 bf16 rows of 262,144, count 128: 547 of 557 us); a topk in two rounds (the rows cut in pieces of
+   8,192, the largest of each, then of those) was slower at every row count (684 us at 240 rows, 78 against 60 us at
+   one; `benchmarks/results/h200_2026-11-29d/`);
 2. `_candidate_kernel`, one program per row on its ``count`` candidates: the decisions of
    `reference_sampling.candidate_tokens` (top-k set with its boundary ties, top-p on the running mass, min-p, the
    Gumbel-max draw with the full kernel's noise and float operations), or -1 where the list cannot decide the row
@@ -36,35 +38,6 @@ from .triton_sampling import _h, _pick
 # the candidate tile: one compiled variant for every candidate count up to `BLOCK` (`candidate_count` of k <= 256)
 BLOCK = 512
 NUM_WARPS = 4
-# `select`: rows at least this long are cut into pieces of about this many logits. One ``torch.topk`` over long rows
-# gives each row one thread block, which reads its row in several radix passes: H200, 240 bf16 rows of 262,144 at
-# count 128 took 547 us (230 GB/s), most of the fast path's 557 us (benchmarks/results/h200_2026-11-29d/)
-PIECE = 8192
-
-
-def select(logits: torch.Tensor, count: int, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(logits, count, dim=1)`` (sorted, largest first), for long rows in two rounds: each row cut into
-    pieces of ``piece`` logits (the last one shorter), the ``count`` largest of each piece, then the ``count``
-    largest of those. The same values: every one of a row's ``count`` largest is among its piece's ``count`` largest.
-    Which of several equal values at the end of the list is taken may differ, as it may between two ``topk`` calls;
-    the candidate kernel decides a row only when its kept set ends strictly above the list's last value, so only
-    values that are all in the list matter."""
-    rows, vocab = logits.shape
-    pieces = vocab // piece
-    if pieces < 4 or count > piece or not logits.is_contiguous():
-        return torch.topk(logits, count, dim=1)
-    whole = pieces * piece
-    head = logits.as_strided((rows, pieces, piece), (vocab, piece, 1))  # a view: the whole pieces of each row
-    values, indices = torch.topk(head, count, dim=2)  # [R, P, count]
-    indices = indices + (torch.arange(pieces, device=logits.device) * piece)[None, :, None]
-    values, indices = values.reshape(rows, -1), indices.reshape(rows, -1)
-    if whole < vocab:  # the tail piece
-        tail_values, tail_indices = torch.topk(logits[:, whole:], min(count, vocab - whole), dim=1)
-        values = torch.cat([values, tail_values], dim=1)
-        indices = torch.cat([indices, tail_indices + whole], dim=1)
-    top, at = torch.topk(values, count, dim=1)
-    return top, indices.gather(1, at)
-
 
 @triton.jit(do_not_specialize=["count", "vocab"])  # one variant a logits dtype, whatever k and the vocabulary
 def _candidate_kernel(values_ptr, indices_ptr, count, vocab, inv_t_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr,
@@ -135,7 +108,7 @@ def sample_top_k(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor,
                  candidate_block: int = BLOCK, **full_kernel) -> torch.Tensor:
     """`triton_sampling.sample_tokens`' tokens through the fast path (module docstring): ``count`` candidates a row
     (``2 <= count <= candidate_block``); ``full_kernel``: that function's tuning knobs, for the rows that fall back."""
-    values, indices = select(logits, min(count, logits.shape[1]))
+    values, indices = torch.topk(logits, min(count, logits.shape[1]), dim=1)
     decided = candidate_tokens(values, indices, logits.shape[1], inv_t, top_k, top_p, log_min_p, seed, offset,
                                candidate_block=candidate_block)
     return triton_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset, decided=decided,
