@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged import kernels
 from hf_paged.testing import tiny_model
 
 try:
@@ -557,6 +558,16 @@ def test_generate_with_one_bad_prompt_queues_nothing(model, prompts):
     with pytest.raises(ValueError, match="params"):
         engine.generate(prompts[:3], [hf_paged.SamplingParams()] * 2)
     assert_no_leaks(engine)
+
+
+def test_a_block_size_below_the_triton_kernels_tiles_is_refused_up_front(model, monkeypatch):
+    """Blocks of 4 tokens work on the torch path; on the Triton kernels' device (here their interpreter) the engine
+    refuses them at construction, not by failing every request of every step."""
+    if not kernels.triton_available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    with pytest.raises(ValueError, match="block_size must be a power of two in \\[8, 256\\]"):
+        make_engine(model, block_size=4, num_blocks=16)
 
 
 @pytest.mark.parametrize(

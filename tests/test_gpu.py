@@ -291,7 +291,7 @@ def test_grouped_latent_and_recurrent_families_on_cuda(family, overrides, compil
     refs = [model.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), device="cuda"),
                            max_new_tokens=24, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
             for p in prompts]
-    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=64,
+    engine = hf_paged.Engine(model, num_blocks=32, block_size=16, max_num_batched_tokens=64,
                              compile_decode=compile_decode)
     assert engine.runner.use_cuda_graph
     assert engine.runner.grouped == (family in ("gemma3_text", "gpt_oss"))

@@ -30,6 +30,7 @@ from ..cache import (
     plan_for,
     resolve_kv_cache_dtype,
 )
+from ..kernels import get_backend
 from ..runner import recording
 
 _GIB = 2**30
@@ -54,7 +55,13 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     `group_layers` (the engine's `release_window_blocks`): a mixed sliding / full stack gets a `GroupedPagedCache`
     (one block table per layer group, `cache.grouped_cache.plan_for`), whose block holds one group's layers. A
     `num_blocks` given counts blocks of every layer (what a one-table pool of that memory holds): the grouped pool
-    gets the same memory, `num_blocks * layers // group_size` blocks of one group."""
+    gets the same memory, `num_blocks * layers // group_size` blocks of one group.
+
+    The Triton kernels tile a block in 8 to 256 tokens: a `block_size` outside that on their device is refused here,
+    where each step would otherwise fail every request it holds."""
+    if get_backend(device) == "triton" and not 8 <= block_size <= 256:
+        raise ValueError(f"block_size must be a power of two in [8, 256] on {device} (the Triton kernels' tiles), "
+                         f"got {block_size}")
     probe = PagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads)
     pool_dtype = resolve_kv_cache_dtype(kv_cache_dtype) or dtype
     if kv_scales is None and pool_dtype != dtype:
