@@ -285,13 +285,36 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
         mask = call.args[4] if len(call.args) > 4 else next(
             (kw.value for kw in call.keywords if kw.arg == "attention_mask"), None)
         mask_name = ast.unparse(mask) if mask is not None else None
-        if mask_name not in (None, "None", "attention_mask"):
+        if mask_name not in (None, "None") and mask_name not in _model_mask_names(tree, call.lineno):
             found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
         extra = sorted(kw.arg for kw in call.keywords if kw.arg in UNSUPPORTED_ATTENTION_KWARGS
                        and not (isinstance(kw.value, ast.Constant) and kw.value.value is None))
         if extra:
             found["unknown_attention_kwargs"] = f"{cls.__name__} passes {extra} to the attention function"
     return tuple(found.items())
+
+
+def _model_mask_names(tree: ast.AST, before: int) -> set[str]:
+    """Names that hold the model's own `attention_mask` argument at line `before`: the argument itself and names
+    assigned only from it, by `or`, subscripts and `.get(...)` (Zaya picks its layer type's mask out of the mapping
+    `attention_mask` is: `mask_mapping = attention_mask or {}; causal_mask = mask_mapping.get("causal")`). A name
+    assigned from anything else (a bias built from the hidden states, Doge's dynamic mask) is not the model's mask."""
+    derived = {"attention_mask"}
+    assignments = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Assign) and node.lineno < before),
+                         key=lambda node: node.lineno)
+    for node in assignments:
+        targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        if len(targets) != len(node.targets):
+            derived -= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            continue
+        names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+        calls_ok = all(isinstance(c.func, ast.Attribute) and c.func.attr == "get"
+                       for c in ast.walk(node.value) if isinstance(c, ast.Call))
+        if names and names <= derived and calls_ok:
+            derived.update(targets)
+        else:
+            derived -= set(targets)
+    return derived
 
 
 def _kv_heads_written(module) -> int | None:
