@@ -39,7 +39,7 @@ MUST_PASS = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"
              "phi", "smollm3", "starcoder2", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
 # families that compute attention themselves, routed by a per-family adapter (issue 54: hf_paged.attention.adapters),
 # and ModernBERT-decoder (interface-routed; its LM head is called `decoder`, which the gate once took for the stack)
-ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese",
+ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese", "moshi",
            "modernbert-decoder")
 # multi-head latent attention (issue 54): the latent in the pool, attention absorbed (hf_paged.attention.adapters.mla)
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash", "axk1")

@@ -4,6 +4,9 @@ against transformers' own `generate()`, on tiny seeded models (float32, CPU).
 
 * Zaya: its CCA projection is a recurrent mixer that returns query, key and value (a tuple) and its attention picks
   the model's own causal mask out of a mapping (`attention_mask_modified` no longer reported for it).
+* Moshi: its window of 4 is applied by transformers' cache only (`hf_paged.attention.adapters.moshi`): prompts longer
+  than it attend to all of themselves, generated tokens slide. Tokens are checked to depend on that window (no
+  window at all gives others), on the engine's eager and static decode paths and the drop-in cache.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import hf_paged
+from hf_paged.cache import PagedCache
 
 try:
-    from tests.helpers import generating_model, greedy_references
+    from tests.helpers import dense_generate, generating_model, greedy_references, left_padded_batch
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import generating_model, greedy_references
+    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch
 
 
 @functools.cache
@@ -25,8 +30,10 @@ def family_model(family: str):
     return generating_model(family)
 
 
-def engine_greedy(model, prompts, new: int, **kwargs) -> list[list[int]]:
+def engine_greedy(model, prompts, new: int, static: bool = False, **kwargs) -> list[list[int]]:
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, **kwargs)
+    if static:
+        engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
     outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
     assert not engine.has_unfinished() and engine.kv_stats().used_blocks == 0
     return [o.outputs[0].token_ids for o in outs]
@@ -45,3 +52,28 @@ def test_a_mask_the_module_builds_itself_is_still_refused():
     """Doge hands the attention function a dynamic mask built from its hidden states: still refused."""
     features = hf_paged.attention.model_features(family_model("doge"))
     assert "attention_mask_modified" in features and "attn_mask" in features["attention_mask_modified"]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_moshi_prompts_longer_than_the_window_match_transformers(static):
+    model = family_model("moshi")
+    assert model.config.sliding_window == 4 and "mask_only_window" not in hf_paged.attention.model_features(model)
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    unwindowed = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=None, use_cache=False)[0, len(p):].tolist() for p in prompts]
+    assert unwindowed != refs  # (the window changes these tokens)
+    assert engine_greedy(model, prompts, 8, static=static) == refs
+
+
+def test_moshi_drop_in_cache_matches_transformers_on_a_padded_batch():
+    model = family_model("moshi")
+    input_ids, mask = left_padded_batch((11, 3, 6))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    reference = dense_generate(model, **kwargs)
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            out = model.generate(past_key_values=PagedCache(config=model.config, num_blocks=64, block_size=4), **kwargs)
+        finally:
+            hf_paged.disable(model)
+    assert torch.equal(out, reference)

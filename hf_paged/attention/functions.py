@@ -75,7 +75,7 @@ __all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask"
 
 _UNSUPPORTED_KWARGS = tuple(sorted(UNSUPPORTED_ATTENTION_KWARGS))
 # attention kwargs (besides `scaling` / `dropout`) the kernels handle, and the config-driven chunked layers
-HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux", "alibi_slopes")
+HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux", "alibi_slopes", "cache_window")
 
 
 def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
@@ -134,6 +134,16 @@ def paged_mask(
     if attention_mask.dim() != 2:
         return attention_mask
     return attention_mask[:, -kv_length:] if attention_mask.shape[1] > kv_length else attention_mask
+
+
+def _cache_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """`cache_window`: a window transformers applies through its cache only (Moshi, `adapters.moshi`): a forward that
+    starts at position `c` reads the keys from `c - W + 1` on (all of a prompt prefilled in one forward)."""
+    window = kwargs.get("cache_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed cache_window={window!r}, expected a "
+                         "positive int")
+    return window
 
 
 def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict) -> torch.Tensor:
@@ -235,8 +245,12 @@ def paged_attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
     opts = layer_options(module, kwargs)
+    cache_window = _cache_window(module, kwargs)
+    if cache_window is not None and opts["sliding_window"] is not None:
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed both sliding_window and cache_window")
     has_opts = any(v is not None for v in opts.values())
     if torch.compiler.is_dynamo_compiling():
+        opts["sliding_window"] = opts["sliding_window"] or cache_window  # (the compiled step decodes: one query)
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
         if active is not None:
@@ -261,7 +275,7 @@ def paged_attention_forward(
 
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
-        cache.layer_windows[layer_idx] = opts["sliding_window"]
+        cache.layer_windows[layer_idx] = opts["sliding_window"] or cache_window
     step = cache._step.for_group(getattr(key, "_hf_paged_group", 0))  # a grouped cache: the layer group's tables
     k_scale, v_scale = getattr(key, "_hf_paged_scales", (None, None))  # an FP8 pool's (`PagedCache._tag_layers`)
     fp8 = dict(k_scale=k_scale, v_scale=v_scale)
@@ -272,17 +286,35 @@ def paged_attention_forward(
     if step.layout == "ragged":
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
+            opts["sliding_window"] = opts["sliding_window"] or cache_window  # (one query: the same window)
             out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale,
                                        split_counters=step.split_counters, **fp8, **opts)
         else:
+            first = None
+            if cache_window is not None:  # each sequence's first key: its cached length before this step - W + 1
+                q_lens = step.cu_seqlens_q[1:] - step.cu_seqlens_q[:-1]
+                first = (step.seq_lens - q_lens - cache_window + 1).clamp(min=0).to(torch.int32)
             out = kernels.paged_prefill(
                 flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,
-                **fp8, **opts,
+                first, **fp8, **opts,
             )
         return out.unsqueeze(0), None
 
     kv_len = cache.get_seq_length()
     left_padded, kv_start = _left_padding_starts(step, attention_mask, kv_len)
+    if cache_window is not None:
+        if q_len == 1:
+            opts["sliding_window"], has_opts = cache_window, True
+        elif kv_len - q_len - cache_window + 1 > 0:  # keys cached before this forward, out of the window
+            first = kv_len - q_len - cache_window + 1
+            if left_padded:
+                start = kv_start if kv_start is not None else step.seq_lens.new_zeros(batch, dtype=torch.int32)
+                kv_start = start.clamp(min=first)
+            else:
+                mask = attention_mask if attention_mask is not None else torch.ones(
+                    (batch, kv_len), dtype=torch.bool, device=query.device)
+                attention_mask = mask.clone()
+                attention_mask[:, -kv_len:][:, :first] = 0
     if not left_padded:
         keys = _gather_dense(key, step.block_tables, kv_len, k_scale, query.dtype)
         values = _gather_dense(value, step.block_tables, kv_len, v_scale, query.dtype)
