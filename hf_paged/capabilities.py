@@ -226,7 +226,8 @@ def inspect_model(model, num_tokens: int = 4) -> Capabilities:
         caps.error = f"{type(error).__name__}: {error}"[:300]
     for call, key_id in _CALLS:
         # its own layer's update, or an earlier layer's whose K/V it reads unchanged (Gemma 3n / 4 KV sharing)
-        call.from_cache_update = call.layer_idx is not None and key_id in cache.returned.values()
+        # (a module without a layer of its own, Zamba's shared attention block, passes its cache layer to update())
+        call.from_cache_update = key_id in cache.returned.values()
         caps.calls.append(call)
     _CALLS.clear()
     caps.updated_layers = tuple(sorted(cache.returned))

@@ -48,10 +48,12 @@ MLA_REFUSED = {"deepseek_v32": "sparse_attention", "glm_moe_dsa": "sparse_attent
                "axk2": "sparse_attention", "kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
-          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya")
+          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya", "zamba")
+# attention modules that write cache layers other than their own layer_idx (Zamba's shared block, HRM's cycles)
+CACHE_LAYER_INDEX = ("zamba", "hrm_text")
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
 RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
-                     "zamba": "cache_layer_index", "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
+                     "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
                      "inkling_text": "unknown_attention_kwargs"}
 
 
@@ -124,6 +126,13 @@ def test_hybrid_models_pass():
     failing = {a: _records()[a]["reason"] for a in HYBRID if _records()[a]["verdict"] != "pass"}
     assert not failing
     assert all("recurrent_state" in _records()[a]["features"] for a in HYBRID)
+
+
+@pytest.mark.slow
+def test_modules_writing_other_cache_layers_pass():
+    failing = {a: _records()[a]["reason"] for a in CACHE_LAYER_INDEX if _records()[a]["verdict"] != "pass"}
+    assert not failing
+    assert all("cache_layer_index" in _records()[a]["features"] for a in CACHE_LAYER_INDEX)
 
 
 @pytest.mark.slow

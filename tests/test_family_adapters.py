@@ -7,6 +7,11 @@ against transformers' own `generate()`, on tiny seeded models (float32, CPU).
 * Moshi: its window of 4 is applied by transformers' cache only (`hf_paged.attention.adapters.moshi`): prompts longer
   than it attend to all of themselves, generated tokens slide. Tokens are checked to depend on that window (no
   window at all gives others), on the engine's eager and static decode paths and the drop-in cache.
+* Zamba and HRM (`cache_layer_index`): a module writes cache layers other than its own `layer_idx` (Zamba's shared
+  attention block, `layer_idx` None, at each hybrid depth; HRM's two layers at each of their 8 cycles): the pool keeps
+  each depth's K/V apart, and the attention reads the layer `update()` wrote. Checked on the engine (one step and
+  chunked prefill, every depth in every forward), by the pool's distinct layers, and the compiled decode step (whose
+  fused op writes the module's own layer) is refused when asked for and not chosen by default.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 import hf_paged
 from hf_paged.cache import PagedCache
+from hf_paged.engine.defaults import compile_decode_for
 
 try:
     from tests.helpers import dense_generate, generating_model, greedy_references, left_padded_batch
@@ -77,3 +83,43 @@ def test_moshi_drop_in_cache_matches_transformers_on_a_padded_batch():
         finally:
             hf_paged.disable(model)
     assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("family", ["zamba", "hrm_text"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_modules_writing_other_cache_layers_match_transformers_on_the_engine(family, chunked):
+    model = family_model(family)
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if chunked else {}
+    assert engine_greedy(model, prompts, 8, **kwargs) == refs
+
+
+@pytest.mark.parametrize("family,depths", [("zamba", [1, 3]), ("hrm_text", list(range(16)))])
+def test_every_depth_keeps_its_own_kv_in_the_drop_in_cache(family, depths):
+    """A prompt through every depth of the shared / cycled modules: each writes its own cache layer."""
+    model = family_model(family)
+    assert "cache_layer_index" in hf_paged.attention.model_features(model)
+    input_ids, mask = left_padded_batch((9, 5))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    reference = dense_generate(model, **kwargs)
+    cache = PagedCache(config=model.config, num_blocks=64, block_size=4)
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            out = model.generate(past_key_values=cache, **kwargs)
+        finally:
+            hf_paged.disable(model)
+    assert torch.equal(out, reference)
+    assert cache.kv_layers == depths
+    first_block = cache.block_manager.block_table(cache._rows[0])[0]
+    keys = [cache.layer_caches(layer)[0][first_block] for layer in depths]
+    assert all(not torch.equal(keys[0], other) for other in keys[1:])  # (written, and apart)
+
+
+@pytest.mark.parametrize("family", ["zamba", "hrm_text"])
+def test_the_compiled_decode_step_is_not_used_for_them(family):
+    model = family_model(family)
+    assert compile_decode_for(model, True, compile_auto=True) is False
+    with pytest.raises(ValueError, match="cache_layer_index"):
+        compile_decode_for(model, True, compile_auto=False)
+    assert compile_decode_for(family_model("moshi"), True, compile_auto=False) is True

@@ -136,6 +136,23 @@ def paged_mask(
     return attention_mask[:, -kv_length:] if attention_mask.shape[1] > kv_length else attention_mask
 
 
+def _cache_layer(cache, layer: int | None, key: torch.Tensor) -> int | None:
+    """The cache layer whose pool views `key` is (what `update()` returned, tagged by `PagedCache._tag_layers`): the
+    module's own `layer_idx` when those are its views (a shared-KV layer reads its source's through its own index),
+    else the layer the views belong to: a module that writes a cache layer other than its `layer_idx` (Zamba's
+    shared attention block at each of its depths, HRM's layers once per cycle) is told apart by the views it got."""
+    tagged = getattr(key, "_hf_paged_layer", None)
+    if tagged is None or tagged == layer:
+        return layer
+    if not isinstance(layer, int):  # (Zamba's block has none of its own)
+        return tagged
+    try:
+        own = cache.layer_caches(layer)[0]
+    except (ValueError, IndexError):  # the module's own index keeps no K/V
+        own = None
+    return layer if own is key else tagged
+
+
 def _cache_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     """`cache_window`: a window transformers applies through its cache only (Moshi, `adapters.moshi`): a forward that
     starts at position `c` reads the keys from `c - W + 1` on (all of a prompt prefilled in one forward)."""
@@ -273,7 +290,8 @@ def paged_attention_forward(
             mask = _dense_mask(mask, query.shape[2], key.shape[2], query.device)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    layer_idx = getattr(module, "layer_idx", None)
+    # the cache layer these K/V are (a module run at several depths writes several: Zamba, HRM)
+    layer_idx = _cache_layer(cache, getattr(module, "layer_idx", None), key)
     if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
         cache.layer_windows[layer_idx] = opts["sliding_window"] or cache_window
     step = cache._step.for_group(getattr(key, "_hf_paged_group", 0))  # a grouped cache: the layer group's tables

@@ -29,6 +29,7 @@ __all__ = [
     "KERNEL_FEATURES",
     "check_supported",
     "describe_support",
+    "writes_other_cache_layers",
     "model_features",
     "refusal",
 ]
@@ -78,6 +79,7 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
     "value_head_dim", "per_layer_head_dim",  # hf_paged.cache.kv_pool: each layer shape its own tensors
     "kv_sharing",  # layers handed an earlier layer's pool views (hf_paged.cache.memory.kv_shared_sources)
+    "cache_layer_index",  # the pool keyed on the layer update() names (PagedCache.cache_layer_of); not compiled
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
     "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
 })
@@ -444,6 +446,14 @@ def model_features(model_or_config) -> dict[str, str]:
         found = {name: detail for name, detail in found.items() if name not in handled}
         found.update(modules)
     return found
+
+
+def writes_other_cache_layers(model) -> bool:
+    """Whether an attention module of `model` writes a cache layer other than its own `layer_idx` (the feature
+    `cache_layer_index`: Zamba, HRM). The paged attention finds the layer from the pool views `update()` returned;
+    the compiled decode step's fused op (`compiled_op.fused_decode_attention`) writes the module's `layer_idx`, so
+    such a model runs its decode steps eagerly (`hf_paged.engine.defaults.compile_decode_for`)."""
+    return "cache_layer_index" in model_features(model)
 
 
 def refusal(model_or_config, features: dict[str, str]) -> str | None:

@@ -97,8 +97,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
     reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`), the memory
     arithmetic (`hf_paged.cache.memory`), the layers' K/V shapes and tensors (`kv_pool.PoolShapes`, `KVPool`), an FP8
-    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and
-    batch operations (`DropInRows`) live apart.
+    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and batch operations (`DropInRows`) live apart.
     """
 
     def __init__(
@@ -253,7 +252,6 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     def _ensure_pool(self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None,
                      min_blocks: int = 0, layer_idx: int | None = None) -> None:
         """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights).
-
         `min_blocks`: what the first forward needs (a growing pool starts there).
 
         `kv_heads`: the heads of the key states `layer_idx` (default: the first K/V layer) is writing. A rank of a
@@ -298,8 +296,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
                 BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks))
 
     def _ensure_states(self, device: torch.device) -> None:
-        """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in batch row
-        (existing rows get theirs, zeros, now)."""
+        """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in row (now)."""
         if self.states is None:
             slots, checkpoints, specs, cpu_slots = self._state_config
             self.states = RecurrentStates(self.block_manager, device, num_slots=slots, num_checkpoints=checkpoints,
@@ -313,6 +310,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             key_cache._hf_paged_scales = value_cache._hf_paged_scales = self.layer_scales(layer)  # FP8: the kernels'
+            key_cache._hf_paged_layer = value_cache._hf_paged_layer = layer  # (the attention's `_cache_layer`)
             self._layer_views[layer] = (key_cache, value_cache)
         for layer, source in self._kv_sources.items():  # (the compiled step's op looks its layer's views up)
             self._layer_views[layer] = self._layer_views[source]
@@ -371,6 +369,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         if key_states.dim() != 4 or value_states.dim() != 4:
             raise ValueError(f"expected key/value states [batch, heads, tokens, head_dim], got "
                              f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if isinstance(layer_idx, int) and not 0 <= layer_idx < self.num_layers:  # (symbolic in a compiled layer)
+            raise ValueError(f"layer_idx={layer_idx} is not one of this PagedCache's {self.num_layers} layers")
         batch, heads, q_len, _ = key_states.shape
         self._ensure_pool(key_states.device, key_states.dtype, heads,
                           min_blocks=batch * (-(-q_len // self.block_size) + 1), layer_idx=layer_idx)
