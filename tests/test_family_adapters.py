@@ -55,9 +55,12 @@ def test_zaya_matches_transformers_on_the_engine(chunked):
 
 
 def test_a_mask_the_module_builds_itself_is_still_refused():
-    """Doge hands the attention function a dynamic mask built from its hidden states: still refused."""
+    """Doge hands the attention function a dynamic mask it builds from the cached values (a learned per-key bias, and
+    beyond `keep_window_size` keys a top-k selection): still refused, naming what builds it."""
     features = hf_paged.attention.model_features(family_model("doge"))
-    assert "attention_mask_modified" in features and "attn_mask" in features["attention_mask_modified"]
+    assert "prepare_dynamic_mask" in features["attention_mask_modified"]
+    with pytest.raises(ValueError, match="attention_mask_modified"):
+        hf_paged.attention.check_supported(family_model("doge"))
 
 
 @pytest.mark.parametrize("static", [False, True])

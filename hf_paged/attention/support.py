@@ -288,7 +288,12 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
             (kw.value for kw in call.keywords if kw.arg == "attention_mask"), None)
         mask_name = ast.unparse(mask) if mask is not None else None
         if mask_name not in (None, "None") and mask_name not in _model_mask_names(tree, call.lineno):
-            found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
+            builders = sorted({ast.unparse(c.func) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                               and node.lineno < call.lineno and mask_name in {ast.unparse(t) for t in node.targets}
+                               for c in ast.walk(node.value) if isinstance(c, ast.Call)})
+            built = f", built by {', '.join(f'`{b}`' for b in builders)}" if builders else ""
+            found["attention_mask_modified"] = (f"{cls.__name__} passes `{mask_name}` as the mask{built} (its own "
+                                                "bias/mask, not the model's attention_mask)")
         extra = sorted(kw.arg for kw in call.keywords if kw.arg in UNSUPPORTED_ATTENTION_KWARGS
                        and not (isinstance(kw.value, ast.Constant) and kw.value.value is None))
         if extra:
@@ -300,7 +305,8 @@ def _model_mask_names(tree: ast.AST, before: int) -> set[str]:
     """Names that hold the model's own `attention_mask` argument at line `before`: the argument itself and names
     assigned only from it, by `or`, subscripts and `.get(...)` (Zaya picks its layer type's mask out of the mapping
     `attention_mask` is: `mask_mapping = attention_mask or {}; causal_mask = mask_mapping.get("causal")`). A name
-    assigned from anything else (a bias built from the hidden states, Doge's dynamic mask) is not the model's mask."""
+    assigned from anything else (a bias built from the hidden states, Doge's dynamic mask) is not the model's mask.
+    (`attention_mask` itself always counts, as it always did: GPT-2 reassigns it on its cross-attention branch only.)"""
     derived = {"attention_mask"}
     assignments = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Assign) and node.lineno < before),
                          key=lambda node: node.lineno)
@@ -316,7 +322,7 @@ def _model_mask_names(tree: ast.AST, before: int) -> set[str]:
             derived.update(targets)
         else:
             derived -= set(targets)
-    return derived
+    return derived | {"attention_mask"}
 
 
 def _kv_heads_written(module) -> int | None:
