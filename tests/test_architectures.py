@@ -51,6 +51,8 @@ HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_n
           "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya", "zamba")
 # attention modules that write cache layers other than their own layer_idx (Zamba's shared block, HRM's cycles)
 CACHE_LAYER_INDEX = ("zamba", "hrm_text")
+# image cross-attention layers a text-only run skips (Mllama's text model): no K/V for them, images refused
+TEXT_ONLY_CROSS_ATTENTION = ("mllama",)
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
 RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
                      "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
@@ -133,6 +135,14 @@ def test_modules_writing_other_cache_layers_pass():
     failing = {a: _records()[a]["reason"] for a in CACHE_LAYER_INDEX if _records()[a]["verdict"] != "pass"}
     assert not failing
     assert all("cache_layer_index" in _records()[a]["features"] for a in CACHE_LAYER_INDEX)
+
+
+
+@pytest.mark.slow
+def test_text_only_cross_attention_models_pass():
+    failing = {a: _records()[a]["reason"] for a in TEXT_ONLY_CROSS_ATTENTION if _records()[a]["verdict"] != "pass"}
+    assert not failing
+    assert all("text_only_cross_attention" in _records()[a]["features"] for a in TEXT_ONLY_CROSS_ATTENTION)
 
 
 @pytest.mark.slow

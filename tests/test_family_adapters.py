@@ -12,6 +12,9 @@ against transformers' own `generate()`, on tiny seeded models (float32, CPU).
   each depth's K/V apart, and the attention reads the layer `update()` wrote. Checked on the engine (one step and
   chunked prefill, every depth in every forward), by the pool's distinct layers, and the compiled decode step (whose
   fused op writes the module's own layer) is refused when asked for and not chosen by default.
+* Mllama's text model (`text_only_cross_attention`): its image cross-attention layer (layer 1 of the zoo's 3) keeps no
+  K/V and is skipped by the model in text-only runs (`PagedCache.get_seq_length` of it stays 0); image states are
+  refused with a ValueError, not run against an empty cache.
 """
 
 from __future__ import annotations
@@ -126,3 +129,22 @@ def test_the_compiled_decode_step_is_not_used_for_them(family):
     with pytest.raises(ValueError, match="cache_layer_index"):
         compile_decode_for(model, True, compile_auto=False)
     assert compile_decode_for(family_model("moshi"), True, compile_auto=False) is True
+
+
+def test_mllama_runs_text_only_and_refuses_image_states():
+    model = family_model("mllama")
+    assert model.config.cross_attention_layers == [1]
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    assert engine_greedy(model, prompts, 8) == refs
+    cache = PagedCache(config=model.config, num_blocks=16, block_size=4)
+    assert cache.kv_layers == [0, 2]
+    input_ids, mask = left_padded_batch((5, 3))
+    states = torch.zeros((2, 4, model.config.hidden_size))
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            with pytest.raises(ValueError, match="layer 1 keeps no K/V"):
+                model(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                      cross_attention_states=states)
+        finally:
+            hf_paged.disable(model)

@@ -62,6 +62,8 @@ FEATURES: dict[str, str] = {
     "alibi": "ALiBi position biases added to the attention logits",
     "encoder_decoder": "an encoder-decoder model",
     "cross_attention": "cross-attention to encoder states",
+    "text_only_cross_attention": ("cross-attention layers to image states that the model skips in a text-only forward "
+                                  "(Mllama): run text-only, they keep no K/V; a forward with images is refused"),
     "non_causal": "bidirectional (non-causal) attention",
     "not_interface_routed": "attention that does not go through transformers' AttentionInterface with a Cache",
     "attention_adapter": ("attention the model computes itself, routed to the paged attention by a per-family adapter "
@@ -79,6 +81,7 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
     "value_head_dim", "per_layer_head_dim",  # hf_paged.cache.kv_pool: each layer shape its own tensors
     "kv_sharing",  # layers handed an earlier layer's pool views (hf_paged.cache.memory.kv_shared_sources)
+    "text_only_cross_attention",  # hf_paged.cache.memory.cross_attention_layer_indices: no K/V, skipped
     "cache_layer_index",  # the pool keyed on the layer update() names (PagedCache.cache_layer_of); not compiled
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
     "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
@@ -220,8 +223,8 @@ def _config_features(config) -> dict[str, str]:
         found["encoder_decoder"] = "is_encoder_decoder=True"
     if _attr(config, "add_cross_attention"):
         found["cross_attention"] = "add_cross_attention=True"
-    if _attr(config, "cross_attention_layers"):
-        found["cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
+    if _attr(config, "cross_attention_layers"):  # (Mllama's text model skips them without image states)
+        found["text_only_cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
     if _attr(config, "is_causal") is False or _attr(config, "use_bidirectional_attention"):
         found["non_causal"] = "bidirectional attention (is_causal=False / use_bidirectional_attention=True)"
     num_experts = next((_attr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts",

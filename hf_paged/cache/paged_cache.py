@@ -37,6 +37,7 @@ from .memory import (
     attention_shape,
     check_pool_arguments,
     cpu_pool_memory,
+    cross_attention_layer_indices,
     kv_layer_indices,
     kv_shared_sources,
     memory_fraction,
@@ -126,9 +127,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self._fixed_kv_heads = num_kv_heads is not None or kv_shapes is not None
         kv_layers = None
         if config is not None:
-            if num_layers is None:
-                kv_layers = kv_layer_indices(config)
             if num_layers is None:  # (a pure recurrent model has no attention sizes: `attention_shape` raises)
+                kv_layers = kv_layer_indices(config)
                 num_layers = attention_shape(config)[0] if kv_layers else num_decoder_layers(config)
         if num_layers is None or config is None and (num_kv_heads is None or head_dim is None) and kv_shapes is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
@@ -148,6 +148,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self._kv_index = {layer: i for i, layer in enumerate(self.kv_layers)}
         # layers that read another layer's K/V (Gemma 3n / 4 KV sharing): its views and scales are theirs too
         self._kv_sources = kv_shared_sources(config) if kv_layers is not None else {}
+        self._cross_layers = set(cross_attention_layer_indices(config)) if kv_layers is not None else set()
         self._kv_index.update({layer: self._kv_index[source] for layer, source in self._kv_sources.items()})
         self._set_shapes(pool_kv_shapes(config, len(self.kv_layers), num_kv_heads, head_dim, kv_shapes))
         self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
@@ -473,9 +474,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
 
     def sliding_window_bound(self) -> tuple[bool, int | None]:
         """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
-        every layer slides (None when some layer attends everything).
-
-        From the windows the layers' calls passed (`layers.window_bound` says why).
+        every layer slides (None when some layer attends everything); from the windows the layers' calls passed
+        (`layers.window_bound` says why).
         """
         return window_bound(self.layer_windows, len(self.kv_layers))
 
@@ -496,8 +496,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self.block_manager.allocate(seq, num_tokens)
         return seq
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._seen_tokens
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # (Mllama's image layers hold nothing: it skips them)
+        return 0 if layer_idx in self._cross_layers else self._seen_tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self._seen_tokens + query_length, 0
