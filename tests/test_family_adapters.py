@@ -148,3 +148,22 @@ def test_mllama_runs_text_only_and_refuses_image_states():
                       cross_attention_states=states)
         finally:
             hf_paged.disable(model)
+
+
+@pytest.mark.slow
+def test_moshi_compiled_decode_and_prefill_match_transformers():
+    """The compiled step's fused op takes `cache_window` too: the decode window, and on the prefill steps routed
+    through the compiled layers (prompts admitted beside running decodes), each sequence's first key."""
+    torch._dynamo.reset()
+    model = family_model("moshi")
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=2, compile_decode=True)
+    try:
+        engine.warm_up(freeze_gc=False)
+        routed = engine.runner.compiled_prefill_steps
+        outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        assert engine.runner.graph_steps > 0 and engine.runner.compiled_prefill_steps > routed
+    finally:
+        engine.close()
+        torch._dynamo.reset()

@@ -66,7 +66,7 @@ from .. import kernels
 from ..kernels.reference import dequantize, masked_attention
 from . import experts
 from .adapters import needs_mask_tensor, route_through
-from .compiled_op import active_deferred_cache, fused_decode_attention
+from .compiled_op import active_deferred_cache, fused_decode_attention, window_starts
 from .support import UNSUPPORTED_ATTENTION_KWARGS
 
 ATTENTION_NAME = "hf_paged"
@@ -267,12 +267,12 @@ def paged_attention_forward(
         raise ValueError(f"hf_paged attention: {type(module).__name__} passed both sliding_window and cache_window")
     has_opts = any(v is not None for v in opts.values())
     if torch.compiler.is_dynamo_compiling():
-        opts["sliding_window"] = opts["sliding_window"] or cache_window  # (the compiled step decodes: one query)
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
         if active is not None:
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-            return fused_decode_attention(module, query, key, value, scale, active.compute_dtype, **opts), None
+            return fused_decode_attention(module, query, key, value, scale, active.compute_dtype, **opts,
+                                          cache_window=cache_window), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
@@ -308,10 +308,8 @@ def paged_attention_forward(
             out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale,
                                        split_counters=step.split_counters, **fp8, **opts)
         else:
-            first = None
-            if cache_window is not None:  # each sequence's first key: its cached length before this step - W + 1
-                q_lens = step.cu_seqlens_q[1:] - step.cu_seqlens_q[:-1]
-                first = (step.seq_lens - q_lens - cache_window + 1).clamp(min=0).to(torch.int32)
+            # (a window of the cache: each sequence's first key is its cached length before this step - W + 1)
+            first = window_starts(step, cache_window) if cache_window is not None else None
             out = kernels.paged_prefill(
                 flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,
                 first, **fp8, **opts,

@@ -11,8 +11,9 @@ window `(p - W, p]`, while a prompt of any length prefilled in one forward atten
 
 The adapter keeps `MoshiAttention.forward` as it is and adds one keyword, `cache_window=config.sliding_window`, which
 the forward passes through `**kwargs` to the attention function: hf-paged's turns it into each sequence's first key,
-`max(0, c - W + 1)` with `c` the tokens it had cached before this forward (`hf_paged.attention.functions`; the
-standard `sliding_window` of `W` on decode steps, where both agree, and so on the compiled decode step). That is
+`max(0, c - W + 1)` with `c` the tokens it had cached before this forward (`hf_paged.attention.functions`, and the
+compiled step's fused op, `compiled_op.window_starts`; the standard `sliding_window` of `W` on decode steps, where
+both agree). That is
 transformers' computation for the same forwards, so greedy tokens equal its `generate()`'s for prompts longer than
 the window too. The engine's blocks out of the window are released as for a sliding model (a sequence's next query
 starts at its computed length, whose first key is the one the window keeps). One difference remains and is
