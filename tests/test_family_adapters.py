@@ -92,12 +92,12 @@ def test_moshi_drop_in_cache_matches_transformers_on_a_padded_batch():
 
 
 @pytest.mark.parametrize("family", ["zamba", "hrm_text"])
-@pytest.mark.parametrize("chunked", [False, True])
-def test_modules_writing_other_cache_layers_match_transformers_on_the_engine(family, chunked):
+@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+def test_modules_writing_other_cache_layers_match_transformers_on_the_engine(family, path):
     model = family_model(family)
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
-    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if chunked else {}
-    assert engine_greedy(model, prompts, 8, **kwargs) == refs
+    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
+    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
 
 
 @pytest.mark.parametrize("family,depths", [("zamba", [1, 3]), ("hrm_text", list(range(16)))])

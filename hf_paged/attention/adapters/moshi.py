@@ -19,7 +19,9 @@ the window too. The engine's blocks out of the window are released as for a slid
 starts at its computed length, whose first key is the one the window keeps). One difference remains and is
 transformers' own: a prompt longer than the window that the engine prefills in several chunks (`max_num_batched_tokens`
 smaller than the prompt) computes what transformers computes for those chunks, which is not what one forward over the
-whole prompt gives; with Moshi's window of 3000 = `max_position_embeddings` no prompt within its context is affected.
+whole prompt gives, and a sequence preempted by recompute prefills its generated tokens again in one forward, where
+they attend to all of it (as transformers would with that text as the prompt). With Moshi's window of 3000 =
+`max_position_embeddings` no sequence within its context is affected.
 """
 
 from __future__ import annotations
