@@ -48,13 +48,29 @@ def engine_greedy(model, prompts, new: int, static: bool = False, **kwargs) -> l
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_zaya_matches_transformers_on_the_engine(chunked):
+@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+def test_zaya_matches_transformers_on_the_engine(path):
     model = family_model("zaya")
     assert "attention_mask_modified" not in hf_paged.attention.model_features(model)
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
-    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if chunked else {}
-    assert engine_greedy(model, prompts, 8, **kwargs) == refs
+    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
+    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
+
+
+@pytest.mark.slow
+def test_zaya_compiled_decode_matches_transformers():
+    """Zaya's CCA projection returns a tuple: the compiled decode step commits its states through the first tensor."""
+    torch._dynamo.reset()
+    model = family_model("zaya")
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=2, compile_decode=True)
+    try:
+        engine.warm_up(freeze_gc=False)
+        outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == refs and engine.runner.graph_steps > 0
+    finally:
+        engine.close()
+        torch._dynamo.reset()
 
 
 def test_a_mask_the_module_builds_itself_is_still_refused():
