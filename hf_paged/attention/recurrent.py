@@ -171,21 +171,21 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor | tuple[torch.Ten
         return fast.ragged(call.module, hidden[0], rows, step.state_slots, pool)[None]
     if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
         view = _StateView(layer, pool, step.state_slots[:tokens], True, compiled)
-        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda t: t.view(1, tokens, *t.shape[2:]))
+        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda x: x.view(1, tokens, *x.shape[2:]))
     if compiled is not None:
         raise RuntimeError("hf-paged: a hybrid model's ragged step ran through the compiled layers (they compile its "
                            "decode steps only)")
     decode = [i for i, (_, n, prev) in enumerate(rows) if n == 1 and prev]
     if len(decode) == len(rows) == tokens:  # (an eager decode step: rows are the sequences, in order)
         view = _StateView(layer, pool, step.state_slots, True)
-        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda t: t.view(1, tokens, *t.shape[2:]))
+        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda x: x.view(1, tokens, *x.shape[2:]))
     pieces: list[tuple[torch.Tensor | slice, Any]] = []
     if decode:
         index = torch.tensor(decode, dtype=torch.long, device=hidden.device)
         at = torch.tensor([rows[i][0] for i in decode], dtype=torch.long, device=hidden.device)
         view = _StateView(layer, pool, step.state_slots.index_select(0, index), True)
         pieces.append((at, _each(call.run(hidden[0].index_select(0, at)[:, None], view, packed=True),
-                                 lambda t: t[:, 0])))
+                                 lambda x: x[:, 0])))
     chosen = set(decode)
     by_token = getattr(call.module, "_hf_paged_token_chunks", False)
     for i, (first, n, prev) in enumerate(rows):
@@ -193,16 +193,16 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor | tuple[torch.Ten
             continue
         if prev and n > 1 and by_token:  # a mixer whose multi-token form starts from zero: one token at a time
             outs = [_each(call.run(hidden[:, t : t + 1], _StateView(layer, pool, step.state_slots[i : i + 1], True),
-                                   packed=True), lambda t: t[0]) for t in range(first, first + n)]
+                                   packed=True), lambda x: x[0]) for t in range(first, first + n)]
             pieces.append((slice(first, first + n), _each(tuple(zip(*outs)) if isinstance(outs[0], tuple) else outs,
                                                           torch.cat, whole=True)))
             continue
         view = _StateView(layer, pool, step.state_slots[i : i + 1], prev)
         pieces.append((slice(first, first + n), _each(call.run(hidden[:, first : first + n], view, packed=True),
-                                                      lambda t: t[0])))
+                                                      lambda x: x[0])))
     first_out = pieces[0][1]
     if len(pieces) == 1 and isinstance(pieces[0][0], slice) and _first(first_out).shape[0] == tokens:
-        return _each(first_out, lambda t: t[None])
+        return _each(first_out, lambda x: x[None])
     outputs = []
     for part in range(len(first_out) if isinstance(first_out, tuple) else 1):
         ref = first_out[part] if isinstance(first_out, tuple) else first_out
