@@ -31,7 +31,8 @@ __all__ = ["Capabilities", "AttentionCall", "inspect_model", "check_supported", 
 
 PROBE_NAME = "hf_paged_probe"
 # kwargs every interface-routed family may pass and that carry no attention semantics of their own
-_OPTION_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "alibi_slopes"})  # recorded one by one
+# (recorded one by one; `cache_window`, Moshi's window of its cache, as its `sliding_window`)
+_OPTION_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "alibi_slopes", "cache_window"})
 _BENIGN_KWARGS = KNOWN_ATTENTION_KWARGS - _OPTION_KWARGS
 
 
@@ -102,7 +103,7 @@ def _recording_attention(module, query, key, value, attention_mask, dropout=0.0,
         key_shape=tuple(key.shape),
         value_shape=tuple(value.shape),
         scaling=None if scaling is None else float(scaling),
-        sliding_window=kwargs.get("sliding_window"),
+        sliding_window=kwargs.get("sliding_window") or kwargs.get("cache_window"),
         softcap=kwargs.get("softcap"),
         has_sinks=sinks is not None,
         has_alibi=kwargs.get("alibi_slopes") is not None,
@@ -225,7 +226,8 @@ def inspect_model(model, num_tokens: int = 4) -> Capabilities:
         caps.error = f"{type(error).__name__}: {error}"[:300]
     for call, key_id in _CALLS:
         # its own layer's update, or an earlier layer's whose K/V it reads unchanged (Gemma 3n / 4 KV sharing)
-        call.from_cache_update = call.layer_idx is not None and key_id in cache.returned.values()
+        # (a module without a layer of its own, Zamba's shared attention block, passes its cache layer to update())
+        call.from_cache_update = key_id in cache.returned.values()
         caps.calls.append(call)
     _CALLS.clear()
     caps.updated_layers = tuple(sorted(cache.returned))

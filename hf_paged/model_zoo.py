@@ -84,6 +84,8 @@ OVERRIDES: dict[str, dict] = {
     "zamba": dict(num_hidden_layers=4, layer_types=["linear_attention", "hybrid"] * 2, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=2 * HIDDEN,
                   attention_head_dim=2 * HIDDEN // HEADS, mamba_dt_rank=8),
     "reformer": dict(is_decoder=True),
+    # (one image cross-attention layer within the tiny stack, which a text-only run skips)
+    "mllama": dict(text_config=dict(num_hidden_layers=3, cross_attention_layers=[1])),
     "zaya": dict(num_experts_per_tok=1),
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                                        indexer_compress_ratio=2)),

@@ -29,7 +29,8 @@ from hf_paged.model_zoo import check_architecture, tiny_inputs, tiny_model
 warnings.filterwarnings("ignore", module="transformers")
 transformers.logging.set_verbosity_error()
 
-ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese", "diffllama")
+ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xglm", "gpt_neox_japanese", "diffllama",
+           "moshi")
 FALCON_VARIANTS = [
     dict(new_decoder_architecture=True),  # Falcon-40B/180B: grouped K/V broadcast over query heads before the cache
     dict(alibi=True),  # Falcon-RW

@@ -11,7 +11,7 @@ from .experts import EXPERTS_NAME, experts_forward, experts_spec
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
 from .recurrent import profile_state_specs
 from .setup import on_prepare, prepare_model, release_model
-from .support import HANDLED_FEATURES, check_supported, describe_support, model_features
+from .support import HANDLED_FEATURES, check_supported, describe_support, model_features, writes_other_cache_layers
 
 __all__ = [
     "ATTENTION_NAME",
@@ -33,4 +33,5 @@ __all__ = [
     "register",
     "release_model",
     "write_and_decode",
+    "writes_other_cache_layers",
 ]

@@ -56,7 +56,7 @@ class active_cache:  # noqa: N801 (a context manager used like a function)
 def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                      scale: float, sliding_window: int | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None, chunk_size: int | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None, cache_window: int | None = None) -> torch.Tensor:
     """Write `key`/`value` `[T, Hkv, D]` at the step's slots of layer `layer_idx`, then attend with `query`
     `[T, Hq, D]` (an FP8 pool's with the layer's scales): a decode step (one token per sequence) through
     `kernels.write_and_paged_decode` (the decode kernel writes them, and combines its splits with the step's
@@ -64,7 +64,8 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     `kernels.write_kv` and `kernels.paged_prefill`, as the eager attention does.
 
     The options are the layer's (see `kernels.paged_decode`); constants of the traced graph except `sinks` and
-    `alibi_slopes`.
+    `alibi_slopes`. `cache_window` (Moshi's, `adapters.moshi`): the window on a decode step, each sequence's first key
+    (`window_starts`) on a ragged one.
     """
     cache = _ACTIVE[0]
     if cache is None or cache._step is None:
@@ -78,25 +79,34 @@ def write_and_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         cache.calibrate_layer(layer_idx, key, value, step)  # (an FP8 pool's first write; never in a graph)
         return kernels.write_and_paged_decode(
             query, key, value, key_cache, value_cache, step.slot_mapping, step.block_tables, step.seq_lens, scale,
-            step.kv_start, split_counters=step.split_counters, sliding_window=sliding_window, softcap=softcap,
+            step.kv_start, split_counters=step.split_counters, sliding_window=sliding_window or cache_window,
+            softcap=softcap,
             sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     cache.write_layer(layer_idx, key, value, main)
+    first = window_starts(step, cache_window) if cache_window is not None else None
     return kernels.paged_prefill(query, key_cache, value_cache, step.block_tables, step.cu_seqlens_q,
-                                 step.seq_lens, scale, step.max_seqlen_q, sliding_window=sliding_window,
+                                 step.seq_lens, scale, step.max_seqlen_q, first, sliding_window=sliding_window,
                                  softcap=softcap, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
                                  k_scale=k_scale, v_scale=v_scale)
 
 
+def window_starts(step, window: int) -> torch.Tensor:
+    """Each sequence's first key under a window its cache applies (`cache_window`): its length before this step
+    minus `window - 1` (at least 0); the decode window itself for a one-token query."""
+    q_lens = step.cu_seqlens_q[1:] - step.cu_seqlens_q[:-1]
+    return (step.seq_lens - q_lens - window + 1).clamp(min=0).to(torch.int32)
+
+
 @write_and_decode.register_fake
 def _(query, key, value, layer_idx, scale, sliding_window=None, softcap=None, sinks=None, chunk_size=None,
-      alibi_slopes=None):
+      alibi_slopes=None, cache_window=None):
     return query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
 
 
 def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                            cache_dtype: torch.dtype, sliding_window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, chunk_size: int | None = None,
-                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                           alibi_slopes: torch.Tensor | None = None, cache_window: int | None = None) -> torch.Tensor:
     """Traced part of the attention of a compiled decode step: layouts in, one op, layout out.
 
     `query [1, Hq, T, D]`, `key`/`value [1, Hkv, T, D]` (the new tokens: `PagedCache.update` deferred the write),
@@ -111,7 +121,7 @@ def fused_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value
     k = key[0].transpose(0, 1).to(cache_dtype).contiguous()
     v = value[0].transpose(0, 1).to(cache_dtype).contiguous()
     return torch.ops.hf_paged.write_and_decode(q, k, v, layer_idx, float(scale), sliding_window, softcap, sinks,
-                                               chunk_size, alibi_slopes).unsqueeze(0)
+                                               chunk_size, alibi_slopes, cache_window).unsqueeze(0)
 
 
 def active_deferred_cache():

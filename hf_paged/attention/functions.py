@@ -66,7 +66,7 @@ from .. import kernels
 from ..kernels.reference import dequantize, masked_attention
 from . import experts
 from .adapters import needs_mask_tensor, route_through
-from .compiled_op import active_deferred_cache, fused_decode_attention
+from .compiled_op import active_deferred_cache, fused_decode_attention, window_starts
 from .support import UNSUPPORTED_ATTENTION_KWARGS
 
 ATTENTION_NAME = "hf_paged"
@@ -75,7 +75,7 @@ __all__ = ["ATTENTION_NAME", "register", "paged_attention_forward", "paged_mask"
 
 _UNSUPPORTED_KWARGS = tuple(sorted(UNSUPPORTED_ATTENTION_KWARGS))
 # attention kwargs (besides `scaling` / `dropout`) the kernels handle, and the config-driven chunked layers
-HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux", "alibi_slopes")
+HANDLED_KWARGS = ("sliding_window", "softcap", "s_aux", "alibi_slopes", "cache_window")
 
 
 def layer_options(module: torch.nn.Module, kwargs: dict) -> dict:
@@ -134,6 +134,33 @@ def paged_mask(
     if attention_mask.dim() != 2:
         return attention_mask
     return attention_mask[:, -kv_length:] if attention_mask.shape[1] > kv_length else attention_mask
+
+
+def _cache_layer(cache, layer: int | None, key: torch.Tensor) -> int | None:
+    """The cache layer whose pool views `key` is (what `update()` returned, tagged by `PagedCache._tag_layers`): the
+    module's own `layer_idx` when those are its views (a shared-KV layer reads its source's through its own index),
+    else the layer the views belong to: a module that writes a cache layer other than its `layer_idx` (Zamba's
+    shared attention block at each of its depths, HRM's layers once per cycle) is told apart by the views it got."""
+    tagged = getattr(key, "_hf_paged_layer", None)
+    if tagged is None or tagged == layer:
+        return layer
+    if not isinstance(layer, int):  # (Zamba's block has none of its own)
+        return tagged
+    try:
+        own = cache.layer_caches(layer)[0]
+    except (ValueError, IndexError):  # the module's own index keeps no K/V
+        own = None
+    return layer if own is key else tagged
+
+
+def _cache_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """`cache_window`: a window transformers applies through its cache only (Moshi, `adapters.moshi`): a forward that
+    starts at position `c` reads the keys from `c - W + 1` on (all of a prompt prefilled in one forward)."""
+    window = kwargs.get("cache_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed cache_window={window!r}, expected a "
+                         "positive int")
+    return window
 
 
 def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict) -> torch.Tensor:
@@ -235,13 +262,17 @@ def paged_attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"hf_paged attention does not support `{name}` (model passed {name}={kwargs[name]!r})")
     opts = layer_options(module, kwargs)
+    cache_window = _cache_window(module, kwargs)
+    if cache_window is not None and opts["sliding_window"] is not None:
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed both sliding_window and cache_window")
     has_opts = any(v is not None for v in opts.values())
     if torch.compiler.is_dynamo_compiling():
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
         if active is not None:
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-            return fused_decode_attention(module, query, key, value, scale, active.compute_dtype, **opts), None
+            return fused_decode_attention(module, query, key, value, scale, active.compute_dtype, **opts,
+                                          cache_window=cache_window), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
     if cache is None:
@@ -259,9 +290,10 @@ def paged_attention_forward(
             mask = _dense_mask(mask, query.shape[2], key.shape[2], query.device)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    layer_idx = getattr(module, "layer_idx", None)
+    # the cache layer these K/V are (a module run at several depths writes several: Zamba, HRM)
+    layer_idx = _cache_layer(cache, getattr(module, "layer_idx", None), key)
     if layer_idx is not None:  # what this layer's window is (the engine releases blocks no layer reads any more)
-        cache.layer_windows[layer_idx] = opts["sliding_window"]
+        cache.layer_windows[layer_idx] = opts["sliding_window"] or cache_window
     step = cache._step.for_group(getattr(key, "_hf_paged_group", 0))  # a grouped cache: the layer group's tables
     k_scale, v_scale = getattr(key, "_hf_paged_scales", (None, None))  # an FP8 pool's (`PagedCache._tag_layers`)
     fp8 = dict(k_scale=k_scale, v_scale=v_scale)
@@ -272,17 +304,33 @@ def paged_attention_forward(
     if step.layout == "ragged":
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
+            opts["sliding_window"] = opts["sliding_window"] or cache_window  # (one query: the same window)
             out = kernels.paged_decode(flat, key, value, step.block_tables, step.seq_lens, scale,
                                        split_counters=step.split_counters, **fp8, **opts)
         else:
+            # (a window of the cache: each sequence's first key is its cached length before this step - W + 1)
+            first = window_starts(step, cache_window) if cache_window is not None else None
             out = kernels.paged_prefill(
                 flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, step.max_seqlen_q,
-                **fp8, **opts,
+                first, **fp8, **opts,
             )
         return out.unsqueeze(0), None
 
     kv_len = cache.get_seq_length()
     left_padded, kv_start = _left_padding_starts(step, attention_mask, kv_len)
+    if cache_window is not None:
+        if q_len == 1:
+            opts["sliding_window"], has_opts = cache_window, True
+        elif kv_len - q_len - cache_window + 1 > 0:  # keys cached before this forward, out of the window
+            first = kv_len - q_len - cache_window + 1
+            if left_padded:
+                start = kv_start if kv_start is not None else step.seq_lens.new_zeros(batch, dtype=torch.int32)
+                kv_start = start.clamp(min=first)
+            else:
+                mask = attention_mask if attention_mask is not None else torch.ones(
+                    (batch, kv_len), dtype=torch.bool, device=query.device)
+                attention_mask = mask.clone()
+                attention_mask[:, -kv_len:][:, :first] = 0
     if not left_padded:
         keys = _gather_dense(key, step.block_tables, kv_len, k_scale, query.dtype)
         values = _gather_dense(value, step.block_tables, kv_len, v_scale, query.dtype)

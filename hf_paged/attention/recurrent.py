@@ -151,7 +151,7 @@ def _mixer_forward(module: torch.nn.Module, *args, **kwargs):
     return _run_paged(cache, _Call(module, names[0], cache_arg, call))
 
 
-def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
+def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One mixer's part of a forward over the paged cache: its own code over each group of rows (module doc)."""
     hidden = call.hidden_states
     layer = call.layer_idx
@@ -171,42 +171,62 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor:
         return fast.ragged(call.module, hidden[0], rows, step.state_slots, pool)[None]
     if rows is None:  # a decode-only step on the static buffers: every row decodes from its slot
         view = _StateView(layer, pool, step.state_slots[:tokens], True, compiled)
-        return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
+        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda x: x.view(1, tokens, *x.shape[2:]))
     if compiled is not None:
         raise RuntimeError("hf-paged: a hybrid model's ragged step ran through the compiled layers (they compile its "
                            "decode steps only)")
     decode = [i for i, (_, n, prev) in enumerate(rows) if n == 1 and prev]
     if len(decode) == len(rows) == tokens:  # (an eager decode step: rows are the sequences, in order)
         view = _StateView(layer, pool, step.state_slots, True)
-        return call.run(hidden.view(tokens, 1, -1), view, packed=True).view(1, tokens, -1)
-    pieces: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+        return _each(call.run(hidden.view(tokens, 1, -1), view, packed=True), lambda x: x.view(1, tokens, *x.shape[2:]))
+    pieces: list[tuple[torch.Tensor | slice, Any]] = []
     if decode:
         index = torch.tensor(decode, dtype=torch.long, device=hidden.device)
         at = torch.tensor([rows[i][0] for i in decode], dtype=torch.long, device=hidden.device)
         view = _StateView(layer, pool, step.state_slots.index_select(0, index), True)
-        pieces.append((at, call.run(hidden[0].index_select(0, at)[:, None], view, packed=True)[:, 0]))
+        pieces.append((at, _each(call.run(hidden[0].index_select(0, at)[:, None], view, packed=True),
+                                 lambda x: x[:, 0])))
     chosen = set(decode)
     by_token = getattr(call.module, "_hf_paged_token_chunks", False)
     for i, (first, n, prev) in enumerate(rows):
         if i in chosen:
             continue
         if prev and n > 1 and by_token:  # a mixer whose multi-token form starts from zero: one token at a time
-            outs = [call.run(hidden[:, t : t + 1], _StateView(layer, pool, step.state_slots[i : i + 1], True),
-                             packed=True)[0] for t in range(first, first + n)]
-            pieces.append((slice(first, first + n), torch.cat(outs)))
+            outs = [_each(call.run(hidden[:, t : t + 1], _StateView(layer, pool, step.state_slots[i : i + 1], True),
+                                   packed=True), lambda x: x[0]) for t in range(first, first + n)]
+            pieces.append((slice(first, first + n), _each(tuple(zip(*outs)) if isinstance(outs[0], tuple) else outs,
+                                                          torch.cat, whole=True)))
             continue
         view = _StateView(layer, pool, step.state_slots[i : i + 1], prev)
-        pieces.append((slice(first, first + n), call.run(hidden[:, first : first + n], view, packed=True)[0]))
-    if len(pieces) == 1 and isinstance(pieces[0][0], slice) and pieces[0][1].shape[0] == tokens:
-        return pieces[0][1][None]
-    width = pieces[0][1].shape[-1]
-    out = hidden.new_zeros((tokens, width), dtype=pieces[0][1].dtype)  # padding rows (a token grid) stay zero
-    for where, piece in pieces:
-        if isinstance(where, slice):
-            out[where] = piece
-        else:
-            out.index_copy_(0, where, piece)
-    return out[None]
+        pieces.append((slice(first, first + n), _each(call.run(hidden[:, first : first + n], view, packed=True),
+                                                      lambda x: x[0])))
+    first_out = pieces[0][1]
+    if len(pieces) == 1 and isinstance(pieces[0][0], slice) and _first(first_out).shape[0] == tokens:
+        return _each(first_out, lambda x: x[None])
+    outputs = []
+    for part in range(len(first_out) if isinstance(first_out, tuple) else 1):
+        ref = first_out[part] if isinstance(first_out, tuple) else first_out
+        out = ref.new_zeros((tokens, *ref.shape[1:]))  # padding rows (a token grid) stay zero
+        for where, piece in pieces:
+            piece = piece[part] if isinstance(piece, tuple) else piece
+            if isinstance(where, slice):
+                out[where] = piece
+            else:
+                out.index_copy_(0, where, piece)
+        outputs.append(out[None])
+    return tuple(outputs) if isinstance(first_out, tuple) else outputs[0]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _each(out, fn, whole: bool = False):
+    """`fn` over a mixer's output: its tensor, or each tensor of a tuple (Zaya's CCA projection returns its query, key
+    and value, each `[B, L, ...]`). `whole`: `out` is a list of per-token pieces (or a tuple of such lists)."""
+    if isinstance(out, tuple):
+        return tuple(fn(list(t) if whole else t) for t in out)
+    return fn(out)
 
 
 class _Call:
@@ -228,7 +248,7 @@ class _Call:
         return self.call.get("attention_mask")
 
     def run(self, hidden: torch.Tensor, view: _StateView, attention_mask: torch.Tensor | None = None,
-            packed: bool = False) -> torch.Tensor:
+            packed: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The module's own forward over `hidden` with `view` as its cache; `packed`: the rows come out of a packed
         step, so per-token keyword arguments of the whole step are left out."""
         call = dict(self.call)
@@ -240,9 +260,10 @@ class _Call:
             for name in _PER_TOKEN_KWARGS:
                 call.pop(name, None)
         out = self.module._hf_paged_forward(**call)
-        if not isinstance(out, torch.Tensor):
+        if not isinstance(out, torch.Tensor) and not (isinstance(out, tuple) and out
+                                                      and all(isinstance(t, torch.Tensor) for t in out)):
             raise TypeError(f"hf-paged: {type(self.module).__name__}.forward returned {type(out).__name__}; the "
-                            "recurrent adapter handles mixers that return their output tensor")
+                            "recurrent adapter handles mixers that return their output tensor (or a tuple of them)")
         return view.commit(out)
 
 
@@ -342,9 +363,9 @@ class _StateView:
         states.recurrent_states[state_idx] = recurrent_states
         return recurrent_states
 
-    def commit(self, out: torch.Tensor) -> torch.Tensor:
+    def commit(self, out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Write the states the call left to the slots; returns `out` (in the compiled step, through the op that
-        writes, so the write is never dropped as dead code nor moved after a later read)."""
+        writes, so the write is never dropped as dead code nor moved after a later read; a tuple's first tensor)."""
         states = self.layers.states
         items = [(kind, index, tensor) for kind, tensors in (("conv", states.conv_states),
                                                              ("recurrent", states.recurrent_states))
@@ -353,9 +374,10 @@ class _StateView:
             self.recorded.update({(self.layer_idx, kind, index): tensor for kind, index, tensor in items})
             return out
         if self._compiled is not None:
-            return torch.ops.hf_paged.commit_states(out, [t for _, _, t in items], self._slots, self.layer_idx,
-                                                    [_KINDS.index(k) for k, _, _ in items],
-                                                    [i for _, i, _ in items])
+            written = torch.ops.hf_paged.commit_states(_first(out), [t for _, _, t in items], self._slots,
+                                                       self.layer_idx, [_KINDS.index(k) for k, _, _ in items],
+                                                       [i for _, i, _ in items])
+            return (written, *out[1:]) if isinstance(out, tuple) else written
         for kind, index, tensor in items:
             target = self._pool.ensure((self.layer_idx, kind, index), tensor)
             target.index_copy_(0, self._slots, tensor.to(target.dtype))
@@ -451,7 +473,8 @@ def _resumes_chunks(module, forward, hidden_name: str, cache_arg: str, hidden: i
     x = torch.randn((1, 6, hidden), generator=g).to(param.device, param.dtype)
 
     def run(tokens: torch.Tensor, view: _StateView) -> torch.Tensor:
-        return forward(**{hidden_name: tokens, cache_arg: view}).float()
+        out = forward(**{hidden_name: tokens, cache_arg: view})
+        return torch.cat([t.float().flatten(2) for t in out], -1) if isinstance(out, tuple) else out.float()
 
     layer = module.layer_idx
     expected = run(x, _StateView(layer, None, None, False))[:, 4:]

@@ -29,6 +29,7 @@ __all__ = [
     "KERNEL_FEATURES",
     "check_supported",
     "describe_support",
+    "writes_other_cache_layers",
     "model_features",
     "refusal",
 ]
@@ -61,6 +62,8 @@ FEATURES: dict[str, str] = {
     "alibi": "ALiBi position biases added to the attention logits",
     "encoder_decoder": "an encoder-decoder model",
     "cross_attention": "cross-attention to encoder states",
+    "text_only_cross_attention": ("cross-attention layers to image states that the model skips in a text-only forward "
+                                  "(Mllama): run text-only, they keep no K/V; a forward with images is refused"),
     "non_causal": "bidirectional (non-causal) attention",
     "not_interface_routed": "attention that does not go through transformers' AttentionInterface with a Cache",
     "attention_adapter": ("attention the model computes itself, routed to the paged attention by a per-family adapter "
@@ -78,6 +81,8 @@ HANDLED_FEATURES: frozenset[str] = frozenset({
     "sliding_window", "softcap", "sinks", "chunked_attention", "alibi",  # hf_paged.kernels: per-call options
     "value_head_dim", "per_layer_head_dim",  # hf_paged.cache.kv_pool: each layer shape its own tensors
     "kv_sharing",  # layers handed an earlier layer's pool views (hf_paged.cache.memory.kv_shared_sources)
+    "text_only_cross_attention",  # hf_paged.cache.memory.cross_attention_layer_indices: no K/V, skipped
+    "cache_layer_index",  # the pool keyed on the layer update() names (PagedCache.cache_layer_of); not compiled
     "recurrent_state",  # hf_paged.attention.recurrent + hf_paged.cache.state_pool: mixers of the cache API
     "attention_adapter",  # hf_paged.attention.adapters: families that compute attention themselves
 })
@@ -96,7 +101,7 @@ KNOWN_ATTENTION_KWARGS = frozenset({
     "layer_idx", "past_key_values", "head_mask", "token_type_ids", "attention_type", "return_dict",
     "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
     "output_router_logits", "logits_to_keep", "dropout", "scaling", "attention_mask", "sliding_window", "softcap",
-    "s_aux", "alibi_slopes",
+    "s_aux", "alibi_slopes", "cache_window",
 })
 
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")
@@ -218,8 +223,8 @@ def _config_features(config) -> dict[str, str]:
         found["encoder_decoder"] = "is_encoder_decoder=True"
     if _attr(config, "add_cross_attention"):
         found["cross_attention"] = "add_cross_attention=True"
-    if _attr(config, "cross_attention_layers"):
-        found["cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
+    if _attr(config, "cross_attention_layers"):  # (Mllama's text model skips them without image states)
+        found["text_only_cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
     if _attr(config, "is_causal") is False or _attr(config, "use_bidirectional_attention"):
         found["non_causal"] = "bidirectional attention (is_causal=False / use_bidirectional_attention=True)"
     num_experts = next((_attr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts",
@@ -285,13 +290,42 @@ def _dataflow_features(cls) -> tuple[tuple[str, str], ...]:
         mask = call.args[4] if len(call.args) > 4 else next(
             (kw.value for kw in call.keywords if kw.arg == "attention_mask"), None)
         mask_name = ast.unparse(mask) if mask is not None else None
-        if mask_name not in (None, "None", "attention_mask"):
-            found["attention_mask_modified"] = f"{cls.__name__} passes `{mask_name}` as the mask (its own bias/mask)"
+        if mask_name not in (None, "None") and mask_name not in _model_mask_names(tree, call.lineno):
+            builders = sorted({ast.unparse(c.func) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                               and node.lineno < call.lineno and mask_name in {ast.unparse(t) for t in node.targets}
+                               for c in ast.walk(node.value) if isinstance(c, ast.Call)})
+            built = f", built by {', '.join(f'`{b}`' for b in builders)}" if builders else ""
+            found["attention_mask_modified"] = (f"{cls.__name__} passes `{mask_name}` as the mask{built} (its own "
+                                                "bias/mask, not the model's attention_mask)")
         extra = sorted(kw.arg for kw in call.keywords if kw.arg in UNSUPPORTED_ATTENTION_KWARGS
                        and not (isinstance(kw.value, ast.Constant) and kw.value.value is None))
         if extra:
             found["unknown_attention_kwargs"] = f"{cls.__name__} passes {extra} to the attention function"
     return tuple(found.items())
+
+
+def _model_mask_names(tree: ast.AST, before: int) -> set[str]:
+    """Names that hold the model's own `attention_mask` argument at line `before`: the argument itself and names
+    assigned only from it, by `or`, subscripts and `.get(...)` (Zaya picks its layer type's mask out of the mapping
+    `attention_mask` is: `mask_mapping = attention_mask or {}; causal_mask = mask_mapping.get("causal")`). A name
+    assigned from anything else (a bias built from the hidden states, Doge's dynamic mask) is not the model's mask.
+    (`attention_mask` itself always counts, as it always did: GPT-2 reassigns it on its cross-attention branch only.)"""
+    derived = {"attention_mask"}
+    assignments = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Assign) and node.lineno < before),
+                         key=lambda node: node.lineno)
+    for node in assignments:
+        targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        if len(targets) != len(node.targets):
+            derived -= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            continue
+        names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+        calls_ok = all(isinstance(c.func, ast.Attribute) and c.func.attr == "get"
+                       for c in ast.walk(node.value) if isinstance(c, ast.Call))
+        if names and names <= derived and calls_ok:
+            derived.update(targets)
+        else:
+            derived -= set(targets)
+    return derived | {"attention_mask"}
 
 
 def _kv_heads_written(module) -> int | None:
@@ -421,6 +455,14 @@ def model_features(model_or_config) -> dict[str, str]:
         found = {name: detail for name, detail in found.items() if name not in handled}
         found.update(modules)
     return found
+
+
+def writes_other_cache_layers(model) -> bool:
+    """Whether an attention module of `model` writes a cache layer other than its own `layer_idx` (the feature
+    `cache_layer_index`: Zamba, HRM). The paged attention finds the layer from the pool views `update()` returned;
+    the compiled decode step's fused op (`compiled_op.fused_decode_attention`) writes the module's `layer_idx`, so
+    such a model runs its decode steps eagerly (`hf_paged.engine.defaults.compile_decode_for`)."""
+    return "cache_layer_index" in model_features(model)
 
 
 def refusal(model_or_config, features: dict[str, str]) -> str | None:

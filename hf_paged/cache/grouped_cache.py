@@ -89,6 +89,7 @@ class GroupedPagedCache(PagedCache):
                 view._hf_paged_cache = weakref.ref(self)
                 view._hf_paged_scales = (None, None)
                 view._hf_paged_group = self.layer_groups.group_of[index]
+                view._hf_paged_layer = layer
             self._layer_views[layer] = (key_cache, value_cache)
 
     def write_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, step: StepMetadata) -> None:

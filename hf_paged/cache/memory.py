@@ -14,8 +14,8 @@ import torch
 from .kv_pool import KVShape
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
-           "kv_bytes_per_token", "attention_heads", "attention_shape", "kv_layer_indices", "latent_kv_width",
-           "layer_kv_shapes", "kv_shared_sources", "num_decoder_layers", "BLOCKLESS_POOL_BLOCKS"]
+           "kv_bytes_per_token", "attention_heads", "attention_shape", "cross_attention_layer_indices",
+           "kv_layer_indices", "latent_kv_width", "layer_kv_shapes", "kv_shared_sources", "num_decoder_layers", "BLOCKLESS_POOL_BLOCKS"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
@@ -216,9 +216,19 @@ def kv_layer_indices(config) -> list[int]:
     # Gemma 3n / 4: the last `num_kv_shared_layers` layers read the K/V of an earlier layer and write none
     shared = getattr(text, "num_kv_shared_layers", None)
     end = int(num_layers or 0) - (shared if isinstance(shared, int) and 0 < shared < (num_layers or 0) else 0)
+    cross = set(cross_attention_layer_indices(config))  # (Mllama: they attend to image states, cached apart)
     if not isinstance(layer_types, (list, tuple)) or num_layers is None or len(layer_types) != num_layers:
-        return list(range(end))
-    return [i for i, kind in enumerate(layer_types[:end]) if str(kind) not in _NO_KV_LAYER_TYPES]
+        return [i for i in range(end) if i not in cross]
+    return [i for i, kind in enumerate(layer_types[:end]) if str(kind) not in _NO_KV_LAYER_TYPES and i not in cross]
+
+
+def cross_attention_layer_indices(config) -> list[int]:
+    """The layers of a decoder config's `cross_attention_layers` (Mllama's text model: they cross-attend to image
+    states instead of self-attending, and the model skips them in a forward without image states and nothing cached
+    for them). They keep no K/V of the paged cache: hf-paged runs such a model text-only (`PagedCache.update` refuses
+    a write to them with a ValueError)."""
+    layers = getattr(_text(config), "cross_attention_layers", None)
+    return [int(i) for i in layers] if isinstance(layers, (list, tuple)) else []
 
 
 def kv_shared_sources(config) -> dict[int, int]:

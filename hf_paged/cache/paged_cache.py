@@ -37,6 +37,7 @@ from .memory import (
     attention_shape,
     check_pool_arguments,
     cpu_pool_memory,
+    cross_attention_layer_indices,
     kv_layer_indices,
     kv_shared_sources,
     memory_fraction,
@@ -97,8 +98,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
     reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`), the memory
     arithmetic (`hf_paged.cache.memory`), the layers' K/V shapes and tensors (`kv_pool.PoolShapes`, `KVPool`), an FP8
-    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and
-    batch operations (`DropInRows`) live apart.
+    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and batch operations (`DropInRows`) live apart.
     """
 
     def __init__(
@@ -127,9 +127,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self._fixed_kv_heads = num_kv_heads is not None or kv_shapes is not None
         kv_layers = None
         if config is not None:
-            if num_layers is None:
-                kv_layers = kv_layer_indices(config)
             if num_layers is None:  # (a pure recurrent model has no attention sizes: `attention_shape` raises)
+                kv_layers = kv_layer_indices(config)
                 num_layers = attention_shape(config)[0] if kv_layers else num_decoder_layers(config)
         if num_layers is None or config is None and (num_kv_heads is None or head_dim is None) and kv_shapes is None:
             raise ValueError("PagedCache needs `config` (or num_layers, num_kv_heads and head_dim)")
@@ -149,6 +148,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self._kv_index = {layer: i for i, layer in enumerate(self.kv_layers)}
         # layers that read another layer's K/V (Gemma 3n / 4 KV sharing): its views and scales are theirs too
         self._kv_sources = kv_shared_sources(config) if kv_layers is not None else {}
+        self._cross_layers = set(cross_attention_layer_indices(config)) if kv_layers is not None else set()
         self._kv_index.update({layer: self._kv_index[source] for layer, source in self._kv_sources.items()})
         self._set_shapes(pool_kv_shapes(config, len(self.kv_layers), num_kv_heads, head_dim, kv_shapes))
         self._state_config = (num_state_slots, num_state_checkpoints, dict(state_specs or {}), num_cpu_state_slots)
@@ -253,7 +253,6 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     def _ensure_pool(self, device: torch.device, dtype: torch.dtype, kv_heads: int | None = None,
                      min_blocks: int = 0, layer_idx: int | None = None) -> None:
         """Allocate the pool once, on first use (so CUDA sizing sees the memory left after the weights).
-
         `min_blocks`: what the first forward needs (a growing pool starts there).
 
         `kv_heads`: the heads of the key states `layer_idx` (default: the first K/V layer) is writing. A rank of a
@@ -298,8 +297,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
                 BlockManager(num_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks))
 
     def _ensure_states(self, device: torch.device) -> None:
-        """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in batch row
-        (existing rows get theirs, zeros, now)."""
+        """Give sequences recurrent-state slots (a hybrid model): the engine's sizes, or one per drop-in row (now)."""
         if self.states is None:
             slots, checkpoints, specs, cpu_slots = self._state_config
             self.states = RecurrentStates(self.block_manager, device, num_slots=slots, num_checkpoints=checkpoints,
@@ -313,6 +311,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
             # cache frees the pool at once instead of waiting for the cycle collector
             key_cache._hf_paged_cache = value_cache._hf_paged_cache = weakref.ref(self)
             key_cache._hf_paged_scales = value_cache._hf_paged_scales = self.layer_scales(layer)  # FP8: the kernels'
+            key_cache._hf_paged_layer = value_cache._hf_paged_layer = layer  # (the attention's `_cache_layer`)
             self._layer_views[layer] = (key_cache, value_cache)
         for layer, source in self._kv_sources.items():  # (the compiled step's op looks its layer's views up)
             self._layer_views[layer] = self._layer_views[source]
@@ -371,6 +370,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         if key_states.dim() != 4 or value_states.dim() != 4:
             raise ValueError(f"expected key/value states [batch, heads, tokens, head_dim], got "
                              f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if isinstance(layer_idx, int) and not 0 <= layer_idx < self.num_layers:  # (symbolic in a compiled layer)
+            raise ValueError(f"layer_idx={layer_idx} is not one of this PagedCache's {self.num_layers} layers")
         batch, heads, q_len, _ = key_states.shape
         self._ensure_pool(key_states.device, key_states.dtype, heads,
                           min_blocks=batch * (-(-q_len // self.block_size) + 1), layer_idx=layer_idx)
@@ -473,9 +474,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
 
     def sliding_window_bound(self) -> tuple[bool, int | None]:
         """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
-        every layer slides (None when some layer attends everything).
-
-        From the windows the layers' calls passed (`layers.window_bound` says why).
+        every layer slides (None when some layer attends everything); from the windows the layers' calls passed
+        (`layers.window_bound` says why).
         """
         return window_bound(self.layer_windows, len(self.kv_layers))
 
@@ -496,8 +496,8 @@ class PagedCache(PoolShapes, DropInRows, Cache):
         self.block_manager.allocate(seq, num_tokens)
         return seq
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._seen_tokens
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # (Mllama's image layers hold nothing: it skips them)
+        return 0 if layer_idx in self._cross_layers else self._seen_tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self._seen_tokens + query_length, 0

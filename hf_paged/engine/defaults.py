@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["default_admission_batch", "default_compile_decode", "default_max_num_batched_tokens"]
+from ..attention import writes_other_cache_layers
+
+__all__ = ["compile_decode_for", "default_admission_batch", "default_compile_decode", "default_max_num_batched_tokens"]
 
 
 def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, compile_modules: bool) -> bool:
@@ -24,6 +26,19 @@ def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, co
     the step's requests.
     """
     return device.type == "cuda" and use_cuda_graph is not False and not compile_modules
+
+
+def compile_decode_for(model, compile_decode: bool, compile_auto: bool) -> bool:
+    """`compile_decode`, unless `model` has attention that writes a cache layer other than its own `layer_idx`
+    (Zamba's shared block, HRM's cycles): the compiled step's fused op writes the module's own layer, so such a model
+    decodes eagerly; asked for explicitly (`compile_decode=True`), that is a ValueError naming why."""
+    if not compile_decode or not writes_other_cache_layers(model):
+        return compile_decode
+    if not compile_auto:
+        raise ValueError(f"compile_decode=True: {type(model).__name__}'s attention writes cache layers other than its "
+                         "own layer_idx (cache_layer_index), which the compiled decode step does not follow; pass "
+                         "compile_decode=False (or None)")
+    return False
 
 
 def default_max_num_batched_tokens(device: torch.device | str, serving: bool = False) -> int:

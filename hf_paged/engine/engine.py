@@ -22,6 +22,7 @@ from ..cache import PagedCache, resolve_kv_cache_dtype
 from ..core import Scheduler, SchedulerOutput, SequenceGroup
 from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
+from . import defaults
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
 from .device_sampling import DevicePicker
@@ -209,6 +210,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         compile_auto = compile_decode is None
         if compile_auto:
             compile_decode = default_compile_decode(self.device, use_cuda_graph, compile_modules)
+        compile_decode = defaults.compile_decode_for(model, compile_decode, compile_auto)  # (Zamba, HRM: eager)
         self.cache, self.state_specs = build_engine_cache(
             model, self.tp, self.device, self.dtype, block_size=block_size, kv_heads=kv_heads, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,

@@ -16,6 +16,8 @@ and why the replacement computes the same thing (one module per family or shared
 * `xglm`: XGLM (fairseq-style attention, query pre-scaled);
 * `diffllama`: DiffLlama (differential attention: two calls sharing Q/K over the two halves of V, one paged call over
   KV heads paired in the pool);
+* `moshi`: Moshi (its window applied by transformers' cache, not passed to the attention function: the adapter
+  passes it as `cache_window`);
 * `alibi`: BLOOM and MPT, and the slopes the kernels' `alibi_slopes` option takes (Falcon-RW's too);
 * `mla`: multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, Youtu, LongCat-Flash, A.X K1): the
   compressed latent in the pool (one KV head of `kv_lora_rank + qk_rope_head_dim`), attention with the up-projection
@@ -26,7 +28,7 @@ The static gate (`hf_paged.attention.support`) counts an adapted class as routed
 exactly as the others: what the probe sees arrive at the attention function, and tokens equal to transformers'.
 """
 
-from . import alibi, diffllama, falcon, inner, jetmoe, mla, xglm  # noqa: F401 - each registers its adapters
+from . import alibi, diffllama, falcon, inner, jetmoe, mla, moshi, xglm  # noqa: F401 - each registers its adapters
 from .registry import (
     Adapter,
     adapted_modules,

@@ -1,0 +1,185 @@
+"""Families the architecture sweep once refused, each checked where the sweep's one short batch would not catch a
+regression: greedy tokens of the engine (one step and chunked prefill, so prefill chunks and decodes share steps)
+against transformers' own `generate()`, on tiny seeded models (float32, CPU).
+
+* Zaya: its CCA projection is a recurrent mixer that returns query, key and value (a tuple) and its attention picks
+  the model's own causal mask out of a mapping (`attention_mask_modified` no longer reported for it).
+* Moshi: its window of 4 is applied by transformers' cache only (`hf_paged.attention.adapters.moshi`): prompts longer
+  than it attend to all of themselves, generated tokens slide. Tokens are checked to depend on that window (no
+  window at all gives others), on the engine's eager and static decode paths and the drop-in cache.
+* Zamba and HRM (`cache_layer_index`): a module writes cache layers other than its own `layer_idx` (Zamba's shared
+  attention block, `layer_idx` None, at each hybrid depth; HRM's two layers at each of their 8 cycles): the pool keeps
+  each depth's K/V apart, and the attention reads the layer `update()` wrote. Checked on the engine (one step and
+  chunked prefill, every depth in every forward), by the pool's distinct layers, and the compiled decode step (whose
+  fused op writes the module's own layer) is refused when asked for and not chosen by default.
+* Mllama's text model (`text_only_cross_attention`): its image cross-attention layer (layer 1 of the zoo's 3) keeps no
+  K/V and is skipped by the model in text-only runs (`PagedCache.get_seq_length` of it stays 0); image states are
+  refused with a ValueError, not run against an empty cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.cache import PagedCache
+from hf_paged.engine.defaults import compile_decode_for
+
+try:
+    from tests.helpers import dense_generate, generating_model, greedy_references, left_padded_batch
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch
+
+
+@functools.cache
+def family_model(family: str):
+    return generating_model(family)
+
+
+def engine_greedy(model, prompts, new: int, static: bool = False, **kwargs) -> list[list[int]]:
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, **kwargs)
+    if static:
+        engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
+    assert not engine.has_unfinished() and engine.kv_stats().used_blocks == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+def test_zaya_matches_transformers_on_the_engine(path):
+    model = family_model("zaya")
+    assert "attention_mask_modified" not in hf_paged.attention.model_features(model)
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
+    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
+
+
+@pytest.mark.slow
+def test_zaya_compiled_decode_matches_transformers():
+    """Zaya's CCA projection returns a tuple: the compiled decode step commits its states through the first tensor."""
+    torch._dynamo.reset()
+    model = family_model("zaya")
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=2, compile_decode=True)
+    try:
+        engine.warm_up(freeze_gc=False)
+        outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == refs and engine.runner.graph_steps > 0
+    finally:
+        engine.close()
+        torch._dynamo.reset()
+
+
+def test_a_mask_the_module_builds_itself_is_still_refused():
+    """Doge hands the attention function a dynamic mask it builds from the cached values (a learned per-key bias, and
+    beyond `keep_window_size` keys a top-k selection): still refused, naming what builds it."""
+    features = hf_paged.attention.model_features(family_model("doge"))
+    assert "prepare_dynamic_mask" in features["attention_mask_modified"]
+    with pytest.raises(ValueError, match="attention_mask_modified"):
+        hf_paged.attention.check_supported(family_model("doge"))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_moshi_prompts_longer_than_the_window_match_transformers(static):
+    model = family_model("moshi")
+    assert model.config.sliding_window == 4 and "mask_only_window" not in hf_paged.attention.model_features(model)
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    unwindowed = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=None, use_cache=False)[0, len(p):].tolist() for p in prompts]
+    assert unwindowed != refs  # (the window changes these tokens)
+    assert engine_greedy(model, prompts, 8, static=static) == refs
+
+
+def test_moshi_drop_in_cache_matches_transformers_on_a_padded_batch():
+    model = family_model("moshi")
+    input_ids, mask = left_padded_batch((11, 3, 6))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    reference = dense_generate(model, **kwargs)
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            out = model.generate(past_key_values=PagedCache(config=model.config, num_blocks=64, block_size=4), **kwargs)
+        finally:
+            hf_paged.disable(model)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("family", ["zamba", "hrm_text"])
+@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+def test_modules_writing_other_cache_layers_match_transformers_on_the_engine(family, path):
+    model = family_model(family)
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
+    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
+
+
+@pytest.mark.parametrize("family,depths", [("zamba", [1, 3]), ("hrm_text", list(range(16)))])
+def test_every_depth_keeps_its_own_kv_in_the_drop_in_cache(family, depths):
+    """A prompt through every depth of the shared / cycled modules: each writes its own cache layer."""
+    model = family_model(family)
+    assert "cache_layer_index" in hf_paged.attention.model_features(model)
+    input_ids, mask = left_padded_batch((9, 5))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    reference = dense_generate(model, **kwargs)
+    cache = PagedCache(config=model.config, num_blocks=64, block_size=4)
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            out = model.generate(past_key_values=cache, **kwargs)
+        finally:
+            hf_paged.disable(model)
+    assert torch.equal(out, reference)
+    assert cache.kv_layers == depths
+    first_block = cache.block_manager.block_table(cache._rows[0])[0]
+    keys = [cache.layer_caches(layer)[0][first_block] for layer in depths]
+    assert all(not torch.equal(keys[0], other) for other in keys[1:])  # (written, and apart)
+
+
+@pytest.mark.parametrize("family", ["zamba", "hrm_text"])
+def test_the_compiled_decode_step_is_not_used_for_them(family):
+    model = family_model(family)
+    assert compile_decode_for(model, True, compile_auto=True) is False
+    with pytest.raises(ValueError, match="cache_layer_index"):
+        compile_decode_for(model, True, compile_auto=False)
+    assert compile_decode_for(family_model("moshi"), True, compile_auto=False) is True
+
+
+def test_mllama_runs_text_only_and_refuses_image_states():
+    model = family_model("mllama")
+    assert model.config.cross_attention_layers == [1]
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    assert engine_greedy(model, prompts, 8) == refs
+    cache = PagedCache(config=model.config, num_blocks=16, block_size=4)
+    assert cache.kv_layers == [0, 2]
+    input_ids, mask = left_padded_batch((5, 3))
+    states = torch.zeros((2, 4, model.config.hidden_size))
+    with torch.no_grad():
+        hf_paged.enable(model)
+        try:
+            with pytest.raises(ValueError, match="layer 1 keeps no K/V"):
+                model(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                      cross_attention_states=states)
+        finally:
+            hf_paged.disable(model)
+
+
+@pytest.mark.slow
+def test_moshi_compiled_decode_and_prefill_match_transformers():
+    """The compiled step's fused op takes `cache_window` too: the decode window, and on the prefill steps routed
+    through the compiled layers (prompts admitted beside running decodes), each sequence's first key."""
+    torch._dynamo.reset()
+    model = family_model("moshi")
+    prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=2, compile_decode=True)
+    try:
+        engine.warm_up(freeze_gc=False)
+        routed = engine.runner.compiled_prefill_steps
+        outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        assert engine.runner.graph_steps > 0 and engine.runner.compiled_prefill_steps > routed
+    finally:
+        engine.close()
+        torch._dynamo.reset()
