@@ -33,8 +33,10 @@ from hf_paged.model_zoo import check_architecture, tiny_inputs, tiny_model
 
 try:
     from tests.helpers import dense_generate, greedy_reference, paged, random_prompts
+    from tests.test_beam import compare_with_transformers
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
     from helpers import dense_generate, greedy_reference, paged, random_prompts
+    from test_beam import compare_with_transformers
 
 warnings.filterwarnings("ignore", module="transformers")
 transformers.logging.set_verbosity_error()
@@ -120,6 +122,20 @@ def test_engine_paths_stay_exact_on_deepseek_v32(options):
     assert [r.outputs[0].token_ids for r in results] == want
     if "preemption_mode" in options:
         assert engine.scheduler.num_preemptions[options["preemption_mode"]] > 0
+
+
+def test_beam_search_equals_transformers_on_glm_moe_dsa():
+    """Beams fork and reorder block tables: the index keys (same blocks) follow, on the engine and the drop-in."""
+    model = _model("glm_moe_dsa")
+    ids, mask = tiny_inputs((11, 5, 8), seed=3)
+    compare_with_transformers(model, dict(input_ids=ids, attention_mask=mask), dict(num_blocks=256, block_size=4),
+                              num_beams=3, max_new_tokens=MAX_NEW, eos_token_id=None)
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, num_beams=3,
+                   eos_token_id=None)
+    want = dense_generate(model, **options)
+    with paged(model), torch.no_grad():
+        got = model.generate(**options, past_key_values=PagedCache(config=model.config, num_blocks=64, block_size=4))
+    assert torch.equal(got, want)
 
 
 def test_engine_selection_equals_the_indexer_on_each_sequence_alone():
