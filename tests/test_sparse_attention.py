@@ -67,17 +67,23 @@ class _SparseSpy:
         monkeypatch.setattr(kernels, "paged_sparse_attention", spy)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_sweep_passes_with_a_selection_smaller_than_the_context(family):
-    record = check_architecture(family, timeout_s=120, index_topk=TOPK)
+# (family, overrides): each family, and GLM-5 / HY-V4 with a "shared" layer that reuses the previous layer's top-k
+CASES = [(family, {}) for family in FAMILIES] + [
+    (family, {"indexer_types": ["full", "shared"]}) for family in ("glm_moe_dsa", "hy_v4")]
+IDS = [f + ("-shared" if overrides else "") for f, overrides in CASES]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=IDS)
+def test_sweep_passes_with_a_selection_smaller_than_the_context(family, overrides):
+    record = check_architecture(family, timeout_s=120, index_topk=TOPK, **overrides)
     assert record["verdict"] == "pass", record["reason"]
     assert record["interface_routed"] and "attention_adapter" in record["features"]
     assert not {"sparse_attention", "latent_kv", "value_head_dim"} & set(record["features"]), record["features"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_drop_in_cache_equals_transformers_on_a_left_padded_batch(family, monkeypatch):
-    model = _model(family)
+@pytest.mark.parametrize("family,overrides", CASES, ids=IDS)
+def test_drop_in_cache_equals_transformers_on_a_left_padded_batch(family, overrides, monkeypatch):
+    model = _model(family, **overrides)
     ids, mask = tiny_inputs((13, 5, 9), seed=2)
     options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
     want = dense_generate(model, **options)
@@ -90,9 +96,14 @@ def test_drop_in_cache_equals_transformers_on_a_left_padded_batch(family, monkey
     assert spy.calls > 0 and spy.width == TOPK  # the selection dropped keys (13 + 8 positions, 4 kept)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_greedy_equals_transformers(family, monkeypatch):
-    model = _model(family)
+# (the engine runs take seconds each on the 2-core machine: DeepSeek-V3.2's in the quick suite, the others slow)
+ENGINE_CASES = [pytest.param(f, o, id=i, marks=() if i == "deepseek_v32" else pytest.mark.slow)
+                for (f, o), i in zip(CASES, IDS)]
+
+
+@pytest.mark.parametrize("family,overrides", ENGINE_CASES)
+def test_engine_greedy_equals_transformers(family, overrides, monkeypatch):
+    model = _model(family, **overrides)
     prompts = random_prompts((5, 13, 2, 9, 17), seed=4, vocab=model.config.vocab_size)
     want = [greedy_reference(model, p, MAX_NEW, eos_token_id=None) for p in prompts]
     spy = _SparseSpy(monkeypatch)
@@ -105,6 +116,7 @@ def test_engine_greedy_equals_transformers(family, monkeypatch):
     assert engine.prefix_cache_stats().hit_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(decode="static"), dict(num_blocks=14, preemption_mode="recompute"),
                                      dict(num_blocks=14, preemption_mode="swap", swap_space=0.01),
                                      dict(max_num_batched_tokens=8)],
@@ -124,6 +136,7 @@ def test_engine_paths_stay_exact_on_deepseek_v32(options):
         assert engine.scheduler.num_preemptions[options["preemption_mode"]] > 0
 
 
+@pytest.mark.slow
 def test_beam_search_equals_transformers_on_glm_moe_dsa():
     """Beams fork and reorder block tables: the index keys (same blocks) follow, on the engine and the drop-in."""
     model = _model("glm_moe_dsa")
@@ -263,4 +276,7 @@ def test_model_without_a_paged_cache_folds_the_selection_into_its_mask():
     want = dense_generate(model, **options)
     with paged(model), torch.no_grad():
         got = model.generate(**options, past_key_values=DynamicCache(config=model.config))
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # no cache at all
     assert torch.equal(got, want)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
