@@ -154,6 +154,11 @@ def _holds_every_position(module, cache) -> bool:
     return max(_step_plan(step)[1], default=0) <= topk
 
 
+# the families whose attention rotates halves of the rotary dims (the others rotate interleaved pairs; each family's
+# indexer applies its own convention inside its own forward)
+_ROTARY_HALVES = frozenset({"HYV4Attention"})
+
+
 def _query(module, hidden: torch.Tensor):
     """(q_nope, q_pe `[B, H, q, *]`, q_resid, gate or None) as the family projects them."""
     batch, length = hidden.shape[:2]
@@ -185,8 +190,9 @@ def _latent_sparse_attention(module, hidden, position_embeddings, attention_mask
     k_pe = k_pe.view(batch, 1, length, rope)
     cos, sin = position_embeddings
     family = family_module(module)
-    rotary = family.apply_rotary_pos_emb if hasattr(module, "gate_proj") else family.apply_rotary_pos_emb_interleave
-    q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)  # (HY-V4 rotates halves; the others interleaved pairs)
+    halves = type(module).__name__ in _ROTARY_HALVES
+    rotary = family.apply_rotary_pos_emb if halves else family.apply_rotary_pos_emb_interleave
+    q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)
     latent = torch.cat((c_kv, k_pe.to(c_kv.dtype)), dim=-1)  # [B, 1, q, r + rope]
     keys, values = cache.update(latent, latent, module.layer_idx)
     if module.indexer is not None:
