@@ -81,6 +81,35 @@ def test_sweep_passes_with_a_selection_smaller_than_the_context(family, override
     assert not {"sparse_attention", "latent_kv", "value_head_dim"} & set(record["features"]), record["features"]
 
 
+class _LatentCache(DynamicCache):
+    holds_latent_kv = True  # (the run-time probe's kind: the adapter stores the latent in it)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_latent_sparse_attention_equals_the_modules_own(family):
+    """One layer: the adapter's latent path (absorbed query, the selection folded into the attention without a paged
+    pool) against the module's own expanded sparse attention, same hidden states and positions; 9 tokens, top-4, so
+    the first queries' selections hold masked picks (-1) and the later ones drop keys."""
+    model = _model(family)
+    module = model.model.layers[0].self_attn
+    hidden = torch.randn(2, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    rotary = model.model.rotary_emb(hidden, torch.arange(9)[None].expand(2, -1))
+    causal = dsa.causal_index_mask(None, 2, 9, 9, torch.device("cpu"))[:, None]
+    causal = torch.where(causal, 0.0, torch.finfo(torch.float32).min)  # additive: right for eager (HY-V4's) and SDPA
+    hf_paged.enable(model)
+    try:
+        with torch.no_grad():
+            got = module(hidden_states=hidden, position_embeddings=rotary, attention_mask=torch.ones(2, 9),
+                         past_key_values=_LatentCache(config=model.config))[0]
+    finally:
+        hf_paged.disable(model)
+    with torch.no_grad():  # transformers' own module (its implementation), a fresh cache for its indexer keys
+        want = module(hidden_states=hidden, position_embeddings=rotary, attention_mask=causal,
+                      past_key_values=DynamicCache(config=model.config))[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert want.abs().max() > 1e-3  # not vacuous
+
+
 @pytest.mark.parametrize("family,overrides", CASES, ids=IDS)
 def test_drop_in_cache_equals_transformers_on_a_left_padded_batch(family, overrides, monkeypatch):
     model = _model(family, **overrides)

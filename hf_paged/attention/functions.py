@@ -320,9 +320,10 @@ def _fold_selection(mask: torch.Tensor | None, indices: torch.Tensor, q_len: int
     """A boolean `[B, 1, q, kv]` mask: `mask` (4D boolean or additive, or None: causal) AND the selected positions
     `indices [B, q, K]` (-1: none), as transformers' eager / SDPA paths fold a sparse selection into their mask."""
     batch, device = indices.shape[0], indices.device
-    valid = indices >= 0
-    selected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=device).scatter_(
-        -1, indices.clamp(min=0).long(), valid)
+    # (an entry of -1 goes to a spare last column, dropped: scattered onto position 0 it could unselect a real pick)
+    spare = torch.where(indices >= 0, indices.long(), kv_len)
+    selected = torch.zeros(batch, q_len, kv_len + 1, dtype=torch.bool, device=device).scatter_(-1, spare, True)
+    selected = selected[..., :kv_len]
     if mask is None:
         base = _dense_mask(torch.ones(batch, kv_len, dtype=torch.bool, device=device), q_len, kv_len, device)
     elif mask.dtype == torch.bool:

@@ -137,8 +137,8 @@ def select_positions(indexer, hidden, q_resid, position_embeddings, attention_ma
         return _ragged_selection(indexer, hidden, q_resid, position_embeddings, cache, cache._step)
     if attention_mask is not None and attention_mask.dim() == 4:  # (the probe's own SDPA mask)
         mask = attention_mask[:, 0].to(torch.bool)
-    else:
-        kv_len = cache.get_seq_length() if isinstance(cache, PagedCache) else cache.get_seq_length() + q_len
+    else:  # (the layer's update() ran: its length counts this forward's tokens)
+        kv_len = attention_mask.shape[-1] if attention_mask is not None else cache.get_seq_length(indexer.layer_idx)
         mask = causal_index_mask(attention_mask, batch, q_len, kv_len, hidden.device)
     return _run_indexer(indexer, hidden, q_resid, position_embeddings, mask, cache)
 
