@@ -15,8 +15,8 @@ and gate together (`q_gate_proj` on `[q_resid, q_a_proj(x)]`) and gates the flat
 What the adapter does on a `PagedCache` (every other cache gets the module's own forward, with a 4D mask):
 
 * K/V: the latent in the pool, attention absorbed into the query, exactly as `adapters.mla` does (transformers
-  caches the *expanded* per-head K/V of these models, `num_heads * (qk_head_dim + v_head_dim)` values a token: 70
-  times DeepSeek-V3.2's 576-value latent; vLLM also keeps the latent);
+  caches the *expanded* per-head K/V of these models, `num_heads * (qk_head_dim + v_head_dim)` values a token: about
+  70 times DeepSeek-V3.2's 576-value latent; vLLM also keeps the latent);
 * index keys: in the pool beside the latent, under the same blocks (`cache.index_keys`, `KVShape.index_dim`);
 * selection (:func:`select_positions`): the module's *own* indexer (its forward, weights, norm, rotary, scoring and
   `topk`, unchanged) is called on pieces of the step where each query sees only its own sequence. The drop-in
@@ -25,12 +25,18 @@ What the adapter does on a `PagedCache` (every other cache gets the module's own
   into one call for all its decode rows (`[S, 1]` queries against each sequence's keys, padded to the longest and
   masked) and one call per prefill sequence (`[1, q]` against its `[1, ctx]` keys, causal), each through a small
   view (`_SequenceKeys`) whose `update_indexer` writes the piece's keys at its slots and returns its sequences' keys.
-  So no query ever scores another sequence's keys, and the memory is `sum(q_s * ctx_s)` scores, never `T * sum(ctx)`;
+  So no query ever scores another sequence's keys: the scores take `sum(q_s * ctx_s)` for the prefills and
+  `decode rows * the longest context` for the decodes (times the index heads), never `T * sum(ctx)`;
 * the selection handed on is positions in the query's sequence (`[B, q, K]`, `-1` where a query has fewer than
   `K` visible keys: its masked picks, which transformers' mask also drops); the attention function
   (`functions._sparse_paged_attention`, `kernels.paged_sparse_attention`) gathers exactly those latents through the
   sequence's block table. Where every query's selection holds all its causal positions (no sequence of the step is
   longer than `index_topk`), the attention takes the ordinary dense kernels instead (`indices=None`): the same set.
+
+The selection is planned on the host (each sequence's new tokens and length, read once per forward), so the engine
+runs these models' steps eagerly: no CUDA graphs, no `compile_decode` (`engine.defaults.sparse_step_modes` refuses
+asking for them). A fused top-k kernel over the paged index keys, and a Triton sparse attention behind
+`kernels.paged_sparse_attention`, are where that would change.
 
 Equality with transformers: the scores are the indexer's own float32 arithmetic on the same keys and queries, and
 `topk` runs over a query's visible positions of its own sequence; transformers ranks the same finite scores (its
