@@ -43,9 +43,10 @@ ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xg
            "modernbert-decoder")
 # multi-head latent attention (issue 54): the latent in the pool, attention absorbed (hf_paged.attention.adapters.mla)
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash", "axk1")
-# DeepSeek Sparse Attention over the latent: the indexer's keys in the pool, each query's top-k attended
-# (hf_paged.attention.adapters.dsa)
-SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
+# learned sparse attention: the indexer's keys in the pool, each query's selection attended (DeepSeek Sparse
+# Attention over the latent: hf_paged.attention.adapters.dsa)
+SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2",
+          "qwen4_exp", "qwen4_exp_text")  # (Qwen4-Exp's block-pooled selection: hf_paged.attention.adapters.qsa)
 # latent-attention families no adapter takes: Kimi-Linear's recurrent layers
 MLA_REFUSED = {"kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
@@ -53,7 +54,7 @@ HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_n
           "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba")
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
 RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
-                     "zamba": "cache_layer_index", "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
+                     "zamba": "cache_layer_index", "kimi_linear": "latent_kv",
                      "inkling_text": "unknown_attention_kwargs", "zaya": "attention_mask_modified"}
 
 

@@ -8,6 +8,7 @@ than the selection and it really drops keys:
   transformers' `DynamicCache` generate, and the sparse attention ran (`kernels.paged_sparse_attention`);
 * the selection of an engine step (decode rows batched, prefill sequences one by one, against their own sequence
   only) equals the module's own indexer run on each sequence alone with transformers' cache;
+* Qwen4-Exp's sparse attention (`adapters.qsa`: pooled token blocks) likewise, with a budget of 4 tokens;
 * the torch reference of the sparse attention equals dense attention masked to the selected positions;
 * the pool keeps the index keys beside the latent, counts their bytes, and refuses what it cannot store.
 """
@@ -79,6 +80,44 @@ def test_sweep_passes_with_a_selection_smaller_than_the_context(family, override
     assert record["verdict"] == "pass", record["reason"]
     assert record["interface_routed"] and "attention_adapter" in record["features"]
     assert not {"sparse_attention", "latent_kv", "value_head_dim"} & set(record["features"]), record["features"]
+
+
+# Qwen4-Exp's sparse attention (`adapters.qsa`): blocks of 2 tokens, 2 blocks kept (+ the unfinished one), so a
+# query past 5 tokens drops keys
+QSA_BUDGET = 4
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp_text", "qwen4_exp"])
+def test_qwen_sparse_attention_passes_the_sweep(family):
+    record = check_architecture(family, timeout_s=300, indexer_budget=QSA_BUDGET)
+    assert record["verdict"] == "pass", record["reason"]
+    assert "sparse_attention" not in record["features"] and "attention_adapter" in record["features"]
+
+
+def test_qwen_sparse_attention_drop_in_equals_transformers(monkeypatch):
+    model = tiny_model("qwen4_exp_text", indexer_budget=QSA_BUDGET)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1)
+    ids, mask = tiny_inputs((13, 5, 9), seed=2)
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    want = dense_generate(model, **options)
+    spy = _SparseSpy(monkeypatch)
+    with paged(model), torch.no_grad():
+        cache = PagedCache(config=model.config, num_blocks=32, block_size=4)
+        got = model.generate(**options, past_key_values=cache)
+        assert not hasattr(cache, "_bound_position_ids") or cache.position_ids.shape[-1] == 0  # no history kept
+    assert torch.equal(got, want)
+    assert spy.calls > 0 and spy.width == QSA_BUDGET + 1
+
+
+@pytest.mark.slow
+def test_qwen_sparse_attention_engine_equals_transformers():
+    model = tiny_model("qwen4_exp_text", indexer_budget=QSA_BUDGET)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1)
+    prompts = random_prompts((5, 13, 2, 9, 17), seed=4, vocab=model.config.vocab_size)
+    want = [greedy_reference(model, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=12)  # (chunked prefill)
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [r.outputs[0].token_ids for r in results] == want
 
 
 class _LatentCache(DynamicCache):
@@ -289,11 +328,10 @@ def test_engine_refuses_graphs_and_compiled_steps_and_the_gate_still_refuses_oth
         hf_paged.Engine(model, num_blocks=16, block_size=4, compile_decode=True)
     with pytest.raises(ValueError, match="use_cuda_graph"):
         hf_paged.Engine(model, num_blocks=16, block_size=4, use_cuda_graph=True)
-    for family in ("deepseek_v4", "qwen4_exp_text"):  # compressed / Qwen sparse attention: another mechanism
-        record = check_architecture(family, timeout_s=120)
-        assert record["verdict"] in ("refused", "not_runnable"), record
-        if record["verdict"] == "refused":
-            assert "sparse_attention" in record["unhandled"]
+    record = check_architecture("deepseek_v4", timeout_s=120)  # compressed sparse attention: another mechanism
+    assert record["verdict"] in ("refused", "not_runnable"), record
+    if record["verdict"] == "refused":
+        assert "sparse_attention" in record["unhandled"]
 
 
 def test_model_without_a_paged_cache_folds_the_selection_into_its_mask():

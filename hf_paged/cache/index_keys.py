@@ -2,7 +2,8 @@
 
 A DeepSeek Sparse Attention layer (DeepSeek-V3.2, GLM-5, HY-V4, A.X K2) has an *indexer* with its own projections:
 every token gets one index key (`index_head_dim` values), every query scores all its sequence's cached index keys and
-attends only its top `index_topk` positions. transformers keeps the index keys in its cache's `DynamicIndexedLayer`
+attends only its top `index_topk` positions (Qwen4-Exp's indexer pools blocks of raw index keys instead, and keeps
+blocks: `hf_paged.attention.adapters.qsa`). transformers keeps the index keys in its cache's `DynamicIndexedLayer`
 (`past_key_values.update_indexer(keys, layer_idx)`, which returns all of them, `[B, T, index_head_dim]`).
 
 Here they live in the pool (`KVShape.index_dim`, `KVPool.index_view`): one tensor per layer group,
@@ -57,6 +58,21 @@ class IndexKeys:
             raise ValueError(f"layer {layer_idx} keeps no indexer keys in this PagedCache (its KVShape has no "
                              "index_dim: not a sparse-attention layer of the config)")
         return pool
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """What a model that binds its full position ids to the cache reads back (Qwen4-Exp: `cat(cache.position_ids,
+        new)`, then `cache.position_ids = ...`): an empty history, so the model's rotary covers this forward's tokens
+        only. Its sparse-attention adapter (`hf_paged.attention.adapters.qsa`) rotates old positions itself; kept,
+        the history would grow by every token of every step of an engine's sequences. AttributeError until set."""
+        bound = self.__dict__.get("_bound_position_ids")
+        if bound is None:
+            raise AttributeError("position_ids")
+        return bound[..., :0]
+
+    @position_ids.setter
+    def position_ids(self, value: torch.Tensor) -> None:
+        self.__dict__["_bound_position_ids"] = value
 
     def write_index_keys(self, layer_idx: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Write `keys [N, index_head_dim]` at `slots [N]` (the step's slots of those tokens; a negative slot, a CUDA

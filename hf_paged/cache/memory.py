@@ -166,11 +166,14 @@ def _layer_config(text, layer: int):
 
 
 def indexer_key_dims(config) -> dict[int, int]:
-    """`{layer: index_head_dim}` of the layers whose DeepSeek-Sparse-Attention indexer keeps keys (`index_topk` and
-    `index_head_dim` set: DeepSeek-V3.2, GLM-5, HY-V4, A.X K2); a layer whose `indexer_types` entry is "shared" reuses
-    an earlier layer's selection and keeps none. Empty for every other config."""
+    """`{layer: index_head_dim}` of the layers whose sparse-attention indexer keeps keys (`index_topk` and
+    `index_head_dim` set: DeepSeek-V3.2, GLM-5, HY-V4, A.X K2; `indexer_budget` and `indexer_head_dim`: Qwen4-Exp's
+    attention layers); a layer whose `indexer_types` entry is "shared" reuses an earlier layer's selection and keeps
+    none. Empty for every other config."""
     text = _text(config)
     dim, topk = getattr(text, "index_head_dim", None), getattr(text, "index_topk", None)
+    if not isinstance(dim, int):  # Qwen4-Exp's sparse attention: one raw index key a token (`adapters.qsa`)
+        dim, topk = getattr(text, "indexer_head_dim", None), getattr(text, "indexer_budget", None)
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1 or not isinstance(topk, int):
         return {}
     types = list(getattr(text, "indexer_types", None) or ())
@@ -200,6 +203,7 @@ def layer_kv_shapes(config) -> list[KVShape]:
         index_dims = indexer_key_dims(config)
         return [KVShape(1, width, width, values_are_keys=True, index_dim=index_dims.get(layer, 0)) for layer in layers]
     heterogeneous = getattr(text, "is_heterogeneous", False)
+    index_dims = indexer_key_dims(config)
     if not heterogeneous:
         _, kv_heads, head_dim = attention_shape(config)
     layer_types = getattr(text, "layer_types", None) or ()
@@ -218,7 +222,7 @@ def layer_kv_shapes(config) -> list[KVShape]:
             heads *= factor
         if getattr(text, "model_type", None) in _PAIRED_KV_HEADS and heads % 2 == 0:
             heads, key_dim, value_dim = heads // 2, key_dim * 2, value_dim * 2
-        shapes.append(KVShape(heads, key_dim, value_dim))
+        shapes.append(KVShape(heads, key_dim, value_dim, index_dim=index_dims.get(layer, 0)))
     return shapes
 
 
