@@ -43,9 +43,12 @@ ADAPTED = ("falcon", "gptj", "gpt_neo", "codegen", "jetmoe", "bloom", "mpt", "xg
            "modernbert-decoder")
 # multi-head latent attention (issue 54): the latent in the pool, attention absorbed (hf_paged.attention.adapters.mla)
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash", "axk1")
-# latent-attention families the adapter does not take: sparse (indexer) attention, Kimi-Linear's recurrent layers
-MLA_REFUSED = {"deepseek_v32": "sparse_attention", "glm_moe_dsa": "sparse_attention", "hy_v4": "sparse_attention",
-               "axk2": "sparse_attention", "kimi_linear": "latent_kv"}
+# learned sparse attention: the indexer's keys in the pool, each query's selection attended (DeepSeek Sparse
+# Attention over the latent: hf_paged.attention.adapters.dsa)
+SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2",
+          "qwen4_exp", "qwen4_exp_text")  # (Qwen4-Exp's block-pooled selection: hf_paged.attention.adapters.qsa)
+# latent-attention families no adapter takes: Kimi-Linear's recurrent layers
+MLA_REFUSED = {"kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
           "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya", "zamba")
@@ -55,8 +58,7 @@ CACHE_LAYER_INDEX = ("zamba", "hrm_text")
 TEXT_ONLY_CROSS_ATTENTION = ("mllama",)
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
 RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
-                     "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
-                     "inkling_text": "unknown_attention_kwargs"}
+                     "kimi_linear": "latent_kv", "inkling_text": "unknown_attention_kwargs"}
 
 
 @functools.cache
@@ -121,6 +123,16 @@ def test_latent_attention_families_pass_and_the_others_are_refused():
     for arch, feature in MLA_REFUSED.items():
         record = _records()[arch]
         assert record["verdict"] == "refused" and feature in record["unhandled"], (arch, record)
+
+
+@pytest.mark.slow
+def test_sparse_attention_families_pass():
+    failing = {a: _records()[a]["reason"] for a in SPARSE if _records()[a]["verdict"] != "pass"}
+    assert not failing
+    for arch in SPARSE:  # routed by the adapter, which handles the indexer, the latent and its value width
+        record = _records()[arch]
+        assert "attention_adapter" in record["features"] and record["interface_routed"], arch
+        assert not {"sparse_attention", "latent_kv", "value_head_dim"} & set(record["features"]), arch
 
 
 @pytest.mark.slow

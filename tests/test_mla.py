@@ -192,8 +192,8 @@ def test_gate_accepts_adapted_mla_and_refuses_the_rest():
     assert mla.holds_latent(hf_paged.PagedCache(config=model.config, num_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="latent_kv"):
         hf_paged.enable(model)
-    record = check_architecture("deepseek_v32", timeout_s=120)  # sparse attention (an indexer): still refused
-    assert record["verdict"] == "refused" and "sparse_attention" in record["unhandled"]
+    record = check_architecture("kimi_linear", timeout_s=120)  # latent attention beside recurrent layers: refused
+    assert record["verdict"] == "refused" and "latent_kv" in record["unhandled"]
 
 
 def test_a_latent_wider_than_the_triton_kernels_take_is_refused_up_front_on_their_devices():

@@ -163,8 +163,10 @@ def _cache_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     return window
 
 
-def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict) -> torch.Tensor:
-    """Exact dense attention with the layer's options: `query [B, Hq, q, D]`, keys/values `[B, Hkv, kv, D]`.
+def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict,
+                             selected: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact dense attention with the layer's options: `query [B, Hq, q, D]`, keys/values `[B, Hkv, kv, D]`;
+    `selected` (boolean `[B, 1, q, kv]`): the keys a sparse selection leaves each query, ANDed in.
 
     Fallback for calls without a paged cache or with non-left padding: causal AND padding AND window AND chunk
     (chunks counted from the row's first non-padding key, as transformers' `chunked_overlay`), ALiBi as
@@ -190,6 +192,8 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
     keys = keys.repeat_interleave(groups, dim=1)
     values = values.repeat_interleave(groups, dim=1)
     mask = mask[:, None]
+    if selected is not None:
+        mask = mask & selected
     sink_col = opts["sinks"].reshape(1, Hq, 1, 1) if opts["sinks"] is not None else None
     bias = None
     if opts["alibi_slopes"] is not None:
@@ -266,6 +270,9 @@ def paged_attention_forward(
     if cache_window is not None and opts["sliding_window"] is not None:
         raise ValueError(f"hf_paged attention: {type(module).__name__} passed both sliding_window and cache_window")
     has_opts = any(v is not None for v in opts.values())
+    indices = kwargs.get("indices")  # learned sparse attention: each query's selected key positions
+    if indices is not None and not isinstance(indices, torch.Tensor):
+        raise ValueError(f"hf_paged attention: {type(module).__name__} passed indices of type {type(indices).__name__}")
     if torch.compiler.is_dynamo_compiling():
         # inside hf_paged's compiled decode step (`compile_decode`): the cache deferred the K/V write to one fused op
         active = active_deferred_cache()
@@ -275,6 +282,11 @@ def paged_attention_forward(
                                           cache_window=cache_window), None
     cache_ref = getattr(key, "_hf_paged_cache", None)
     cache = cache_ref() if cache_ref is not None else None
+    if cache is None and indices is not None:  # a sparse selection without a paged cache: folded into the mask
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        mask_2d = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        selected = _fold_selection(attention_mask if mask_2d is None else None, indices, query.shape[2], key.shape[2])
+        return _dense_feature_attention(query, key, value, mask_2d, scale, opts, selected), None
     if cache is None:
         # No paged cache in this forward (use_cache=False, DynamicCache, ...): exact dense attention. (Grouped K/V
         # of a module that does not say its grouping, as adapted ones: the dense path groups by shape.)
@@ -301,6 +313,8 @@ def paged_attention_forward(
         query = query.detach()
     batch, num_heads, q_len, head_dim = query.shape
     scale = float(scaling) if scaling is not None else head_dim**-0.5
+    if indices is not None:
+        return _sparse_paged_attention(module, query, key, value, step, indices, scale, opts, fp8), None
     if step.layout == "ragged":
         flat = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         if step.decode_only:
@@ -348,6 +362,58 @@ def paged_attention_forward(
         flat, key, value, step.block_tables, step.cu_seqlens_q, step.seq_lens, scale, q_len, kv_start, **fp8, **opts
     )
     return out.view(batch, q_len, num_heads, out.shape[-1]), None
+
+
+def _fold_selection(mask: torch.Tensor | None, indices: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """A boolean `[B, 1, q, kv]` mask: `mask` (4D boolean or additive, or None: causal) AND the selected positions
+    `indices [B, q, K]` (-1: none), as transformers' eager / SDPA paths fold a sparse selection into their mask."""
+    batch, device = indices.shape[0], indices.device
+    # (an entry of -1 goes to a spare last column, dropped: scattered onto position 0 it could unselect a real pick)
+    spare = torch.where(indices >= 0, indices.long(), kv_len)
+    selected = torch.zeros(batch, q_len, kv_len + 1, dtype=torch.bool, device=device).scatter_(-1, spare, True)
+    selected = selected[..., :kv_len]
+    if mask is None:
+        base = _dense_mask(torch.ones(batch, kv_len, dtype=torch.bool, device=device), q_len, kv_len, device)
+    elif mask.dtype == torch.bool:
+        base = mask
+    else:
+        base = mask > torch.finfo(mask.dtype).min / 2
+    return base & selected[:, None]
+
+
+def _query_rows(step, batch: int, q_len: int, device) -> torch.Tensor:
+    """Which block-table row each query token of the step reads (its sequence's), `[batch * q_len]`; computed once
+    per forward (cached on the step)."""
+    rows = step.extra.get("query_rows")
+    if rows is None:
+        if step.layout == "ragged":  # (rows past the last sequence, a padded step's, read row 0 and select nothing)
+            counts = step.cu_seqlens_q.diff().long()
+            rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts)
+            rows = torch.nn.functional.pad(rows, (0, batch * q_len - rows.shape[0]))
+        else:
+            rows = torch.arange(batch, device=device).repeat_interleave(q_len)
+        step.extra["query_rows"] = rows
+    return rows
+
+
+def _sparse_paged_attention(module, query, key, value, step, indices: torch.Tensor, scale: float, opts: dict,
+                            fp8: dict) -> torch.Tensor:
+    """Learned sparse attention over the pool: query token `n` attends exactly the positions `indices[.., n, :]` of
+    its own sequence (positions in the sequence, -1: none; the padded layout's row positions, left padding
+    included), as `hf_paged.attention.adapters.dsa` selects them. `kernels.paged_sparse_attention` gathers those
+    K/V by the sequence's block table. Returns `[B, q, Hq, Dv]`."""
+    for name in ("sliding_window", "chunk_size", "alibi_slopes"):
+        if opts[name] is not None:
+            raise ValueError(f"hf_paged attention: {type(module).__name__} passed indices (sparse attention) with "
+                             f"{name}, which the sparse path does not take")
+    batch, num_heads, q_len, head_dim = query.shape
+    if indices.dim() != 3 or indices.shape[:2] != (batch, q_len):
+        raise ValueError(f"hf_paged attention: indices must be [{batch}, {q_len}, top-k], got {tuple(indices.shape)}")
+    flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    rows = _query_rows(step, batch, q_len, query.device)
+    out = kernels.paged_sparse_attention(flat, key, value, step.block_tables, rows, indices.reshape(batch * q_len, -1),
+                                         scale, softcap=opts["softcap"], sinks=opts["sinks"], **fp8)
+    return out.view(batch, q_len, num_heads, out.shape[-1])
 
 
 _registered = False

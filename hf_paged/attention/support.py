@@ -102,6 +102,7 @@ KNOWN_ATTENTION_KWARGS = frozenset({
     "output_hidden_states", "sequence_length", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
     "output_router_logits", "logits_to_keep", "dropout", "scaling", "attention_mask", "sliding_window", "softcap",
     "s_aux", "alibi_slopes", "cache_window",
+    "indices",  # a sparse selection: taken by the attention function (`functions._sparse_paged_attention`)
 })
 
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "hybrid", "rwkv", "lstm", "deltanet")

@@ -19,7 +19,11 @@ of every tensor is ``dim() - 4``, which `kernels.copy_blocks` takes). Nothing he
 
 Where the shapes come from: `memory.layer_kv_shapes(config)` (per-layer head sizes and KV heads, a value width,
 MLA's latent: ``kv_lora_rank`` set gives one head of ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys),
-or `PagedCache(kv_shapes=[...])`, one `KVShape` per K/V layer. `PagedCache.update` checks what a layer writes against
+or `PagedCache(kv_shapes=[...])`, one `KVShape` per K/V layer. A layer of a learned-sparse-attention model (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5, ...) also keeps its
+indexer's keys, one `index_dim`-wide vector per token (`KVShape.index_dim`): a tensor ``[layers, num_blocks, 1,
+block_size, index_dim]`` of the group beside its K/V, under the same block ids, so forks, copy-on-write, swapping,
+prefix caching and growth carry a sequence's index keys with its K/V (`index_view` hands a layer's out; the
+`hf_paged.attention.adapters.dsa` adapter writes and reads them). `PagedCache.update` checks what a layer writes against
 its shape (a ValueError naming both); a values-are-keys layer must be given the keys themselves as its values
 (``update(latent, latent, layer)``), and its FP8 value scale is kept equal to its key scale. `PoolShapes` is the
 cache's side of this: the shapes, the classic one-tensor `pool` view and the bytes of a block.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from .index_keys import check_index_dtype
 from .kv_quant import as_bytes
 
 __all__ = ["KVShape", "KVPool", "PoolShapes"]
@@ -40,32 +45,37 @@ __all__ = ["KVShape", "KVPool", "PoolShapes"]
 @dataclass(frozen=True)
 class KVShape:
     """The K/V shape of one layer: `kv_heads` heads of `key_dim` keys and `value_dim` values; `values_are_keys`: the
-    layer reads its keys as its values (stored once; `value_dim` equals `key_dim`)."""
+    layer reads its keys as its values (stored once; `value_dim` equals `key_dim`); `index_dim`: the width of the
+    sparse-attention indexer's key each token also keeps (0: no indexer at this layer)."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
     values_are_keys: bool = False
+    index_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_heads", "key_dim", "value_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVShape.{name} must be a positive int, got {value!r}")
+        if isinstance(self.index_dim, bool) or not isinstance(self.index_dim, int) or self.index_dim < 0:
+            raise ValueError(f"KVShape.index_dim must be a non-negative int, got {self.index_dim!r}")
         if self.values_are_keys and self.value_dim != self.key_dim:
             raise ValueError(f"KVShape: values_are_keys needs value_dim == key_dim, got {self.value_dim} and "
                              f"{self.key_dim}")
 
     @property
     def elements_per_token(self) -> int:
-        """Elements one token takes in one layer of this shape (K and V, or K alone when values are keys)."""
-        return self.kv_heads * (self.key_dim + (0 if self.values_are_keys else self.value_dim))
+        """Elements one token takes in one layer of this shape (K and V, or K alone when values are keys, and its
+        index key)."""
+        return self.kv_heads * (self.key_dim + (0 if self.values_are_keys else self.value_dim)) + self.index_dim
 
     def split_heads(self, divisor: int) -> KVShape:
         """This shape on one rank of a tensor-parallel model whose KV heads are split `divisor` ways."""
         if self.kv_heads % divisor:
             raise ValueError(f"a layer with {self.kv_heads} KV heads cannot be split {divisor} ways")
-        return KVShape(self.kv_heads // divisor, self.key_dim, self.value_dim, self.values_are_keys)
+        return KVShape(self.kv_heads // divisor, self.key_dim, self.value_dim, self.values_are_keys, self.index_dim)
 
 
 class _Group:
@@ -84,10 +94,12 @@ class _Group:
 
     def shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         s, n = self.shape, len(self.members)
+        index = [(n, num_blocks, 1, block_size, s.index_dim)] if s.index_dim else []  # last: `index_view`
         if self.joint:
-            return [(n, 2, num_blocks, s.kv_heads, block_size, s.key_dim)]
+            return [(n, 2, num_blocks, s.kv_heads, block_size, s.key_dim)] + index
         keys = (n, num_blocks, s.kv_heads, block_size, s.key_dim)
-        return [keys] if s.values_are_keys else [keys, (n, num_blocks, s.kv_heads, block_size, s.value_dim)]
+        kv = [keys] if s.values_are_keys else [keys, (n, num_blocks, s.kv_heads, block_size, s.value_dim)]
+        return kv + index
 
     def views(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.joint:
@@ -173,6 +185,11 @@ class KVPool:
         group, row = self._place[index]
         return group.views(row)
 
+    def index_view(self, index: int) -> torch.Tensor | None:
+        """The indexer keys `[num_blocks, 1, block_size, index_dim]` of pool layer `index` (None: it keeps none)."""
+        group, row = self._place[index]
+        return group.tensors[-1][row] if group.shape.index_dim else None
+
     def grow(self, new_blocks: int) -> None:
         """Every tensor takes `new_blocks` blocks, the existing ones copied (ids stay); the views change."""
         old = self.num_blocks
@@ -215,7 +232,9 @@ class PoolShapes:
     block_size: int
 
     def _set_shapes(self, shapes: list[KVShape]) -> None:
-        """Each K/V layer's shape (pool order); `num_kv_heads` / `head_dim` are the first K/V layer's."""
+        """Each K/V layer's shape (pool order); `num_kv_heads` / `head_dim` are the first K/V layer's. Indexer keys
+        in an FP8 pool are refused (`index_keys.check_index_dtype`)."""
+        check_index_dtype(shapes, getattr(self, "kv_cache_dtype", None))
         self.kv_shapes = shapes
         # (a pool without K/V layers, a pure recurrent model's: 0 and 0)
         self.num_kv_heads, self.head_dim = (shapes[0].kv_heads, shapes[0].key_dim) if shapes else (0, 0)

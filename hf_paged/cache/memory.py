@@ -14,8 +14,9 @@ import torch
 from .kv_pool import KVShape
 
 __all__ = ["parse_memory", "memory_fraction", "pool_budget", "cpu_pool_memory", "check_pool_arguments",
-           "kv_bytes_per_token", "attention_heads", "attention_shape", "cross_attention_layer_indices",
-           "kv_layer_indices", "latent_kv_width", "layer_kv_shapes", "kv_shared_sources", "num_decoder_layers", "BLOCKLESS_POOL_BLOCKS"]
+           "kv_bytes_per_token", "attention_heads", "indexer_key_dims", "attention_shape",
+           "cross_attention_layer_indices", "kv_layer_indices", "latent_kv_width", "layer_kv_shapes", "kv_shared_sources",
+           "num_decoder_layers", "BLOCKLESS_POOL_BLOCKS"]
 
 # layer types (transformers' normalised `config.layer_types`) whose layer keeps no K/V: a recurrent mixer (its state
 # lives in `hf_paged.cache.state_pool`) or no token mixer at all (Nemotron-H's MoE and MLP layers)
@@ -165,12 +166,29 @@ def _layer_config(text, layer: int):
     return text.per_layer_config[layer] if getattr(text, "is_heterogeneous", False) else text
 
 
+def indexer_key_dims(config) -> dict[int, int]:
+    """`{layer: index_head_dim}` of the layers whose sparse-attention indexer keeps keys (`index_topk` and
+    `index_head_dim` set: DeepSeek-V3.2, GLM-5, HY-V4, A.X K2; `indexer_budget` and `indexer_head_dim`: Qwen4-Exp's
+    attention layers); a layer whose `indexer_types` entry is "shared" reuses an earlier layer's selection and keeps
+    none. Empty for every other config."""
+    text = _text(config)
+    dim, topk = getattr(text, "index_head_dim", None), getattr(text, "index_topk", None)
+    if not isinstance(dim, int):  # Qwen4-Exp's sparse attention: one raw index key a token (`adapters.qsa`)
+        dim, topk = getattr(text, "indexer_head_dim", None), getattr(text, "indexer_budget", None)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1 or not isinstance(topk, int):
+        return {}
+    types = list(getattr(text, "indexer_types", None) or ())
+    return {layer: dim for layer in kv_layer_indices(config)
+            if not (layer < len(types) and types[layer] == "shared")}
+
+
 def layer_kv_shapes(config) -> list[KVShape]:
     """The `KVShape` of every layer that keeps K/V (`kv_layer_indices` order), as the config says (whole model,
     before any tensor-parallel split).
 
     * multi-head latent attention (`kv_lora_rank` set: DeepSeek V2/V3, Kimi, ...): one head of
-      ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys (the latent, stored once);
+      ``kv_lora_rank + qk_rope_head_dim`` whose values are its keys (the latent, stored once), and the indexer keys
+      of a sparse-attention layer (`indexer_key_dims`);
     * per-layer head sizes and KV heads (transformers' `per_layer_config`: Gemma 4's global layers);
     * a value width of its own (`v_head_dim`: MiMo-V2-Flash), and the sliding layers' KV heads of the families whose
       modeling code multiplies them (`_SLIDING_KV_HEAD_FACTOR`);
@@ -183,8 +201,10 @@ def layer_kv_shapes(config) -> list[KVShape]:
     rank = getattr(text, "kv_lora_rank", None)
     if isinstance(rank, int) and rank > 0:
         width = rank + int(getattr(text, "qk_rope_head_dim", None) or 0)
-        return [KVShape(1, width, width, values_are_keys=True) for _ in layers]
+        index_dims = indexer_key_dims(config)
+        return [KVShape(1, width, width, values_are_keys=True, index_dim=index_dims.get(layer, 0)) for layer in layers]
     heterogeneous = getattr(text, "is_heterogeneous", False)
+    index_dims = indexer_key_dims(config)
     if not heterogeneous:
         _, kv_heads, head_dim = attention_shape(config)
     layer_types = getattr(text, "layer_types", None) or ()
@@ -203,7 +223,7 @@ def layer_kv_shapes(config) -> list[KVShape]:
             heads *= factor
         if getattr(text, "model_type", None) in _PAIRED_KV_HEADS and heads % 2 == 0:
             heads, key_dim, value_dim = heads // 2, key_dim * 2, value_dim * 2
-        shapes.append(KVShape(heads, key_dim, value_dim))
+        shapes.append(KVShape(heads, key_dim, value_dim, index_dim=index_dims.get(layer, 0)))
     return shapes
 
 
@@ -280,7 +300,7 @@ def pool_kv_shapes(config, num_kv_layers: int, num_kv_heads: int | None, head_di
         heads = first.kv_heads if num_kv_heads is None else int(num_kv_heads)
         key_dim = first.key_dim if head_dim is None else int(head_dim)
         value_dim = key_dim if first.value_dim == first.key_dim else first.value_dim
-        return [KVShape(heads, key_dim, value_dim, first.values_are_keys)] * len(shapes)
+        return [KVShape(heads, key_dim, value_dim, first.values_are_keys, first.index_dim)] * len(shapes)
     if head_dim is not None:
         raise ValueError("head_dim cannot be overridden for a model whose layers differ in shape; pass kv_shapes")
     if num_kv_heads is not None and num_kv_heads != shapes[0].kv_heads:

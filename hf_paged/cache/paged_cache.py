@@ -29,6 +29,7 @@ from .. import kernels
 from ..core import BlockManager
 from .drop_in_rows import DropInRows
 from .gradients import cut_gradients
+from .index_keys import IndexKeys
 from .kv_pool import KVPool, KVShape, PoolShapes
 from .kv_quant import FP8_DTYPE, KVScales, resolve_kv_cache_dtype
 from .layers import PagedLayer, window_bound
@@ -59,7 +60,7 @@ class CacheFullError(RuntimeError):
     """The drop-in cache has no free block left for the next tokens (the engine preempts instead of raising)."""
 
 
-class PagedCache(PoolShapes, DropInRows, Cache):
+class PagedCache(PoolShapes, DropInRows, IndexKeys, Cache):
     """KV cache in fixed-size blocks shared by reference between sequences (vLLM's PagedAttention for transformers).
 
     Args:
@@ -96,9 +97,9 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     mixers read and write through `hf_paged.attention.recurrent`.
 
     Why one class of this size: transformers' `Cache` contract is one object (update, lengths and mask sizes, beam
-    reordering / batch selection / repetition, crop, reset); the per-step metadata (`StepMetadata`), the memory
-    arithmetic (`hf_paged.cache.memory`), the layers' K/V shapes and tensors (`kv_pool.PoolShapes`, `KVPool`), an FP8
-    pool's scales (`kv_quant.KVScales`) and the drop-in rows' beam and batch operations (`DropInRows`) live apart.
+    reordering / batch selection / repetition, crop, reset); the step metadata (`StepMetadata`), memory arithmetic
+    (`cache.memory`), layer shapes and tensors (`PoolShapes`, `KVPool`), FP8 scales (`KVScales`), the drop-in rows'
+    beam and batch operations (`DropInRows`) and a sparse-attention model's indexer keys (`IndexKeys`) live apart.
     """
 
     def __init__(
@@ -475,8 +476,7 @@ class PagedCache(PoolShapes, DropInRows, Cache):
     def sliding_window_bound(self) -> tuple[bool, int | None]:
         """``(known, window)``: whether every layer's attention was seen, and then the largest sliding window when
         every layer slides (None when some layer attends everything); from the windows the layers' calls passed
-        (`layers.window_bound` says why).
-        """
+        (`layers.window_bound` says why)."""
         return window_bound(self.layer_windows, len(self.kv_layers))
 
     def set_engine_step(self, step: StepMetadata) -> None:

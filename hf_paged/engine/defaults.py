@@ -8,7 +8,8 @@ import torch
 
 from ..attention import writes_other_cache_layers
 
-__all__ = ["compile_decode_for", "default_admission_batch", "default_compile_decode", "default_max_num_batched_tokens"]
+__all__ = ["compile_decode_for", "default_admission_batch", "default_compile_decode", "default_max_num_batched_tokens",
+           "sparse_step_modes"]
 
 
 def default_compile_decode(device: torch.device, use_cuda_graph: bool | None, compile_modules: bool) -> bool:
@@ -72,3 +73,21 @@ def default_admission_batch(max_num_seqs: int, graphed: bool) -> int:
     same eager code, and waiting would only delay the newcomers.
     """
     return max(1, max_num_seqs // 8) if graphed else 1
+
+
+def sparse_step_modes(cache, use_cuda_graph: bool | None, compile_decode: bool,
+                      compile_auto: bool) -> tuple[bool | None, bool]:
+    """(use_cuda_graph, compile_decode) for an engine over `cache`. A sparse-attention model's (a layer with indexer
+    keys) steps run eagerly: its indexer's selection is planned per sequence on the host
+    (`hf_paged.attention.adapters.dsa`), which neither a CUDA graph nor the compiled decode step can replay. Asking
+    for either is refused (a ValueError naming the argument); the automatic choice turns them off. Other models keep
+    what they were given."""
+    if not any(shape.index_dim for shape in cache.kv_shapes):
+        return use_cuda_graph, compile_decode
+    if use_cuda_graph:
+        raise ValueError("use_cuda_graph=True is not supported for a learned-sparse-attention model (its indexer's "
+                         "top-k runs eagerly, per sequence); leave use_cuda_graph unset")
+    if compile_decode and not compile_auto:
+        raise ValueError("compile_decode=True is not supported for a learned-sparse-attention model (its indexer's "
+                         "top-k runs eagerly, per sequence); leave compile_decode unset")
+    return False, False

@@ -24,7 +24,7 @@ from ..kernels.parallel_jit import compile_only, prefetch_compiler_key
 from ..runner import ModelRef, ModelRunner, TensorParallel, WeightWatch, compile_submodules
 from . import defaults
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
-from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens
+from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens, sparse_step_modes
 from .device_sampling import DevicePicker
 from .faults import FaultHandling
 from .grammar import StructuredOutputs
@@ -217,6 +217,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             preemption_mode=preemption_mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, state_checkpoints=state_checkpoints,
             kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, group_layers=release_window_blocks)
+        use_cuda_graph, compile_decode = sparse_step_modes(self.cache, use_cuda_graph, compile_decode, compile_auto)
         self.block_manager = self.cache.block_manager
         self.block_manager.set_prefix_caching(enable_prefix_caching)
         self.scheduler = Scheduler(

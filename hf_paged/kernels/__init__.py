@@ -75,7 +75,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import reference
+from . import reference, reference_sparse
 from .checks import (
     _FLOAT_DTYPES,
     _INT_DTYPES,
@@ -98,6 +98,7 @@ __all__ = [
     "paged_decode",
     "write_and_paged_decode",
     "paged_prefill",
+    "paged_sparse_attention",
     "copy_blocks",
     "decode_variant",
     "prefill_tile_lengths",
@@ -398,6 +399,22 @@ def paged_prefill(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q, kv_start,
         k_scale=k_scale, v_scale=v_scale, **opts,
     )
+
+
+def paged_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, scale: float,
+                           **opts) -> torch.Tensor:
+    """Learned sparse attention over the paged cache: ``query [N, Hq, D]``, query ``n`` reads sequence
+    ``rows[n]``'s table and attends exactly its positions ``positions[n] [K]`` (``-1``: none) -> ``[N, Hq, Dv]``.
+    Options: ``softcap``, ``sinks``, ``k_scale`` / ``v_scale``. The torch reference on every backend for now
+    (:mod:`hf_paged.kernels.reference_sparse`: the seam where a Triton kernel goes)."""
+    _check_tensor("rows", rows, 1, _INT_DTYPES, query.device)
+    _check_tensor("positions", positions, 2, _INT_DTYPES, query.device)
+    if rows.shape[0] != query.shape[0] or positions.shape[0] != query.shape[0]:
+        raise ValueError(f"rows {tuple(rows.shape)} and positions {tuple(positions.shape)} must have one row per "
+                         f"query token ({query.shape[0]})")
+    return reference_sparse.paged_sparse_attention(query, key_cache, value_cache, block_tables, rows, positions,
+                                                   float(scale), **opts)
 
 
 def _wide(head_dim: int, head_dim_v: int | None, group: int, element_size: int) -> bool:

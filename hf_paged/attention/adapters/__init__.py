@@ -21,14 +21,19 @@ and why the replacement computes the same thing (one module per family or shared
 * `alibi`: BLOOM and MPT, and the slopes the kernels' `alibi_slopes` option takes (Falcon-RW's too);
 * `mla`: multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, Youtu, LongCat-Flash, A.X K1): the
   compressed latent in the pool (one KV head of `kv_lora_rank + qk_rope_head_dim`), attention with the up-projection
-  absorbed into the query (an ordinary multi-query call).
+  absorbed into the query (an ordinary multi-query call);
+* `dsa`: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, HY-V4, A.X K2): MLA's latent pool, plus the indexer's keys
+  beside it and each query's top-k selection, computed by the module's own indexer against its own sequence only and
+  attended through `kernels.paged_sparse_attention`;
+* `qsa`: Qwen4-Exp's sparse attention (pooled token blocks picked per query, plus its unfinished block): the raw index
+  keys beside K/V in the pool, the selection per sequence, the same sparse attention.
 
 The static gate (`hf_paged.attention.support`) counts an adapted class as routed, and the run-time probe
 (`hf_paged.capabilities`) installs the adapters for its forward, so the architecture sweep checks adapted families
 exactly as the others: what the probe sees arrive at the attention function, and tokens equal to transformers'.
 """
 
-from . import alibi, diffllama, falcon, inner, jetmoe, mla, moshi, xglm  # noqa: F401 - each registers its adapters
+from . import alibi, diffllama, dsa, falcon, inner, jetmoe, mla, moshi, qsa, xglm  # noqa: F401 - each registers its adapters
 from .registry import (
     Adapter,
     adapted_modules,
