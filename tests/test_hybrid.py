@@ -27,6 +27,9 @@ try:
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
     from helpers import dense_generate, generating_model, greedy_references, paged, random_prompts
 
+# the file on one worker: the cached models and transformers' references (`hybrid`, `references`) are built once
+pytestmark = pytest.mark.xdist_group("hybrid")
+
 FAMILIES = ("qwen3_5_text", "granitemoehybrid", "falcon_h1")
 LENGTHS = (1, 23, 7, 40, 3, 16, 11)
 

@@ -20,6 +20,10 @@ from hf_paged.core import NULL_BLOCK
 from hf_paged.engine import Engine, SamplingParams
 from hf_paged.model_zoo import tiny_model
 
+# the file on one worker: its module-scoped models and references are built once per family, not once per worker
+# (under xdist's load distribution each worker built them again: 20 fixture set-ups instead of 10)
+pytestmark = pytest.mark.xdist_group("window_groups")
+
 WINDOW = 8
 BLOCK = 4
 NEW = 24
