@@ -48,9 +48,10 @@ MLA_REFUSED = {"deepseek_v32": "sparse_attention", "glm_moe_dsa": "sparse_attent
                "axk2": "sparse_attention", "kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
-          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba")
+          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "minimax",
+          "recurrent_gemma")
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
-RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
+RECURRENT_REFUSED = {"rwkv": "unslotted_state",
                      "zamba": "cache_layer_index", "kimi_linear": "latent_kv", "qwen4_exp": "sparse_attention",
                      "inkling_text": "unknown_attention_kwargs", "zaya": "attention_mask_modified"}
 
