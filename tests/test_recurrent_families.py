@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged.attention.recurrent import mixer_modules
 from hf_paged.attention.support import model_features, refusal
 from hf_paged.capabilities import inspect_model
 
@@ -80,6 +81,8 @@ def test_engine_greedy_matches_transformers(family, path):
         engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
     assert greedy(engine, prompts) == refs
     assert engine.kv_stats().state_slots == engine.scheduler.max_num_seqs
+    # only the attention layers hold blocks (RecurrentGemma says which in `layers_block_type`)
+    assert engine.cache.kv_layers == [i for i, m in enumerate(model.model.layers) if not mixer_modules(m)]
     assert_all_back(engine)
 
 
