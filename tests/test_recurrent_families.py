@@ -8,7 +8,8 @@ layers). Tiny seeded models, float32 on the CPU, every check against transformer
 * ``generate(cache_implementation="paged")`` and the drop-in ``PagedCache`` on a left-padded batch;
 * parallel samples scored as transformers scores them (each fork with its own copy of the state);
 * recompute and swap preemption: the same tokens, every block and slot back;
-* prefix hits resumed from state checkpoints.
+* prefix hits resumed from state checkpoints;
+* beam search on the engine and the drop-in cache, and the compiled decode step (slow).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import hf_paged
 from hf_paged.attention.recurrent import mixer_modules
@@ -150,3 +152,39 @@ def test_prefix_hits_resume_from_state_checkpoints_with_transformers_tokens(fami
     assert engine.prefix_cache_stats().hit_tokens >= 3 * 20
     assert engine.block_manager.state.checkpoint_hits >= 3
     assert_all_back(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache(family):
+    """Beams fork and drop their states every step, on the engine and in the drop-in cache's rows."""
+    model = family_model(family)
+    input_ids, mask = left_padded_batch((5, 11, 2, 8))
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=8,
+                  return_dict_in_generate=True, output_scores=True, eos_token_id=None)
+    ref = dense_generate(model, **kwargs)
+    with paged(model, num_blocks=256, block_size=4):
+        out = model.generate(**kwargs, cache_implementation="paged")
+        dropin = model.generate(**kwargs, past_key_values=hf_paged.PagedCache(config=model.config, num_blocks=256,
+                                                                             block_size=4))
+    for got in (out, dropin):
+        assert torch.equal(got.sequences, ref.sequences)
+        torch.testing.assert_close(got.sequences_scores, ref.sequences_scores, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_decode_step_matches_transformers_without_graph_breaks(family):
+    """The compiled decode step gathers and commits the states through the opaque ops; RecurrentGemma's binding
+    sets its block's attributes inside the traced region."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = family_model(family)
+    prompts, refs = references(family)
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=8, compile_decode=True)
+    assert greedy(engine, prompts) == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_all_back(engine)
+    engine.close()
+    torch._dynamo.reset()

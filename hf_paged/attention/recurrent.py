@@ -140,6 +140,8 @@ def install(model: torch.nn.Module) -> int:
         if "_hf_paged_forward" not in module.__dict__:
             module._hf_paged_forward = module.forward  # what the instance ran before (a bound method, or a hook's)
             module._hf_paged_layout = _call_layout(type(module))  # (read in the compiled step: no source lookups)
+            module._hf_paged_required = _required_params(type(module))
+            module._hf_paged_binding = recurrent_families.binding(type(module))
             module.forward = types.MethodType(_mixer_forward, module)
             gated_deltanet.install(module)  # Qwen3.5's layout: one call a step on the GPU
         count += 1
@@ -156,7 +158,8 @@ def uninstall(model: torch.nn.Module) -> None:
         if family_hook is not None:
             family_hook.remove()
         original = module.__dict__.pop("_hf_paged_forward", None)
-        module.__dict__.pop("_hf_paged_layout", None)
+        for name in ("_hf_paged_layout", "_hf_paged_required", "_hf_paged_binding"):
+            module.__dict__.pop(name, None)
         module.__dict__.pop("_hf_paged_state_layout", None)
         if module.__dict__.pop("_hf_paged_layer_alias", False):
             module.__dict__.pop("layer_idx", None)
@@ -264,7 +267,7 @@ class _Call:
         self.cache_arg = cache_arg
         self.call = call
         self.extra = 0  # how many outputs the module's forward returns beside its output tensor
-        self.binding = recurrent_families.binding(type(module))
+        self.binding = module._hf_paged_binding  # (set by `install`: no lookups in the compiled step)
 
     @property
     def hidden_states(self) -> torch.Tensor:
@@ -290,9 +293,10 @@ class _Call:
             positions = self.call.get("position_ids")
             if self.binding is not None and self.binding.positions and positions is not None:
                 call["position_ids"] = _take(positions, where)
-        for name in _required_params(type(self.module)):
+        for name in self.module._hf_paged_required:
             call.setdefault(name, None)
-        out = _bound_forward(self.module, self.module._hf_paged_forward, call, self.hidden_name, self.cache_arg, view)
+        out = _bound_forward(self.module._hf_paged_forward, call, self.hidden_name, self.cache_arg, view, self.binding,
+                             self.module)
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):  # (output, attention weights)
             self.extra = len(out) - 1
             out = out[0]
@@ -475,10 +479,10 @@ def _active_pool():
     return cache.states.pool
 
 
-def _bound_forward(module, forward, call: dict, hidden_name: str, cache_arg: str, view: _StateView):
-    """`forward(**call)`; a bound mixer (`recurrent_families`) gets `view`'s states where it keeps them first, and
-    they are taken back into `view` after it."""
-    bound = recurrent_families.binding(type(module))
+def _bound_forward(forward, call: dict, hidden_name: str, cache_arg: str, view: _StateView,
+                   bound: recurrent_families.Binding | None, module: torch.nn.Module):
+    """`forward(**call)`; a bound mixer (`bound`, `recurrent_families`) gets `view`'s states where it keeps them
+    first, and they are taken back into `view` after it."""
     if bound is None:
         return forward(**call)
     passed = bound.load(module, view.layers.states, call[hidden_name])

@@ -53,7 +53,7 @@ def _own_forward(module, forward, hidden_name: str, cache_arg: str, x: torch.Ten
     bound = recurrent_families.binding(type(module))
     if bound is not None and bound.positions:
         call["position_ids"] = torch.arange(start, start + x.shape[1], device=x.device)[None]
-    out = _bound_forward(module, forward, call, hidden_name, cache_arg, view)
+    out = _bound_forward(forward, call, hidden_name, cache_arg, view, bound, module)
     return out[0] if isinstance(out, tuple) else out
 
 
