@@ -130,8 +130,10 @@ def test_preemption_keeps_tokens_and_gives_every_slot_back(family, mode):
     prompts = random_prompts((9, 14, 6, 11), seed=4, vocab=200)
     expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=10, do_sample=False,
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    # (RecurrentGemma's one attention layer slides over 4 tokens: with its out-of-window blocks released, 14 blocks
+    # never run out; kept, they do)
     engine = hf_paged.Engine(model, num_blocks=14, block_size=4, preemption_mode=mode,
-                             swap_space=0.01 if mode == "swap" else 0.0)
+                             swap_space=0.01 if mode == "swap" else 0.0, release_window_blocks=False)
     assert greedy(engine, prompts, new=10) == expected
     assert engine.scheduler.num_preemptions[mode] > 0
     assert_all_back(engine)
