@@ -26,6 +26,12 @@ not ``past_key_values``, and ignore the latter (building a `DynamicCache` of the
 that a `PagedCache` handed as ``past_key_values`` (what the engine's runner passes every model) reaches it as
 ``cache_params`` (`cache_argument`). Their mixers' decode path updates the gathered states in place
 (``causal_conv1d_update``, ``selective_state_update``), which `_StateView.commit` writes back like any other state.
+
+Two families keep their state outside those calls (`hf_paged.attention.recurrent_families`): MiniMax's lightning
+attention asks its cache for it by ``get_linear_cache`` / ``set_linear_cache``, which `_StateView` answers too (its
+model gets a pre-hook: it accepts no cache but its own otherwise); RecurrentGemma's recurrent block keeps it in module
+attributes, which a state binding fills from the view before the block's own forward and empties into it after, the
+group's ``position_ids`` passed along (`_take`).
 """
 
 from __future__ import annotations
