@@ -23,7 +23,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import adapters
+from .attention import adapters, recurrent
 from .attention.recurrent import cache_argument
 from .attention.support import HANDLED_FEATURES, KNOWN_ATTENTION_KWARGS, model_features, refusal
 
@@ -84,11 +84,19 @@ class _RecordingCache(DynamicCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.returned: dict[int, int] = {}
+        self.linear_states: dict[int, torch.Tensor] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.returned[layer_idx] = id(keys)
         return keys, values
+
+    def get_linear_cache(self, layer_idx: int):
+        """MiniMax's lightning attention keeps its state by these two calls (as in the paged cache's state slots)."""
+        return self.linear_states.get(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
+        self.linear_states[layer_idx] = linear_cache
 
 
 _CALLS: list[tuple[AttentionCall, int]] = []
@@ -153,6 +161,10 @@ def _probe_attention(model):
     _register_probe()
     had_adapters = any("_hf_paged_adapter" in m.__dict__ for m in model.modules())
     adapters.install(model)
+    # (the recurrent families' hooks too: MiniMax's model takes the recording cache as it takes a PagedCache)
+    had_recurrent = any("_hf_paged_forward" in m.__dict__ or "_hf_paged_family_hook" in m.__dict__
+                        for m in model.modules())
+    recurrent.install(model)
     adapters.switch_implementation(model, PROBE_NAME)
     try:
         yield
@@ -160,6 +172,8 @@ def _probe_attention(model):
         adapters.switch_implementation(model, before)
         if not had_adapters:
             adapters.uninstall(model)
+        if not had_recurrent:
+            recurrent.uninstall(model)
         for module in model.modules():  # sub-models the top-level switch did not reach back
             config = getattr(module, "config", None)
             if config is not None and id(config) in sub_before:

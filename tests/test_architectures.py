@@ -51,14 +51,14 @@ SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2",
 MLA_REFUSED = {"kimi_linear": "latent_kv"}
 # hybrid models (recurrent layers beside attention, issue 53): their states in slots, every one of these passes
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1",
-          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya", "zamba")
+          "lfm2", "lfm2_moe", "jamba", "bamba", "olmo_hybrid", "mamba", "falcon_mamba", "zaya", "zamba", "minimax",
+          "recurrent_gemma")
 # attention modules that write cache layers other than their own layer_idx (Zamba's shared block, HRM's cycles)
 CACHE_LAYER_INDEX = ("zamba", "hrm_text")
 # image cross-attention layers a text-only run skips (Mllama's text model): no K/V for them, images refused
 TEXT_ONLY_CROSS_ATTENTION = ("mllama",)
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
-RECURRENT_REFUSED = {"minimax": "unslotted_state", "recurrent_gemma": "not_interface_routed", "rwkv": "unslotted_state",
-                     "kimi_linear": "latent_kv", "inkling_text": "unknown_attention_kwargs"}
+RECURRENT_REFUSED = {"rwkv": "unslotted_state", "kimi_linear": "latent_kv", "inkling_text": "unknown_attention_kwargs"}
 
 
 @functools.cache

@@ -115,7 +115,7 @@ def test_hybrid_model_is_accepted_for_its_slotted_recurrent_state():
 
 def test_recurrent_state_outside_the_cache_api_is_refused():
     with pytest.raises(ValueError, match="unslotted_state"):
-        hf_paged.enable(tiny_model("minimax"))
+        hf_paged.enable(tiny_model("rwkv"))
 
 
 def test_forward_without_position_ids_is_refused():

@@ -142,7 +142,7 @@ def test_parallel_samples_score_as_transformers_scores_them(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_hits_resume_from_state_checkpoints_with_transformers_tokens(family):
     """A shared system prompt: later prompts resume from a state checkpoint and run their rest (several tokens) from
-    it, which a Mamba 1 mixer's own multi-token form cannot (`recurrent._resumes_chunks`)."""
+    it, which a Mamba 1 mixer's own multi-token form cannot (`recurrent_profile._resumes_chunks`)."""
     model = recurrent(family)
     g = torch.Generator().manual_seed(7)
     system = torch.randint(3, 200, (22,), generator=g).tolist()

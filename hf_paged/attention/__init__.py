@@ -9,7 +9,7 @@ from . import experts
 from .compiled_op import active_cache, fused_decode_attention, write_and_decode
 from .experts import EXPERTS_NAME, experts_forward, experts_spec
 from .functions import ATTENTION_NAME, paged_attention_forward, paged_mask, register
-from .recurrent import profile_state_specs
+from .recurrent_profile import profile_state_specs
 from .setup import on_prepare, prepare_model, release_model
 from .support import HANDLED_FEATURES, check_supported, describe_support, model_features, writes_other_cache_layers
 

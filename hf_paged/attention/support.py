@@ -378,7 +378,9 @@ def _model_features(model) -> tuple[dict[str, str], frozenset[str]]:
         cls_name = cls.__name__
         if "encoder_attn" in name or "cross_attn" in name or cls_name.endswith("Layer"):
             continue  # cross-attention runs only with encoder states, which hf-paged does not take
-        if any(word in cls_name for word in _RECURRENT_CLASS_WORDS) and "Cache" not in cls_name:
+        # (softmax attention that routes through the interface is none, even named so: RecurrentGemmaAttention)
+        if (any(word in cls_name for word in _RECURRENT_CLASS_WORDS) and "Cache" not in cls_name
+                and not ("Attention" in cls_name and _routes_through_interface(cls) is True)):
             recurrent_classes.add(cls_name)
             # a mixer of transformers' cache API gets its state slotted (`recurrent.install`); a module that keeps
             # state another way and sits at a layer (its own cache, buffers) cannot be

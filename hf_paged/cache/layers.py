@@ -51,10 +51,12 @@ class PagedLayer(CacheLayerMixin):
         return self._cache.update(key_states, value_states, self._layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
+        # the class's own method: RecurrentGemma's model rebinds its cache's `get_seq_length` (and `get_mask_sizes`)
+        # to ask its first attention layer, which would ask the rebound method back, forever
+        return self._cache.__class__.get_seq_length(self._cache)
 
     def get_max_length(self) -> int:
         return -1

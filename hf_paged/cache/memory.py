@@ -232,7 +232,8 @@ def kv_layer_indices(config) -> list[int]:
     `layer_types`; all of them for a model without layer types)."""
     text = _text(config)
     num_layers = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
-    layer_types = getattr(text, "layer_types", None)
+    # (RecurrentGemma names them `layers_block_type` only: "recurrent" and "attention")
+    layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
     # Gemma 3n / 4: the last `num_kv_shared_layers` layers read the K/V of an earlier layer and write none
     shared = getattr(text, "num_kv_shared_layers", None)
     end = int(num_layers or 0) - (shared if isinstance(shared, int) and 0 < shared < (num_layers or 0) else 0)

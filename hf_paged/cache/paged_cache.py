@@ -407,8 +407,7 @@ class PagedCache(PoolShapes, DropInRows, IndexKeys, Cache):
         self._entered.add((layer_idx, kind))
 
     def enter_recurrent_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> StepMetadata:
-        """Called by a recurrent mixer (`hf_paged.attention.recurrent`) before it runs: the pools exist, the states
-        are slotted, and the step (this forward's) is returned."""
+        """Before a recurrent mixer (`attention.recurrent`) runs: the pools and state slots exist; the step returned."""
         if hidden_states.dim() != 3:
             raise ValueError(f"expected hidden states [batch, tokens, hidden], got {tuple(hidden_states.shape)}")
         batch, q_len = hidden_states.shape[:2]
@@ -416,6 +415,8 @@ class PagedCache(PoolShapes, DropInRows, IndexKeys, Cache):
         self._ensure_pool(device, hidden_states.dtype, None, min_blocks=batch * (-(-q_len // self.block_size) + 1))
         self._ensure_states(device)
         self._enter(layer_idx, 1, batch, q_len, device)
+        if self._step.state_slots is None and self._step.layout == "padded":  # an attention layer began it (MiniMax)
+            self.states.fill_step(self._step, self._rows, device)
         return self._step
 
     def _begin_forward(self, batch: int, q_len: int, device: torch.device) -> None:
@@ -459,10 +460,9 @@ class PagedCache(PoolShapes, DropInRows, IndexKeys, Cache):
         tables = [bm.block_table(seq) for seq in self._rows]
         lens = [bm.num_tokens(seq) for seq in self._rows]
         self._step = self._make_step("padded", slots, tables, lens, [q_len] * batch, device)
+        self._step.state_prev = continues
         if self.states is not None:
-            self.states.apply_ops()
-            self._step.state_slots = self.states.slot_tensor(self._rows, device)
-            self._step.state_prev = continues
+            self.states.fill_step(self._step, self._rows, device)
 
     def apply_state_ops(self) -> None:
         """Apply the recurrent-state slot operations decided since the last forward (forks, fresh slots, swaps,

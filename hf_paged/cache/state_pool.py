@@ -9,7 +9,7 @@ before the layer's own code runs and scatters them back after it.
 
 A state is named by a `StateKey` ``(layer_idx, kind, state_idx)``, ``kind`` being ``"conv"`` or ``"recurrent"``, and has
 a `StateSpec` (shape without the batch dimension, dtype). The engine learns the specs up front
-(`hf_paged.attention.recurrent.profile_state_specs`) to size its memory; the drop-in cache learns them from the first
+(`hf_paged.attention.recurrent_profile.profile_state_specs`) to size its memory; the drop-in cache learns them from the first
 forward and grows its slots with the batch.
 """
 

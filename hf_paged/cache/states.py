@@ -60,6 +60,13 @@ class RecurrentStates:
         """The slots of `seq_ids`, as an int64 tensor on `device`."""
         return torch.tensor(self.slots.slots(seq_ids), dtype=torch.long, device=device)
 
+    def fill_step(self, step, seq_ids: Sequence[Hashable], device: torch.device) -> None:
+        """Give a padded step (the drop-in cache's, one row a sequence) the slots of `seq_ids`, after the slot
+        operations decided since the last forward. A drop-in cache learns its states at the first recurrent layer
+        of its first forward, which may come after an attention layer began the step (MiniMax's first layer)."""
+        self.apply_ops()
+        step.state_slots = self.slot_tensor(seq_ids, device)
+
     def apply_ops(self) -> None:
         """Apply the slot operations decided since the last forward (forks, fresh zeros, swaps, checkpoints)."""
         if self.slots.has_pending:
