@@ -87,6 +87,8 @@ OVERRIDES: dict[str, dict] = {
     # (one image cross-attention layer within the tiny stack, which a text-only run skips)
     "mllama": dict(text_config=dict(num_hidden_layers=3, cross_attention_layers=[1])),
     "zaya": dict(num_experts_per_tok=1),
+    # Moshi's checkpoints: a window as long as the context (3000 = 3000); a shorter one is refused (adapters.moshi)
+    "moshi": dict(sliding_window=256, max_position_embeddings=256),
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                                        indexer_compress_ratio=2)),
     "lfm2": dict(layer_types=["conv", "full_attention"]),  # the default config has no conv layer; checkpoints do

@@ -57,6 +57,8 @@ HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_n
 CACHE_LAYER_INDEX = ("zamba", "hrm_text")
 # image cross-attention layers a text-only run skips (Mllama's text model): no K/V for them, images refused
 TEXT_ONLY_CROSS_ATTENTION = ("mllama",)
+# Gemma 4's unified models: bidirectional over image tokens only (`use_bidirectional_attention="vision"`), causal text
+VISION_ONLY_BIDIRECTIONAL = ("gemma4_unified", "gemma4_unified_text")
 # recurrent models that stay refused, each naming what blocks it (docs/models.md says why)
 RECURRENT_REFUSED = {"rwkv": "unslotted_state", "kimi_linear": "latent_kv", "inkling_text": "unknown_attention_kwargs"}
 
@@ -148,6 +150,11 @@ def test_modules_writing_other_cache_layers_pass():
     assert not failing
     assert all("cache_layer_index" in _records()[a]["features"] for a in CACHE_LAYER_INDEX)
 
+
+@pytest.mark.slow
+def test_models_bidirectional_over_images_only_pass_as_text_models():
+    failing = {a: _records()[a]["reason"] for a in VISION_ONLY_BIDIRECTIONAL if _records()[a]["verdict"] != "pass"}
+    assert not failing
 
 
 @pytest.mark.slow

@@ -4,9 +4,9 @@ against transformers' own `generate()`, on tiny seeded models (float32, CPU).
 
 * Zaya: its CCA projection is a recurrent mixer that returns query, key and value (a tuple) and its attention picks
   the model's own causal mask out of a mapping (`attention_mask_modified` no longer reported for it).
-* Moshi: its window of 4 is applied by transformers' cache only (`hf_paged.attention.adapters.moshi`): prompts longer
-  than it attend to all of themselves, generated tokens slide. Tokens are checked to depend on that window (no
-  window at all gives others), on the engine's eager and static decode paths and the drop-in cache.
+* Moshi: its window is applied by transformers' cache only (`hf_paged.attention.adapters.moshi`). With its
+  checkpoints' window (as long as the context) tokens equal transformers' on the engine's eager and static decode
+  paths (chunked prefill and prefix hits included) and the drop-in cache; a shorter window is refused.
 * Zamba and HRM (`cache_layer_index`): a module writes cache layers other than its own `layer_idx` (Zamba's shared
   attention block, `layer_idx` None, at each hybrid depth; HRM's two layers at each of their 8 cycles): the pool keeps
   each depth's K/V apart, and the attention reads the layer `update()` wrote. Checked on the engine (one step and
@@ -83,14 +83,23 @@ def test_a_mask_the_module_builds_itself_is_still_refused():
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_moshi_prompts_longer_than_the_window_match_transformers(static):
+def test_moshi_runs_with_its_checkpoints_window_and_refuses_a_shorter_one(static):
+    """Moshi's checkpoints have a window as long as the context (3000 = 3000; the zoo's 256 = 256): tokens equal
+    transformers' on the engine, also with prompts cut into chunks and prefix-cache hits. A window shorter than the
+    context is refused, naming why: transformers applies it through its cache, so what a long prompt attends to would
+    depend on the engine's scheduling (chunks, prefix hits, recompute)."""
     model = family_model("moshi")
-    assert model.config.sliding_window == 4 and "mask_only_window" not in hf_paged.attention.model_features(model)
+    assert model.config.sliding_window == model.config.max_position_embeddings
+    assert "mask_only_window" not in hf_paged.attention.model_features(model)
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
-    unwindowed = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False,
-                                 eos_token_id=None, use_cache=False)[0, len(p):].tolist() for p in prompts]
-    assert unwindowed != refs  # (the window changes these tokens)
+    prompts.append(prompts[1] + prompts[3])  # (a prefix-cache hit on the second prompt's blocks)
+    refs.append(dense_generate(model, input_ids=torch.tensor([prompts[-1]]), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None)[0, len(prompts[-1]):].tolist())
     assert engine_greedy(model, prompts, 8, static=static) == refs
+    assert engine_greedy(model, prompts, 8, static=static, max_num_batched_tokens=6, max_num_seqs=3) == refs
+    short = generating_model("moshi", sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window=4 < max_position_embeddings=256"):
+        hf_paged.attention.check_supported(short)
 
 
 def test_moshi_drop_in_cache_matches_transformers_on_a_padded_batch():

@@ -302,3 +302,30 @@ def test_grouped_latent_and_recurrent_families_on_cuda(family, overrides, compil
     stats = engine.kv_stats()
     assert stats.used_blocks == 0 and stats.state_slots_used == 0
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen4_exp_text", "minimax", "recurrent_gemma", "zamba", "moshi",
+                                    "mllama"])
+def test_sparse_recurrent_and_adapted_families_on_cuda(family):
+    """The families of learned sparse attention (DeepSeek Sparse Attention, Qwen4-Exp's block selection), slotted
+    recurrent states (MiniMax, RecurrentGemma), a shared attention block (Zamba), a cache-applied window (Moshi) and
+    text-only cross-attention (Mllama) on the GPU: the engine as it configures itself there (CUDA graphs and the
+    compiled step where the family allows them), with chunked prefill, preemption and prefix hits, gives
+    transformers' greedy tokens (float32), and every block and slot comes back."""
+    from transformers import GenerationConfig
+
+    from hf_paged.model_zoo import tiny_model as zoo_model
+
+    model = zoo_model(family).cuda()
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    prompts = [[t % 200 for t in p] for p in _prompts(10, seed=9)]
+    prompts += [prompts[0][:20] + [t % 200 for t in p] for p in _prompts(3, seed=10)]  # prompts sharing a prefix
+    refs = [model.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), device="cuda"),
+                           max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+            for p in prompts]
+    engine = hf_paged.Engine(model, num_blocks=32, block_size=16, max_num_batched_tokens=64)
+    outs = engine.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    stats = engine.kv_stats()
+    assert stats.used_blocks == 0 and stats.state_slots_used == 0
+    engine.close()

@@ -16,6 +16,7 @@ from hf_paged.attention.support import (
     describe_support,
     model_features,
 )
+from hf_paged.model_zoo import tiny_config as zoo_config
 from hf_paged.testing import FAMILIES, tiny_batch, tiny_config, tiny_model
 
 EXPECTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "granite")
@@ -173,6 +174,9 @@ def test_check_supported_refuses_other_architectures():
     assert "t5" in msg and "encoder-decoder" in msg
     _refused(tiny_config("gpt2", add_cross_attention=True), "cross_attention")
     assert "bidirectional" in _refused(tiny_config("gemma", use_bidirectional_attention=True), "non_causal")
+    assert "'all'" in _refused(zoo_config("gemma4_unified_text", use_bidirectional_attention="all"), "non_causal")
+    # Gemma 4's default: only image tokens attend both ways; text (all the paged paths take) is causal
+    assert "non_causal" not in model_features(zoo_config("gemma4_unified_text", use_bidirectional_attention="vision"))
     with pytest.raises(TypeError):
         check_supported(torch.nn.Linear(2, 2))
 

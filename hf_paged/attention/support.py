@@ -226,8 +226,12 @@ def _config_features(config) -> dict[str, str]:
         found["cross_attention"] = "add_cross_attention=True"
     if _attr(config, "cross_attention_layers"):  # (Mllama's text model skips them without image states)
         found["text_only_cross_attention"] = f"cross_attention_layers={config.cross_attention_layers}"
-    if _attr(config, "is_causal") is False or _attr(config, "use_bidirectional_attention"):
-        found["non_causal"] = "bidirectional attention (is_causal=False / use_bidirectional_attention=True)"
+    # (`use_bidirectional_attention="vision"`, Gemma 4's default: image tokens attend both ways, text causally, as
+    # Gemma 3's images; a text-only run is causal, and image inputs do not reach the paged generate())
+    bidirectional = _attr(config, "use_bidirectional_attention")
+    if _attr(config, "is_causal") is False or (bidirectional and bidirectional != "vision"):
+        found["non_causal"] = (f"bidirectional attention (is_causal=False / use_bidirectional_attention="
+                               f"{bidirectional!r})")
     num_experts = next((_attr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts",
                                                    "moe_num_experts") if _attr(config, n)), None)
     if num_experts:

@@ -18,10 +18,14 @@ transformers' computation for the same forwards, so greedy tokens equal its `gen
 the window too. The engine's blocks out of the window are released as for a sliding model (a sequence's next query
 starts at its computed length, whose first key is the one the window keeps). One difference remains and is
 transformers' own: a prompt longer than the window that the engine prefills in several chunks (`max_num_batched_tokens`
-smaller than the prompt) computes what transformers computes for those chunks, which is not what one forward over the
-whole prompt gives, and a sequence preempted by recompute prefills its generated tokens again in one forward, where
-they attend to all of it (as transformers would with that text as the prompt). With Moshi's window of 3000 =
-`max_position_embeddings` no sequence within its context is affected.
+smaller than the prompt, several prompts sharing a step's budget, a prefix-cache hit) computes what transformers
+computes for those chunks, which is not what one forward over the whole prompt gives, and a sequence preempted by
+recompute prefills its generated tokens again in one forward, where they attend to all of it. The tokens would then
+depend on how the engine scheduled the prompt (a tiny Moshi with a window of 4: 9 of 13 requests differed from
+transformers' `generate()` under chunking and prefix hits). So a config whose window is shorter than its context
+(`sliding_window < max_position_embeddings`) is refused (`refuse`: the gate then reports `mask_only_window` with
+this reason); Moshi's checkpoints have a window of 3000 = `max_position_embeddings`, which no sequence within the
+context reaches, and run.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from .registry import Adapter, register
 
-__all__ = ["moshi_forward"]
+__all__ = ["moshi_forward", "refuse"]
 
 
 def moshi_forward(module: torch.nn.Module, *args, **kwargs):
@@ -41,5 +45,16 @@ def moshi_forward(module: torch.nn.Module, *args, **kwargs):
     return module._hf_paged_original(*args, **kwargs)
 
 
+def refuse(module: torch.nn.Module) -> str | None:
+    """Why this Moshi config is not adapted: a window shorter than the context (module docstring), else None."""
+    window = getattr(module.config, "sliding_window", None)
+    context = getattr(module.config, "max_position_embeddings", None)
+    if window is not None and context is not None and window < context:
+        return (f"sliding_window={window} < max_position_embeddings={context}: transformers applies Moshi's window "
+                "through its cache, so what a prompt longer than the window attends to depends on how it is split into "
+                "forwards (chunked prefill, prefix-cache hits, recompute), which the engine's scheduling decides")
+    return None
+
+
 register("transformers.models.moshi.modeling_moshi.MoshiAttention",
-         adapter=Adapter("moshi", "forward", moshi_forward))
+         adapter=Adapter("moshi", "forward", moshi_forward, refuse=refuse))
