@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc-per-node 3 examples/tensor_parallel.py          # SmolLM2-135M (9 / 3 heads)
     torchrun --standalone --nproc-per-node 2 examples/tensor_parallel.py --model tiny
+    torchrun --standalone --nproc-per-node 2 examples/tensor_parallel.py --model tiny-mla   # DeepSeek-V2's latent
     python examples/tensor_parallel.py                                              # one process: the same text
 
 Every rank loads its shard (`DistributedConfig(tp_plan="auto")`: q/k/v column-parallel, o_proj row-parallel), builds
 an `hf_paged.Engine` (its pool holds this rank's KV heads; the block tables are the same everywhere) and runs the
 same requests. Rank 0 prints the answers; `--json DIR` makes every rank write what it generated, to check that no
-rank diverged. The number of ranks must divide the model's query and KV heads. On GPUs (one per local rank) the
+rank diverged. The number of ranks must divide the model's query and KV heads; a multi-head latent attention model's
+latent (`tiny-mla`: a tiny DeepSeek-V2) is kept whole on every rank, its query heads split. On GPUs (one per local rank) the
 ranks talk over NCCL; on CPUs, or with fewer GPUs than local ranks, over gloo (`--device` picks).
 """
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 import hf_paged
+from hf_paged.model_zoo import tiny_model as zoo_model
 from hf_paged.testing import smollm2_checkpoint, tiny_model
 
 QUESTIONS = [
@@ -61,12 +64,15 @@ def setup(choice: str = "auto") -> tuple[int, int, torch.device]:
     return dist.get_rank(), world, device
 
 
+TINY = {"tiny": lambda: tiny_model("llama", seed=0), "tiny-mla": lambda: zoo_model("deepseek_v2", seed=0)}
+
+
 def checkpoint(name: str, rank: int, world: int) -> Path:
     """A local checkpoint directory, prepared by rank 0 while the others wait."""
-    if name == "tiny":  # a tiny random llama (4 query / 2 KV heads), the same on every rank
-        path = Path(tempfile.gettempdir()) / f"hf_paged_tp_tiny_{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
+    if name in TINY:  # a tiny random llama (4 query / 2 KV heads) or DeepSeek-V2 (4 heads, a latent), on every rank
+        path = Path(tempfile.gettempdir()) / f"hf_paged_tp_{name}_{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
         if rank == 0:
-            tiny_model("llama", seed=0).save_pretrained(path)
+            TINY[name]().save_pretrained(path)
     elif name == "smollm2":
         path = smollm2_checkpoint() if rank == 0 else None
     else:
@@ -80,7 +86,8 @@ def checkpoint(name: str, rank: int, world: int) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a local checkpoint directory")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2, tiny, tiny-mla (latent attention) or a local checkpoint directory")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--kv-cache-memory", default="128MiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="a small pool forces preemption")
@@ -109,7 +116,7 @@ def load(args: argparse.Namespace, rank: int, world: int, device: torch.device):
     model = model.to(device) if world == 1 else model
     model.eval()
     tokenizer = None
-    if args.model != "tiny":
+    if args.model not in TINY:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 
@@ -130,7 +137,8 @@ def run(model, tokenizer, args: argparse.Namespace, rank: int, world: int) -> No
                                                  tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
     else:
         gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(3, 380, (n,), generator=gen).tolist() for n in (5, 23, 11, 37, 2, 17)]
+        top = min(380, model.config.get_text_config().vocab_size)
+        prompts = [torch.randint(3, top, (n,), generator=gen).tolist() for n in (5, 23, 11, 37, 2, 17)]
     greedy = hf_paged.SamplingParams(max_new_tokens=args.max_new_tokens)
     params = [greedy] * len(prompts)
     # one request of each other kind: their picks are broadcast from rank 0 like the greedy ones

@@ -3,7 +3,8 @@ on a host with one GPU; NCCL on 2 GPUs, where the CUDA-graph variants run too), 
 `tests/tp_cases.py` (the example's `load` and `run`).
 
 transformers shards a tiny llama (4 query / 2 KV heads) over the two ranks; each rank's engine holds one KV head and
-the same block tables. Every rank must generate exactly what one process generates (greedy, a seeded parallel-sampling
+the same block tables. A tiny DeepSeek-V2 (multi-head latent attention) keeps its latent whole on each rank and
+splits the query heads. Every rank must generate exactly what one process generates (greedy, a seeded parallel-sampling
 request, a beam-search request), also when a small pool forces preemption by recompute or by swap, and the greedy
 outputs must equal transformers' own `generate()` with DynamicCache.
 """
@@ -37,7 +38,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 CASES = {"roomy": [], "recompute": ["--num-blocks", "20", "--block-size", "8"],
          "swap": ["--num-blocks", "20", "--block-size", "8", "--preemption-mode", "swap"],
          "static-decode": ["--num-blocks", "20", "--block-size", "8", "--static"],
-         "compiled-decode": ["--compile-decode"]}
+         "compiled-decode": ["--compile-decode"],
+         # multi-head latent attention (a tiny DeepSeek-V2): the latent whole on each rank, the query heads split
+         "latent": ["--model", "tiny-mla", "--num-blocks", "20", "--block-size", "8"]}
 if TWO_GPUS:
     CASES.update({"cuda-graph": ["--num-blocks", "20", "--block-size", "8", "--cuda-graph"],
                   "cuda-graph-compiled": ["--cuda-graph", "--compile-decode"]})
@@ -72,7 +75,10 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path):
         single = singles[case][0]
         for rank in tp[case]:
             assert rank["errors"] == [] and rank["world"] == 2, case
-            assert rank["kv_heads"] * 2 == single["kv_heads"] == 2, case  # each rank holds half of the KV heads
+            if case == "latent":  # every rank holds the whole latent (one KV head)
+                assert rank["kv_heads"] == single["kv_heads"] == 1, case
+            else:  # each rank holds half of the KV heads
+                assert rank["kv_heads"] * 2 == single["kv_heads"] == 2, case
             assert rank["outputs"] == single["outputs"], case
             assert rank["preemptions"] == single["preemptions"], case
         if "--num-blocks" in extra:

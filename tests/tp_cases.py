@@ -1,6 +1,6 @@
 """Runs `examples/tensor_parallel.py`'s requests for several engine configurations in one launch (one process, or each
 rank of a `torchrun`): the model is loaded once and each case builds its own engine over it and writes
-``OUT/<case>/rank<N>.json``. `tests/test_tensor_parallel.py` launches it twice (one process, two ranks) instead of
+``OUT/<case>/rank<N>.json`` (a case may name another model: `--model` among its arguments). `tests/test_tensor_parallel.py` launches it twice (one process, two ranks) instead of
 twice per case: each launch costs seconds of imports and start-up on the CI machine.
 
     python tests/tp_cases.py OUT_DIR '{"roomy": [], "swap": ["--num-blocks", "20", "--preemption-mode", "swap"]}' \
@@ -32,9 +32,12 @@ def main(argv: list[str]) -> None:
     parser = example.build_parser()
     base = parser.parse_args(common)
     rank, world, device = example.setup(base.device)
-    model, tokenizer = example.load(base, rank, world, device)
+    loaded = {}  # each model a case names (`--model` in its arguments, else the common one), loaded once
     for name, extra in cases.items():
-        example.run(model, tokenizer, parser.parse_args([*common, *extra, "--json", str(out / name)]), rank, world)
+        args = parser.parse_args([*common, *extra, "--json", str(out / name)])
+        if args.model not in loaded:
+            loaded[args.model] = example.load(args, rank, world, device)
+        example.run(*loaded[args.model], args, rank, world)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

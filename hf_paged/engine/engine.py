@@ -205,8 +205,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
         kv_heads = None
         if self.tp is not None:  # this rank's share of the KV heads (and a check that the query heads split too)
             self.tp.local_heads(int(text_config.num_attention_heads), "num_attention_heads")
-            kv_heads = self.tp.local_heads(PagedCache(config=model.config, num_blocks=1).num_kv_heads,
-                                           "num_key_value_heads")
+            kv_heads = self.tp.local_kv_heads(model.config,
+                                              PagedCache(config=model.config, num_blocks=1).num_kv_heads)
         compile_auto = compile_decode is None
         if compile_auto:
             compile_decode = default_compile_decode(self.device, use_cuda_graph, compile_modules)

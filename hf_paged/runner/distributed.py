@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import latent_kv_width
+
 __all__ = ["TensorParallel"]
 
 
@@ -64,6 +66,15 @@ class TensorParallel:
         if num_heads % self.size:
             raise ValueError(f"tensor parallel size {self.size} must divide {name} ({num_heads})")
         return num_heads // self.size
+
+    def local_kv_heads(self, config, num_kv_heads: int) -> int:
+        """This rank's KV heads in the pool: its share of the config's, except a multi-head latent attention model's
+        latent (one "head" every query head reads), which every rank keeps whole, as vLLM does: transformers' TP plan
+        leaves `kv_a_proj_with_mqa` unsplit (`mla_kv_a_proj`) and splits the query heads and `kv_b_proj` by head, so
+        each rank absorbs its own heads' up-projections (`attention.adapters.mla`) over the same latent."""
+        if latent_kv_width(config) is not None:
+            return num_kv_heads
+        return self.local_heads(num_kv_heads, "num_key_value_heads")
 
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
         """Make every rank hold the first rank's `tensor` (in place; returned for chaining)."""

@@ -79,8 +79,12 @@ def _refuse(module: torch.nn.Module) -> str | None:
 
 def absorbed_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(`W_UK [H, nope, r]`, `W_UV [H, v, r]`): `kv_b_proj`'s weight split per head into its key and value parts
-    (views: they follow weight updates and `model.to(...)`)."""
-    weight = module.kv_b_proj.weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, -1)
+    (views: they follow weight updates and `model.to(...)`). Under tensor parallelism `kv_b_proj` is split by head
+    (transformers' plan: colwise), and `H` is this rank's heads: its share of the weight (a DTensor's local part)."""
+    weight = module.kv_b_proj.weight
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight
+    per_head = module.qk_nope_head_dim + module.v_head_dim
+    weight = weight.view(weight.shape[0] // per_head, per_head, -1)
     return weight[:, :module.qk_nope_head_dim], weight[:, module.qk_nope_head_dim:]
 
 
@@ -136,7 +140,7 @@ def _latent_attention(module: torch.nn.Module, hidden_states: torch.Tensor, posi
     query = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)  # [B, H, q, r + rope]
     out = attend(module, query, keys, values, attention_mask, module.scaling)  # [B, q, H, r + rope]
     out = torch.einsum("bqhr,hvr->bqhv", out[..., :rank], w_uv.to(out.dtype))
-    return module.o_proj(out.reshape(batch, length, module.num_heads * module.v_head_dim))
+    return module.o_proj(out.reshape(batch, length, -1))  # (this rank's heads under tensor parallelism)
 
 
 def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
