@@ -183,3 +183,10 @@ def test_rooms_stay_small() -> None:
                 assert "Why one class" in doc or "mixins" in doc, (
                     f"class {node.name} of hf_paged/{path.relative_to(ROOT)} has {node.end_lineno - node.lineno} "
                     "lines and no reason at its top ('Why one class ...')")
+
+
+def test_the_architecture_page_stays_a_map():
+    """docs/architecture.md is the module map and one step's data flow, at most 15 KB (issue 52): the detail belongs
+    in the modules' docstrings, which its last table points to."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+    assert len(page.read_bytes()) <= 15_000, f"{page} is {len(page.read_bytes())} bytes"
