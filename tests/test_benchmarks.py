@@ -179,6 +179,7 @@ def test_host_step_harness_times_pipelined_steps_and_restores_the_sampler(sample
     saved = sampling._triton_module, sampling.get_backend
     assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True) > 0
     assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=True, finishing=True) > 0
+    assert bench_host_step.host_ms_per_step(4, 6, sampled=sampled, prefix_caching=False, grouped=True) > 0
     assert (sampling._triton_module, sampling.get_backend) == saved
 
 
@@ -411,7 +412,8 @@ COMMAND_LINES = {
                               "--new-tokens", "256", "--steps", "1", "--out", "o"],
                              {"prompts": 64, "generations": 8, "steps": 1, "prompt_len": "64,256"})],
     "bench_host_step": [(["--running", "256", "--steps", "400", "--sampled"],
-                         {"running": "256", "steps": 400, "sampled": True, "finishing": False})],
+                         {"running": "256", "steps": 400, "sampled": True, "finishing": False, "grouped": False}),
+                        (["--grouped"], {"grouped": True})],
     "bench_lora": [(["--model", "llama-8b", "--adapters", "0,1,2,4,8", "--out", "r"],
                     {"adapters": "0,1,2,4,8", "rank": 16, "num_requests": 256, "lora_kernel": "auto"}),
                    (["--adapters", "0,8", "--lora-kernel", "torch", "--kernel-rows", "1,256"],

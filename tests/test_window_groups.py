@@ -162,8 +162,18 @@ def test_static_decode_path_and_pipelining(family, eos_free_reference, mode):
                                      "swap_space": 0.01 if mode == "swap" else 0.0}
     engine = _engine(model, **pool)
     engine.runner.decode_mode = "static"
+    bm = engine.block_manager
+    taken, appended = [], bm.append_decode_slots
+
+    def append(*args, **kwargs):  # the other groups' slots of a batched decode append, as the runner will take them
+        result = appended(*args, **kwargs)
+        taken.append(bm.decode_group_slots is not None)
+        return result
+
+    bm.append_decode_slots = append
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o[0] for o in _tokens(outs)] == reference
+    assert any(taken) and bm.decode_group_slots is None  # each one taken by its step's upload
     assert engine.runner.graph_steps > 0 and engine.pipelined_steps > 0
     assert engine.kv_stats().window_released > 0
     if mode is not None:

@@ -108,6 +108,10 @@ class GroupedBlockManager:
         self._sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
         self.inner = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
         self.releasing = True  # off when the layers' windows contradict the plan (`GroupedPagedCache`)
+        # the last `append_decode_slots`: (group 0's slots, the other groups' slots of the same tokens), taken once by
+        # the runner's static step (`runner.group_static`), which checks group 0's against its step's; any other
+        # change to the tables drops it
+        self.decode_group_slots: tuple[list[int], list[list[int]]] | None = None
 
     def __repr__(self) -> str:
         return f"GroupedBlockManager(windows={self.windows}, {self.inner!r})"
@@ -221,6 +225,7 @@ class GroupedBlockManager:
 
     def free(self, seq_id: Hashable) -> None:
         self._check(seq_id)
+        self.decode_group_slots = None
         for sub in self._subs(seq_id):
             self.inner.free(sub)
 
@@ -264,8 +269,11 @@ class GroupedBlockManager:
         result = self.inner.append_decode_slots(subs, None if token_ids is None else list(token_ids) * k,
                                                 None if num_computed is None else list(num_computed) * k)
         if result is None:
+            self.decode_group_slots = None
             return None
-        return AppendResult(slots=result.slots[: len(seq_ids)], copies=result.copies)
+        n = len(seq_ids)
+        self.decode_group_slots = (result.slots[:n], [result.slots[g * n : (g + 1) * n] for g in range(1, k)])
+        return AppendResult(slots=result.slots[:n], copies=result.copies)
 
     # ------------------------------------------------------------------ sliding release
     def release_out_of_window(self, seqs: Iterable, window: int | None = None) -> int:
