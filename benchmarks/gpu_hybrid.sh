@@ -16,15 +16,8 @@ set -u
 OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [tests] [sharegpt] [prefill] [shared]}
 shift
 PARTS=${*:-tests sharegpt prefill shared}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
-python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'
-python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -n 1
-PY=python3
+source benchmarks/gpu_env.sh "$OUT"  # environment, .whl/ wheels, versions
+$PY -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -n 1
 BENCH="$PY benchmarks/bench_generate.py --model qwen3.5-9b --no-progress --out $OUT"
 for part in $PARTS; do
   echo "== $(date +%T) $part"

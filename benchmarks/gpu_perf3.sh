@@ -12,10 +12,7 @@ set -u
 OUT=${1:?usage: gpu_perf3.sh OUT_DIR [moe] [moe_e2e] [fp8] [gemma] [gprof]}
 shift
 PARTS=${*:-moe moe_e2e fp8 gemma gprof}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PY=python3
-$PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'
+source benchmarks/gpu_env.sh "$OUT"  # environment, .whl/ wheels (if any), versions
 BENCH="$PY benchmarks/bench_generate.py --no-progress --out $OUT"
 for part in $PARTS; do
   echo "== $(date +%T) $part"

@@ -8,20 +8,13 @@
 #             against transformers' generate() (its first batch of 64, DynamicCache)
 #   hprefill  where the prefill steps of many short prompts go on the Qwen3.5-9B shape (profile_decode.py --prefill,
 #             200 requests sharing a 300-token system prompt)
-# flash-linear-attention (fla-core) and einops are installed from .whl/ when there.
+# flash-linear-attention (fla-core) and einops are installed from .whl/ when there (gpu_env.sh).
 # Usage there: bash benchmarks/gpu_shapes.sh "$OUT" [tests] [groups] [mla] [hprefill]   (all by default)
 set -u
 OUT=${1:?usage: gpu_shapes.sh OUT_DIR [tests] [groups] [mla] [hprefill]}
 shift
 PARTS=${*:-tests groups mla hprefill}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
-PY=python3
-$PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'
+source benchmarks/gpu_env.sh "$OUT"  # environment, .whl/ wheels, versions
 BENCH="$PY benchmarks/bench_generate.py --no-progress --out $OUT"
 for part in $PARTS; do
   echo "== $(date +%T) $part"

@@ -111,6 +111,21 @@ def greedy_references(model, lengths, seed: int, new: int = 8) -> tuple[list[lis
     return prompts, outs
 
 
+def engine_greedy(engine, prompts, new: int = 8) -> list[list[int]]:
+    """`engine`'s greedy tokens of `prompts`: `new` each, eos ignored (what `greedy_references` gives)."""
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_returned(engine) -> None:
+    """Nothing left running, and every block (device and CPU), every state slot and every sequence record back."""
+    stats = engine.kv_stats()
+    assert not engine.has_unfinished()
+    assert stats.used_blocks == 0 and stats.cpu_used_blocks == 0, stats
+    assert stats.state_slots_used == 0 and stats.state_cpu_slots_used == 0, stats
+    assert engine.block_manager.seq_ids() == []
+
+
 def left_padded_batch(lengths, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of a left-padded batch of random prompts of `lengths` (ids 3..199)."""
     g = torch.Generator().manual_seed(seed)

@@ -29,9 +29,23 @@ from hf_paged.cache import PagedCache
 from hf_paged.engine.defaults import compile_decode_for
 
 try:
-    from tests.helpers import dense_generate, generating_model, greedy_references, left_padded_batch
+    from tests.helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+    )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch
+    from helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+    )
 
 
 @functools.cache
@@ -39,13 +53,13 @@ def family_model(family: str):
     return generating_model(family)
 
 
-def engine_greedy(model, prompts, new: int, static: bool = False, **kwargs) -> list[list[int]]:
+def model_greedy(model, prompts, new: int, static: bool = False, **kwargs) -> list[list[int]]:
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, **kwargs)
     if static:
         engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
-    assert not engine.has_unfinished() and engine.kv_stats().used_blocks == 0
-    return [o.outputs[0].token_ids for o in outs]
+    tokens = engine_greedy(engine, prompts, new)
+    assert_all_returned(engine)
+    return tokens
 
 
 @pytest.mark.parametrize("path", ["eager", "static", "chunked"])
@@ -54,7 +68,7 @@ def test_zaya_matches_transformers_on_the_engine(path):
     assert "attention_mask_modified" not in hf_paged.attention.model_features(model)
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
     kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
-    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
+    assert model_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
 
 
 @pytest.mark.slow
@@ -95,8 +109,8 @@ def test_moshi_runs_with_its_checkpoints_window_and_refuses_a_shorter_one(static
     prompts.append(prompts[1] + prompts[3])  # (a prefix-cache hit on the second prompt's blocks)
     refs.append(dense_generate(model, input_ids=torch.tensor([prompts[-1]]), max_new_tokens=8, do_sample=False,
                                eos_token_id=None)[0, len(prompts[-1]):].tolist())
-    assert engine_greedy(model, prompts, 8, static=static) == refs
-    assert engine_greedy(model, prompts, 8, static=static, max_num_batched_tokens=6, max_num_seqs=3) == refs
+    assert model_greedy(model, prompts, 8, static=static) == refs
+    assert model_greedy(model, prompts, 8, static=static, max_num_batched_tokens=6, max_num_seqs=3) == refs
     short = generating_model("moshi", sliding_window=4)
     with pytest.raises(ValueError, match="sliding_window=4 < max_position_embeddings=256"):
         hf_paged.attention.check_supported(short)
@@ -122,7 +136,7 @@ def test_modules_writing_other_cache_layers_match_transformers_on_the_engine(fam
     model = family_model(family)
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
     kwargs = dict(max_num_batched_tokens=6, max_num_seqs=3) if path == "chunked" else {}
-    assert engine_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
+    assert model_greedy(model, prompts, 8, static=path == "static", **kwargs) == refs
 
 
 @pytest.mark.parametrize("family,depths", [("zamba", [1, 3]), ("hrm_text", list(range(16)))])
@@ -160,7 +174,7 @@ def test_mllama_runs_text_only_and_refuses_image_states():
     model = family_model("mllama")
     assert model.config.cross_attention_layers == [1]
     prompts, refs = greedy_references(model, (1, 23, 7, 17, 3), seed=5, new=8)
-    assert engine_greedy(model, prompts, 8) == refs
+    assert model_greedy(model, prompts, 8) == refs
     cache = PagedCache(config=model.config, num_blocks=16, block_size=4)
     assert cache.kv_layers == [0, 2]
     input_ids, mask = left_padded_batch((5, 3))
@@ -186,8 +200,7 @@ def test_moshi_compiled_decode_and_prefill_match_transformers():
     try:
         engine.warm_up(freeze_gc=False)
         routed = engine.runner.compiled_prefill_steps
-        outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == refs
+        assert engine_greedy(engine, prompts, 8) == refs
         assert engine.runner.graph_steps > 0 and engine.runner.compiled_prefill_steps > routed
     finally:
         engine.close()

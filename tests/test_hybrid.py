@@ -23,9 +23,25 @@ import hf_paged
 from hf_paged.runner.regional import CompiledLayers
 
 try:
-    from tests.helpers import dense_generate, generating_model, greedy_references, paged, random_prompts
+    from tests.helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        paged,
+        random_prompts,
+    )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, generating_model, greedy_references, paged, random_prompts
+    from helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        paged,
+        random_prompts,
+    )
 
 # the file on one worker: the cached models and transformers' references (`hybrid`, `references`) are built once
 pytestmark = pytest.mark.xdist_group("hybrid")
@@ -44,19 +60,6 @@ def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[in
     return greedy_references(hybrid(family), LENGTHS, seed=5, new=new)
 
 
-def assert_no_leaks(engine) -> None:
-    stats = engine.kv_stats()
-    assert not engine.has_unfinished()
-    assert stats.used_blocks == 0 and stats.cpu_used_blocks == 0, stats
-    assert stats.state_slots_used == 0 and stats.state_cpu_slots_used == 0, stats
-    assert engine.block_manager.seq_ids() == []
-
-
-def greedy(engine, prompts, new: int = 8) -> list[list[int]]:
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("path", ["eager", "static", "chunked"])
 def test_engine_greedy_matches_transformers(family, path):
@@ -68,12 +71,12 @@ def test_engine_greedy_matches_transformers(family, path):
     engine = hf_paged.Engine(model, **kwargs)
     if path != "eager":
         engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     if path != "eager":
         assert engine.runner.graph_steps > 0
     stats = engine.kv_stats()
     assert stats.state_slots == engine.scheduler.max_num_seqs
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     # only the attention layers hold blocks
     assert engine.cache.pool.shape[0] == len(engine.cache.kv_layers) < engine.cache.num_layers or family == "falcon_h1"
 
@@ -94,7 +97,7 @@ def test_requests_joining_a_running_batch_keep_their_states_apart():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done[i] for i in ids] == refs
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.slow
@@ -106,14 +109,14 @@ def test_compiled_decode_step_matches_transformers_without_graph_breaks():
     model = hybrid("qwen3_5_text")
     prompts, refs = references("qwen3_5_text")
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=8, compile_decode=True)
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
     assert not counters["graph_break"], dict(counters["graph_break"])
     compiled = engine.runner._compiled
     assert isinstance(compiled, CompiledLayers)  # one compilation per kind of layer
     assert counters["stats"]["unique_graphs"] <= compiled.max_graphs
     assert engine.runner.compiled_prefill_steps == 0  # a hybrid's ragged steps run the model's own code
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     engine.close()
     torch._dynamo.reset()
 
@@ -136,7 +139,7 @@ def test_parallel_samples_score_as_transformers_scores_them(family):
             expected = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             got = torch.tensor([lp for lp, _ in completion.logprobs])
             torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.slow
@@ -157,7 +160,7 @@ def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache(fa
     with paged(model, num_blocks=256, block_size=4):
         out = model.generate(**kwargs, cache_implementation="paged")
         engine = model._hf_paged_engine
-        assert_no_leaks(engine)
+        assert_all_returned(engine)
         dropin = model.generate(**kwargs, past_key_values=hf_paged.PagedCache(config=model.config, num_blocks=256,
                                                                              block_size=4))
     for got in (out, dropin):
@@ -172,9 +175,9 @@ def test_preemption_keeps_tokens_and_gives_every_slot_back(mode):
     engine = hf_paged.Engine(model, num_blocks=14, block_size=4, preemption_mode=mode,
                              swap_space=0.01 if mode == "swap" else 0.0)
     engine.runner.decode_mode = "static"
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     assert engine.scheduler.num_preemptions[mode] > 0
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 def test_aborts_free_their_slots_at_once():
@@ -193,7 +196,7 @@ def test_aborts_free_their_slots_at_once():
             assert done[request_id].outputs[0].token_ids == refs[i]
         else:
             assert done[request_id].outputs[0].finish_reason == "abort"
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 def test_admission_never_runs_more_sequences_than_slots():
@@ -209,7 +212,7 @@ def test_admission_never_runs_more_sequences_than_slots():
         engine.step()
         most = max(most, engine.kv_stats().state_slots_used)
     assert most == 2
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     assert ids
 
 
@@ -222,10 +225,10 @@ def test_prefix_hits_resume_from_state_checkpoints_with_the_same_tokens(family):
     prompts = [system + torch.randint(3, 200, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 9, (10,), generator=g)]
     plain = hf_paged.Engine(model, num_blocks=160, block_size=4, enable_prefix_caching=False)
-    expected = greedy(plain, prompts)
+    expected = engine_greedy(plain, prompts)
     engine = hf_paged.Engine(model, num_blocks=160, block_size=4)
     engine.runner.decode_mode = "static"
-    got = greedy(engine, prompts[:1]) + greedy(engine, prompts[1:])  # one turn first, then a burst
+    got = engine_greedy(engine, prompts[:1]) + engine_greedy(engine, prompts[1:])  # one turn first, then a burst
     assert got == expected
     hits = engine.prefix_cache_stats()
     # the 20 tokens of the system prompt's whole blocks (far below vLLM's 528): the first turn left them in the cache
@@ -235,10 +238,10 @@ def test_prefix_hits_resume_from_state_checkpoints_with_the_same_tokens(family):
     assert state.checkpoint_hits >= 8 and state.num_checkpoints_used > 0
     # a burst from an idle engine: the first prompt checkpoints the shared blocks, the others resume there
     engine2 = hf_paged.Engine(model, num_blocks=160, block_size=4)
-    assert greedy(engine2, prompts) == expected
+    assert engine_greedy(engine2, prompts) == expected
     assert engine2.prefix_cache_stats().hit_tokens >= 9 * 20
-    assert_no_leaks(engine)
-    assert_no_leaks(engine2)
+    assert_all_returned(engine)
+    assert_all_returned(engine2)
 
 
 @pytest.mark.slow
@@ -246,10 +249,10 @@ def test_state_checkpoints_can_be_turned_off_and_weights_changes_drop_them():
     model = hybrid("qwen3_5_text")
     prompts, refs = references("qwen3_5_text")
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, state_checkpoints=0)
-    assert greedy(engine, prompts[:2]) == refs[:2] and greedy(engine, prompts[:2]) == refs[:2]
+    assert engine_greedy(engine, prompts[:2]) == refs[:2] and engine_greedy(engine, prompts[:2]) == refs[:2]
     assert engine.prefix_cache_stats().hit_tokens == 0  # K/V blocks are cached, but no state to resume from
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4)
-    greedy(engine, prompts[3:4])
+    engine_greedy(engine, prompts[3:4])
     assert engine.block_manager.state.num_checkpoints_used > 0
     engine.reset_prefix_cache()
     assert engine.block_manager.state.num_checkpoints_used == 0

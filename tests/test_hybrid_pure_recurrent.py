@@ -28,6 +28,7 @@ from hf_paged.model_zoo import tiny_model
 try:
     from tests.helpers import (
         dense_generate,
+        engine_greedy,
         generating_model,
         greedy_references,
         left_padded_batch,
@@ -35,7 +36,15 @@ try:
         random_prompts,
     )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch, paged, random_prompts
+    from helpers import (
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+        paged,
+        random_prompts,
+    )
 
 FAMILIES = ("mamba", "falcon_mamba")
 LENGTHS = (1, 23, 7, 40, 3, 16)
@@ -79,8 +88,7 @@ def test_engine_greedy_matches_transformers(family, path):
     assert cache.kv_layers == [] and cache.bytes_per_block() == 0 and cache.pool is None
     if path != "eager":
         engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert engine_greedy(engine, prompts, 8) == refs
     if path != "eager":
         assert engine.runner.graph_steps > 0
     stats = engine.kv_stats()
@@ -166,8 +174,7 @@ def test_jamba_chunked_prefill_keeps_its_mamba_state():
     expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_batched_tokens=6, max_num_seqs=2)
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine_greedy(engine, prompts, 6) == expected
 
 
 @pytest.mark.slow
@@ -175,8 +182,7 @@ def test_compiled_decode_step_matches_transformers():
     model = recurrent("mamba")
     prompts, refs = references("mamba")
     engine = hf_paged.Engine(model, block_size=4, max_num_seqs=8, compile_decode=True)
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert engine_greedy(engine, prompts, 8) == refs
     assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
     engine.close()
     torch._dynamo.reset()
@@ -191,8 +197,7 @@ def test_preemption_keeps_tokens_and_gives_every_slot_back(mode):
     expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=10, do_sample=False,
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     engine = hf_paged.Engine(model, block_size=4, num_blocks=14, preemption_mode=mode, swap_space=0.01)
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=10, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine_greedy(engine, prompts, 10) == expected
     assert engine.stats["peak_used_blocks"] == 14
     stats = engine.kv_stats()
     assert stats.used_blocks == stats.cpu_used_blocks == stats.state_slots_used == stats.state_cpu_slots_used == 0

@@ -19,7 +19,9 @@ from hf_paged.model_zoo import tiny_config, tiny_model
 
 try:
     from tests.helpers import (
+        assert_all_returned,
         dense_generate,
+        engine_greedy,
         generating_model,
         greedy_references,
         left_padded_batch,
@@ -27,7 +29,16 @@ try:
         random_prompts,
     )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch, paged, random_prompts
+    from helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+        paged,
+        random_prompts,
+    )
 
 # Gemma 4 with its global layers' own head size and KV heads, keys and values from one projection (k_eq_v)
 GEMMA4 = dict(attention_k_eq_v=True, num_global_key_value_heads=1, global_head_dim=32,
@@ -47,16 +58,6 @@ def model(family: str):
 @functools.cache
 def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
     return greedy_references(model(family), LENGTHS, seed=7, new=new)
-
-
-def greedy(engine, prompts, new: int = 8) -> list[list[int]]:
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_no_leaks(engine) -> None:
-    stats = engine.kv_stats()
-    assert not engine.has_unfinished() and stats.used_blocks == 0 and stats.cpu_used_blocks == 0, stats
 
 
 def padded_batch(lengths=(5, 11, 2, 8), seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +102,9 @@ def test_engine_greedy_matches_transformers(family, path):
     engine = hf_paged.Engine(model(family), **kwargs)
     if path != "eager":
         engine.runner.decode_mode = "static"
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     assert len(engine.cache.kv.groups) == 2 and engine.cache.kv.uniform is None
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     engine.close()
 
 
@@ -129,7 +130,7 @@ def test_beam_search_matches_transformers_on_the_engine_and_the_drop_in_cache(fa
     ref = dense_generate(m, **kwargs)
     with paged(m, num_blocks=256, block_size=4):
         out = m.generate(**kwargs, cache_implementation="paged")
-        assert_no_leaks(m._hf_paged_engine)
+        assert_all_returned(m._hf_paged_engine)
         dropin = m.generate(**kwargs, past_key_values=PagedCache(config=m.config, num_blocks=256, block_size=4))
     for got in (out, dropin):
         assert torch.equal(got.sequences, ref.sequences)
@@ -164,7 +165,7 @@ def test_parallel_samples_with_a_seed_equal_transformers(family):
             expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor([lp for lp, _ in completion.logprobs]), expected, atol=2e-4,
                                        rtol=1e-4)
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -173,19 +174,19 @@ def test_swap_preemption_and_prefix_hits_keep_every_group_consistent(family):
     m = model(family)
     swap = hf_paged.Engine(m, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01)
     swap.runner.decode_mode = "static"
-    assert greedy(swap, prompts) == refs
+    assert engine_greedy(swap, prompts) == refs
     assert swap.scheduler.num_preemptions["swap"] > 0
-    assert_no_leaks(swap)
+    assert_all_returned(swap)
     swap.close()
     engine = hf_paged.Engine(m, num_blocks=96, block_size=4, enable_prefix_caching=True)
     shared = prompts[3][:16]
-    first = greedy(engine, [shared + [5, 6, 7]])
-    again = greedy(engine, [shared + [5, 6, 7], shared + [9]])
+    first = engine_greedy(engine, [shared + [5, 6, 7]])
+    again = engine_greedy(engine, [shared + [5, 6, 7], shared + [9]])
     assert engine.prefix_cache_stats().hit_tokens >= 16
     assert again[0] == first[0]
     assert again[1] == dense_generate(m, input_ids=torch.tensor([shared + [9]]), max_new_tokens=8, do_sample=False,
                                       eos_token_id=None)[0, 17:].tolist()
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
 
 
 # ----------------------------------------------------------------------------------------------- the pool itself
@@ -253,7 +254,7 @@ def test_fp8_pool_of_mixed_shapes_has_per_layer_scales_and_follows_the_drop_in_c
     m = model("mimo_v2_flash")
     prompts = random_prompts((13, 4), seed=2, vocab=200)
     engine = hf_paged.Engine(m, num_blocks=64, block_size=8, kv_cache_dtype="fp8", kv_scales=0.03)
-    engine_tokens = greedy(engine, prompts, new=6)
+    engine_tokens = engine_greedy(engine, prompts, new=6)
     cache = engine.cache
     assert all(t.dtype == torch.float8_e4m3fn for t in cache.kv.tensors)
     assert [cache.layer_scales(layer)[0].shape[0] for layer in cache.kv_layers] == [2, 4]
@@ -316,13 +317,13 @@ def test_layers_reading_an_earlier_layers_kv_hold_no_blocks_and_match_transforme
                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     engine = hf_paged.Engine(m, num_blocks=96, block_size=4)
     engine.runner.decode_mode = "static"
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     cache = engine.cache
     assert cache.kv_layers == [0, 1, 2, 3]  # layers 4 and 5 read layers 2 and 3
     assert cache.layer_caches(4) == cache.layer_caches(2) and cache.layer_caches(5) == cache.layer_caches(3)
     with pytest.raises(ValueError, match="no K/V of its own"):
         cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 4)
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     engine.close()
     ids, mask = padded_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
@@ -346,8 +347,8 @@ def test_compiled_decode_step_matches_transformers(family):
                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     torch._dynamo.reset()
     engine = hf_paged.Engine(m, num_blocks=96, block_size=4, max_num_seqs=8, compile_decode=True)
-    assert greedy(engine, prompts, new=6) == refs
+    assert engine_greedy(engine, prompts, new=6) == refs
     assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
-    assert_no_leaks(engine)
+    assert_all_returned(engine)
     engine.close()
     torch._dynamo.reset()

@@ -27,7 +27,9 @@ from hf_paged.capabilities import inspect_model
 
 try:
     from tests.helpers import (
+        assert_all_returned,
         dense_generate,
+        engine_greedy,
         generating_model,
         greedy_references,
         left_padded_batch,
@@ -35,7 +37,16 @@ try:
         random_prompts,
     )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import dense_generate, generating_model, greedy_references, left_padded_batch, paged, random_prompts
+    from helpers import (
+        assert_all_returned,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        left_padded_batch,
+        paged,
+        random_prompts,
+    )
 
 FAMILIES = ("minimax", "recurrent_gemma")
 LENGTHS = (1, 23, 7, 40, 3, 16)
@@ -49,17 +60,6 @@ def family_model(family: str):
 @functools.cache
 def references(family: str, new: int = 8) -> tuple[list[list[int]], list[list[int]]]:
     return greedy_references(family_model(family), LENGTHS, seed=7, new=new)
-
-
-def greedy(engine, prompts, new: int = 8) -> list[list[int]]:
-    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=new, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_all_back(engine) -> None:
-    stats = engine.kv_stats()
-    assert not engine.has_unfinished()
-    assert stats.used_blocks == stats.cpu_used_blocks == stats.state_slots_used == stats.state_cpu_slots_used == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -81,11 +81,11 @@ def test_engine_greedy_matches_transformers(family, path):
     engine = hf_paged.Engine(model, **kwargs)
     if path != "eager":
         engine.runner.decode_mode = "static"  # the GPU's decode path (buffers, padded buckets), run eagerly
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     assert engine.kv_stats().state_slots == engine.scheduler.max_num_seqs
     # only the attention layers hold blocks (RecurrentGemma says which in `layers_block_type`)
     assert engine.cache.kv_layers == [i for i, m in enumerate(model.model.layers) if not mixer_modules(m)]
-    assert_all_back(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -120,7 +120,7 @@ def test_parallel_samples_score_as_transformers_scores_them(family):
             expected = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             got = torch.tensor([lp for lp, _ in completion.logprobs])
             torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
-    assert_all_back(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,9 +134,9 @@ def test_preemption_keeps_tokens_and_gives_every_slot_back(family, mode):
     # never run out; kept, they do)
     engine = hf_paged.Engine(model, num_blocks=14, block_size=4, preemption_mode=mode,
                              swap_space=0.01 if mode == "swap" else 0.0, release_window_blocks=False)
-    assert greedy(engine, prompts, new=10) == expected
+    assert engine_greedy(engine, prompts, new=10) == expected
     assert engine.scheduler.num_preemptions[mode] > 0
-    assert_all_back(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -149,11 +149,11 @@ def test_prefix_hits_resume_from_state_checkpoints_with_transformers_tokens(fami
     expected = [dense_generate(model, input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4)
-    got = greedy(engine, prompts[:1], new=6) + greedy(engine, prompts[1:], new=6)
+    got = engine_greedy(engine, prompts[:1], new=6) + engine_greedy(engine, prompts[1:], new=6)
     assert got == expected
     assert engine.prefix_cache_stats().hit_tokens >= 3 * 20
     assert engine.block_manager.state.checkpoint_hits >= 3
-    assert_all_back(engine)
+    assert_all_returned(engine)
 
 
 @pytest.mark.slow
@@ -189,9 +189,9 @@ def test_compiled_decode_step_matches_transformers_without_graph_breaks(family):
     model = family_model(family)
     prompts, refs = references(family)
     engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_num_seqs=8, compile_decode=True)
-    assert greedy(engine, prompts) == refs
+    assert engine_greedy(engine, prompts) == refs
     assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert_all_back(engine)
+    assert_all_returned(engine)
     engine.close()
     torch._dynamo.reset()

@@ -94,9 +94,9 @@ def test_qwen_sparse_attention_passes_the_sweep(family):
     assert "sparse_attention" not in record["features"] and "attention_adapter" in record["features"]
 
 
-def test_qwen_sparse_attention_drop_in_equals_transformers(monkeypatch):
-    model = tiny_model("qwen4_exp_text", indexer_budget=QSA_BUDGET)
-    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1)
+def _drop_in_generate(model, monkeypatch):
+    """(the drop-in cache's greedy tokens, transformers' own, the sparse-attention spy, the cache) of a left-padded
+    batch of 13, 5 and 9 tokens."""
     ids, mask = tiny_inputs((13, 5, 9), seed=2)
     options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
     want = dense_generate(model, **options)
@@ -104,7 +104,14 @@ def test_qwen_sparse_attention_drop_in_equals_transformers(monkeypatch):
     with paged(model), torch.no_grad():
         cache = PagedCache(config=model.config, num_blocks=32, block_size=4)
         got = model.generate(**options, past_key_values=cache)
-        assert not hasattr(cache, "_bound_position_ids") or cache.position_ids.shape[-1] == 0  # no history kept
+    return got, want, spy, cache
+
+
+def test_qwen_sparse_attention_drop_in_equals_transformers(monkeypatch):
+    model = tiny_model("qwen4_exp_text", indexer_budget=QSA_BUDGET)
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1)
+    got, want, spy, cache = _drop_in_generate(model, monkeypatch)
+    assert not hasattr(cache, "_bound_position_ids") or cache.position_ids.shape[-1] == 0  # no history kept
     assert torch.equal(got, want)
     assert spy.calls > 0 and spy.width == QSA_BUDGET + 1
 
@@ -152,14 +159,8 @@ def test_latent_sparse_attention_equals_the_modules_own(family):
 @pytest.mark.parametrize("family,overrides", CASES, ids=IDS)
 def test_drop_in_cache_equals_transformers_on_a_left_padded_batch(family, overrides, monkeypatch):
     model = _model(family, **overrides)
-    ids, mask = tiny_inputs((13, 5, 9), seed=2)
-    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
-    want = dense_generate(model, **options)
-    spy = _SparseSpy(monkeypatch)
-    with paged(model), torch.no_grad():
-        cache = PagedCache(config=model.config, num_blocks=32, block_size=4)
-        got = model.generate(**options, past_key_values=cache)
-        assert cache.head_dim == latent_kv_width(model.config) and cache.num_kv_heads == 1
+    got, want, spy, cache = _drop_in_generate(model, monkeypatch)
+    assert cache.head_dim == latent_kv_width(model.config) and cache.num_kv_heads == 1
     assert torch.equal(got, want)
     assert spy.calls > 0 and spy.width == TOPK  # the selection dropped keys (13 + 8 positions, 4 kept)
 
