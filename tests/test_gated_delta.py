@@ -12,9 +12,11 @@ from hf_paged.attention import gated_deltanet
 from hf_paged.kernels.gated_delta import gdn_decode
 
 try:
-    from tests.test_hybrid import assert_no_leaks, greedy, hybrid, references
+    from tests.helpers import assert_all_returned, engine_greedy
+    from tests.test_hybrid import hybrid, references
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from test_hybrid import assert_no_leaks, greedy, hybrid, references
+    from helpers import assert_all_returned, engine_greedy
+    from test_hybrid import hybrid, references
 
 triton = pytest.importorskip("triton")
 
@@ -84,11 +86,11 @@ def test_fast_path_gives_transformers_tokens(path, monkeypatch):
         if path == "static-chunked":
             engine.runner.decode_mode = "static"
         assert sum("_hf_paged_fast" in m.__dict__ for m in model.modules()) == 3  # qwen3_5's three DeltaNet layers
-        assert greedy(engine, prompts) == refs
+        assert engine_greedy(engine, prompts) == refs
         assert calls["ragged"] > 0 and (calls["decode"] > 0 or path == "eager"), calls
         if path != "eager":
             assert engine.runner.graph_steps > 0
-        assert_no_leaks(engine)
+        assert_all_returned(engine)
     finally:
         engine.close()
         if path == "compiled":
