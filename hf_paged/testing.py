@@ -13,6 +13,7 @@ Used by the tests, the demo and the benchmarks. Nothing here touches the network
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .integrations.gguf import load_gguf
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no conversion lock (`_conversion_lock`)
+    fcntl = None
 
 __all__ = [
     "FAMILIES",
@@ -319,8 +325,30 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Pa
     target = pathlib.Path(cache_dir) if cache_dir is not None else smollm2_cache_dir()
     meta = _source_meta(gguf)
     if not _cache_is_valid(target, meta):
-        _convert_smollm2(gguf, target, meta)
+        with _conversion_lock(target):  # one process converts; the others wait for its copy instead of converting too
+            if not _cache_is_valid(target, meta):
+                _convert_smollm2(gguf, target, meta)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: pathlib.Path):
+    """An exclusive lock beside `target` while it is converted (POSIX `flock`; none elsewhere, where each process
+    converts and the atomic rename keeps one complete copy).
+
+    Why: the conversion is ~20-40 CPU-seconds of GGUF parsing and dequantisation. The test suite's workers (and
+    a server process it starts) reach their first SmolLM2 test at about the same moment on a fresh machine, and
+    each converted the same file side by side, on the same two cores."""
+    if fcntl is None:
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import threading
+import time
 
 import pytest
 import torch
@@ -216,6 +219,29 @@ def test_smollm2_cache_dir(monkeypatch, tmp_path):
     assert not testing._cache_is_valid(tmp_path, meta)
     (tmp_path / testing._META_FILE).write_text('{"gguf": "other"}')
     assert not testing._cache_is_valid(tmp_path, meta)
+
+
+def test_processes_converting_at_once_convert_once(monkeypatch, tmp_path):
+    """The conversion lock: callers that find no copy at the same moment wait for the first one's, none converts
+    again (each holds its own open file of the lock, as separate processes do)."""
+    meta = testing._source_meta(testing.smollm2_path())
+    running, calls = [], []
+
+    def convert(gguf, target, meta_):
+        running.append(1)
+        calls.append(len(running))  # how many conversions run at this moment, this one included
+        time.sleep(0.2)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / testing._META_FILE).write_text(json.dumps(meta_, indent=1))
+        running.pop()
+
+    monkeypatch.setattr(testing, "_convert_smollm2", convert)
+    threads = [threading.Thread(target=testing.smollm2_checkpoint, args=(tmp_path,)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1] and testing._cache_is_valid(tmp_path, meta)
 
 
 def test_load_smollm2_chat():
