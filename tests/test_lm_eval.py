@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -202,11 +202,13 @@ def test_sampling_params_from_gen_kwargs():
         sampling_params({"num_beams": 4}, 32, "<eos>")
 
 
-@pytest.mark.slow
-def test_command_line_help():
-    run = subprocess.run([sys.executable, "-m", "hf_paged.lm_eval", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and "--model_args" in run.stdout
+def test_command_line_help(monkeypatch, capsys):
+    """`python -m hf_paged.lm_eval --help`, run as `__main__` in this process (a new interpreter would spend seconds
+    importing torch, transformers and lm-eval again)."""
+    monkeypatch.setattr(sys, "argv", ["python -m hf_paged.lm_eval", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("hf_paged.lm_eval", run_name="__main__", alter_sys=False)
+    assert done.value.code in (0, None) and "--model_args" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ import torch
 from hf_paged.testing import tiny_model
 
 try:
+    from tests import tp_cases
     from tests.helpers import greedy_reference
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    import tp_cases
     from helpers import greedy_reference
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel.py"
@@ -46,31 +49,36 @@ if TWO_GPUS:
                   "cuda-graph-compiled": ["--cuda-graph", "--compile-decode"]})
 
 
-def run_cases(out: Path, nproc: int) -> dict[str, list[dict]]:
+def run_cases(out: Path, nproc: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict]]:
     """Every case of `CASES` in one launch of `tests/tp_cases.py` (the example's requests, one engine per case over
-    one loaded model): {case: [record of each rank]}."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc-per-node={nproc}"]
+    one loaded model): {case: [record of each rank]}. One process runs in this one (a new interpreter would spend
+    seconds importing torch and transformers again); two ranks under `torchrun`."""
     # a run id of its own (the example names its checkpoint after it): test cases may run side by side
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=f"{out.parent.name}_{out.name}")
+    run_id = f"{out.parent.name}_{out.name}"
     # one device for the single process and the ranks alike (on a one-GPU host the single process would otherwise
     # take the GPU while the two ranks, too many for it, run on the CPU)
     device = "cuda" if TWO_GPUS else "cpu"
-    result = subprocess.run(
-        [*launcher, str(CASES_SCRIPT), str(out), json.dumps(CASES), "--model", "tiny", "--max-new-tokens", "14",
-         "--device", device],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    arguments = [str(out), json.dumps(CASES), "--model", "tiny", "--max-new-tokens", "14", "--device", device]
+    if nproc == 1:
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        tp_cases.main(arguments)
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=run_id)
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+             str(CASES_SCRIPT), *arguments], capture_output=True, text=True, timeout=900, env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {case: [json.loads((out / case / f"rank{r}.json").read_text()) for r in range(nproc)] for case in CASES}
 
 
 @pytest.mark.slow
-def test_two_ranks_generate_what_one_process_generates(tmp_path):
+def test_two_ranks_generate_what_one_process_generates(tmp_path, monkeypatch):
     """Each case of `CASES` (a roomy pool; a small one preempting by recompute, by swap; the static decode path; the
     compiled decode step; with two GPUs, CUDA graphs) on two ranks against one process."""
-    singles = run_cases(tmp_path / "single", 1)
-    tp = run_cases(tmp_path / "tp2", 2)
+    singles = run_cases(tmp_path / "single", 1, monkeypatch)
+    tp = run_cases(tmp_path / "tp2", 2, monkeypatch)
     for case, extra in CASES.items():
         single = singles[case][0]
         for rank in tp[case]:
@@ -103,9 +111,11 @@ def test_engine_refuses_a_tensor_parallel_size_that_does_not_divide_the_heads(mo
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message of a machine without GPUs")
-@pytest.mark.slow
-def test_example_insisting_on_cuda_without_gpus_says_why():
-    result = subprocess.run([sys.executable, str(EXAMPLE), "--model", "tiny", "--device", "cuda"], capture_output=True,
-                            text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode != 0
-    assert "--device cuda needs a GPU for each of the 1 local rank(s); this machine has 0" in result.stderr
+def test_example_insisting_on_cuda_without_gpus_says_why(monkeypatch):
+    """`python examples/tensor_parallel.py --device cuda`, run as `__main__` in this process."""
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--model", "tiny", "--device", "cuda"])
+    with pytest.raises(SystemExit, match=r"--device cuda needs a GPU for each of the 1 local rank\(s\); this machine "
+                                         r"has 0"):
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
