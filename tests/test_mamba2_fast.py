@@ -113,6 +113,29 @@ def test_static_decode_steps_keep_the_generic_path(spied):
     assert_all_returned(engine)
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_keeps_working(spied):
+    """With `compile_decode`, decode-only steps run the compiled layers (the mixer's own decode form through the opaque
+    state ops, recorded as graphs) and ragged steps the fast path: transformers' tokens, no graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    prompts, refs = references("granitemoehybrid")
+    engine = hf_paged.Engine(model("granitemoehybrid"), num_blocks=96, block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=16, compile_decode=True)
+    try:
+        calls = spied(engine)
+        assert engine_greedy(engine, prompts) == refs
+        assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert calls["ragged"] > 0 and calls["chunk"] == 0
+        assert_all_returned(engine)
+    finally:
+        engine.close()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_tokens(mode, spied):
     """Recompute and swap preemption give transformers' tokens. A variant without a biting time-step limit: a
@@ -174,6 +197,27 @@ def test_parallel_samples_score_as_transformers_scores_them(spied):
             got = torch.tensor([lp for lp, _ in completion.logprobs])
             torch.testing.assert_close(got, expected[:, 0], atol=2e-4, rtol=1e-4)
     assert_all_returned(engine)
+
+
+@pytest.mark.parametrize("variant", ["granitemoehybrid", "falcon_h1"])
+def test_bfloat16_matches_the_generic_path(variant, monkeypatch):
+    """In bfloat16 the fast path rounds where transformers' own code does (the chunk scan's output reaches the norm in
+    float32, the one-token update's in bfloat16): the same tokens and log-probabilities as the generic adapter, which
+    runs the mixer's own forward, over ragged steps mixing prefill chunks and decoding rows."""
+    family, overrides = VARIANTS[variant]
+    m = generating_model(family, **overrides).to(torch.bfloat16)
+    prompts = random_prompts((1, 23, 7, 40, 11), seed=5, vocab=200)
+    params = hf_paged.SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    runs = []
+    for force in (False, True):
+        monkeypatch.setattr(mamba2, "FORCE", force)
+        engine = hf_paged.Engine(m, num_blocks=96, block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
+        runs.append([o.outputs[0] for o in engine.generate(prompts, params)])
+        assert_all_returned(engine)
+    for generic, fast in zip(*runs):
+        assert fast.token_ids == generic.token_ids
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in fast.logprobs]),
+                                   torch.tensor([lp for lp, _ in generic.logprobs]), atol=2e-2, rtol=0)
 
 
 def test_reference_scan_equals_transformers_chunk_scan():

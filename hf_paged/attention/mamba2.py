@@ -111,26 +111,31 @@ class Mamba2Path:
         x, b, c = xbc.split([module.intermediate_size, groups * size, groups * size], dim=-1)
         x = x.reshape(tokens, heads, module.head_dim)
         b, c = b.reshape(tokens, groups, size), c.reshape(tokens, groups, size)
-        core = torch.zeros(tokens, heads, module.head_dim, dtype=torch.float32, device=device)
+        out = torch.zeros(tokens, module.intermediate_size, dtype=hidden.dtype, device=device)
         decoding = seqs.decoding
         if decoding.any():
             which = np.flatnonzero(decoding)
             pick = torch.as_tensor(seqs.rows_of(which), device=device)
             slots = state_slots[torch.as_tensor(which, device=device)]
-            core.index_copy_(0, pick, self._decode(module, x[pick], dt[pick], b[pick], c[pick], state_pool, slots))
+            y = self._decode(module, x[pick], dt[pick], b[pick], c[pick], state_pool, slots)
+            out.index_copy_(0, pick, self._gate(module, y.reshape(len(pick), -1), gate[pick]).to(out.dtype))
         chunks = np.flatnonzero(~decoding)
         if len(chunks):
-            self._prefill(module, x, dt, b, c, core, chunks, seqs, state_slots, state_pool)
-        out = core.reshape(tokens, module.intermediate_size)
+            rows, y = self._prefill(module, x, dt, b, c, chunks, seqs, state_slots, state_pool)
+            out.index_copy_(0, rows, self._gate(module, y.reshape(len(rows), -1), gate[rows]).to(out.dtype))
+        return module.out_proj(out)
+
+    def _gate(self, module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The module's gated norm of the scan's output `y` `[n, I]` (Falcon-H1 without `mamba_rms_norm`: the gate
+        alone), applied to decode rows and prefill rows apart: transformers gives its norm the one-token update's
+        output in the model's dtype and the chunk scan's in float32, and the norm rounds to its input's dtype."""
         if self.falcon and not module.mamba_rms_norm:
-            out = out * F.silu(gate)
-        else:
-            out = module.norm(out, gate)
-        return module.out_proj(out.to(hidden.dtype))
+            return y * F.silu(gate)
+        return module.norm(y, gate)
 
     def _decode(self, module, x, dt, b, c, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token of each row from its slot's state (transformers' own state update, as its decode form calls it);
-        returns `[B, heads, head_dim]` float32."""
+        returns `[B, heads, head_dim]` in the model's dtype."""
         dim, size = module.head_dim, module.ssm_state_size
         state = state_pool.index_select(0, slots)
         a = -torch.exp(module.A_log.float())
@@ -138,10 +143,12 @@ class Mamba2Path:
                                 b, c, module.D[:, None].expand(-1, dim), z=None,
                                 dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True)
         state_pool.index_copy_(0, slots, state.to(state_pool.dtype))  # (updated in place by the call)
-        return out.float()
+        return out
 
-    def _prefill(self, module, x, dt, b, c, core, chunks, seqs: Sequences, state_slots, state_pool) -> None:
-        """The SSD scan over the prefill chunks `chunks`, each from its state, into `core`; new states into the pool."""
+    def _prefill(self, module, x, dt, b, c, chunks, seqs: Sequences, state_slots,
+                 state_pool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSD scan over the prefill chunks `chunks`, each from its state; new states into the pool. Returns (the
+        chunks' rows, their output `[t, heads, head_dim]` float32, the `D * x` skip added, as transformers' scan)."""
         device = x.device
         which = torch.as_tensor(chunks, device=device)
         slots = state_slots[which]
@@ -162,8 +169,8 @@ class Mamba2Path:
                              output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
         else:
             out, final = chunk_simple_gla_reference(q[None], k[None], v[None], g[None], cu, initial, scale=1.0)
-        core.index_copy_(0, rows, out[0].float() + module.D.float()[:, None] * xs.float())
         state_pool.index_copy_(0, slots, final.transpose(-1, -2).to(state_pool.dtype))
+        return rows, out[0].float() + module.D.float()[:, None] * xs.float()
 
 
 def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
