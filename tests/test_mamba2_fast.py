@@ -24,9 +24,25 @@ from hf_paged.attention import mamba2
 from hf_paged.kernels.reference_gla import chunk_simple_gla_reference
 
 try:
-    from tests.helpers import assert_all_returned, engine_greedy, generating_model, greedy_references, random_prompts
+    from tests.helpers import (
+        assert_all_returned,
+        dense,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        random_prompts,
+    )
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
-    from helpers import assert_all_returned, engine_greedy, generating_model, greedy_references, random_prompts
+    from helpers import (
+        assert_all_returned,
+        dense,
+        dense_generate,
+        engine_greedy,
+        generating_model,
+        greedy_references,
+        random_prompts,
+    )
 
 # the file on one worker: the cached models and transformers' references are built once
 pytestmark = pytest.mark.xdist_group("mamba2_fast")
@@ -168,12 +184,15 @@ def test_prefix_hits_resume_from_state_checkpoints(variant, spied):
 
 
 def _transformers_tokens(m, prompts: list[list[int]], new: int = 8) -> list[list[int]]:
-    """transformers' greedy tokens (DynamicCache), `new` per prompt, on the model's device."""
+    """transformers' greedy tokens (DynamicCache, the plain model), `new` per prompt, on the model's device."""
     device = next(m.parameters()).device
-    with torch.no_grad():
-        return [m.generate(torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), device=device),
-                           max_new_tokens=new, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
-                for p in prompts]
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        out = dense_generate(m, input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, eos_token_id=None)
+        outs.append(out[0, len(p):].tolist())
+    return outs
 
 
 def test_parallel_samples_score_as_transformers_scores_them(spied):
@@ -191,7 +210,7 @@ def test_parallel_samples_score_as_transformers_scores_them(spied):
     for prompt, out in zip(prompts, outputs):
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # forks that went their own ways
         for completion in out.outputs:
-            with torch.no_grad():
+            with dense(m), torch.no_grad():
                 logits = m(input_ids=torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
             expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion.token_ids)[:, None])
             got = torch.tensor([lp for lp, _ in completion.logprobs])
@@ -359,6 +378,7 @@ def test_fla_scan_and_tokens_on_cuda(variant, monkeypatch):
         used = []
         monkeypatch.setattr(mamba2, "_fla_simple_gla", lambda: (lambda *a, **kw: used.append(1) or fla(*a, **kw)))
         engine = hf_paged.Engine(m, num_blocks=64, block_size=16, max_num_batched_tokens=48)
+        used.clear()  # (the engine's warm-up may have called it)
         assert engine_greedy(engine, prompts) == refs
         assert used and engine.runner.graph_steps > 0
         assert_all_returned(engine)
