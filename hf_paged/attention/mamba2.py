@@ -44,7 +44,7 @@ from transformers.activations import ACT2FN
 from ..kernels.reference_gla import chunk_simple_gla_reference
 from .varlen import Sequences, fla_function, ragged_conv, run_packed
 
-__all__ = ["FORCE", "Mamba2Path", "applies", "install", "uninstall", "warm_up"]
+__all__ = ["FORCE", "Mamba2Path", "applies", "install", "reference_scan", "uninstall", "warm_up"]
 
 FORCE = False  # run the fast path on the CPU too (tests)
 # the mixers whose forward this path reproduces (read in transformers 5.17), by class and modeling module
@@ -163,14 +163,21 @@ class Mamba2Path:
         v = xs.float() * step.float()[..., None]
         g = step.float() * -torch.exp(module.A_log.float())  # the log decays, float32
         cu = seqs.cu_seqlens(chunks)
-        fla = _fla_simple_gla() if x.is_cuda else None
-        if fla is not None:  # one variable-length call
-            out, final = fla(q[None], k[None], v.to(q.dtype)[None], g[None], scale=1.0, initial_state=initial,
-                             output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-        else:
-            out, final = chunk_simple_gla_reference(q[None], k[None], v[None], g[None], cu, initial, scale=1.0)
+        scan = (_fla_simple_gla() if x.is_cuda else None) or reference_scan
+        if scan is not reference_scan:  # fla's kernels take q, k, v of one dtype (the reference keeps v in float32)
+            v = v.to(q.dtype)
+        out, final = scan(q[None], k[None], v[None], g[None], scale=1.0, initial_state=initial,
+                          output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
         state_pool.index_copy_(0, slots, final.transpose(-1, -2).to(state_pool.dtype))
         return rows, out[0].float() + module.D.float()[:, None] * xs.float()
+
+
+def reference_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+                   initial_state: torch.Tensor, output_final_state: bool, cu_seqlens: torch.Tensor,
+                   cu_seqlens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.reference_gla` called as fla's `chunk_simple_gla` is (its keywords), so the CPU runs the very call
+    the GPU makes; the final states always."""
+    return chunk_simple_gla_reference(q, k, v, g, cu_seqlens_cpu, initial_state, scale=scale)
 
 
 def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
