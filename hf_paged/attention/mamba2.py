@@ -25,6 +25,11 @@ It is installed (`install`, from `recurrent.install`) only on those four classes
 steps over the static buffers (the CUDA graphs and the compiled decode step) keep the generic path: there the
 module's own decode form already runs once for all rows, through the compiled step's opaque state ops.
 
+transformers clamps `dt` in its chunk scan but not in its one-token update, and this path does the same, so where a
+model's `time_step_limit` bites, tokens that transformers' generate() decoded one at a time come out otherwise when
+they are prefilled (a sequence recomputed after preemption, a forward over a sampled sequence): as with the generic
+adapter, which runs transformers' own code.
+
 fla's kernels for this call do not specialise on the step's token count (``do_not_specialize=['T']``) and autotune by
 heads and head sizes only (fla-core 0.6.0), so `warm_up` runs the call a few times per layer shape at the engine's
 warm-up: the compilation and autotuning then happen there, not in the first serving step.
