@@ -1,5 +1,5 @@
-"""The Mamba 2 fast path of hybrid models' ragged steps (`hf_paged.attention.mamba2`), run on the CPU (`FORCE`)
-against transformers: greedy tokens of Granite 4 hybrid, Bamba, Falcon-H1 (with and without its gated RMS norm) and
+"""The Mamba 2 fast path of hybrid models (`hf_paged.attention.mamba2`), run on the CPU (`FORCE`) against
+transformers: greedy tokens of Granite 4 hybrid, Bamba, Falcon-H1 (with and without its gated RMS norm) and
 Nemotron-H equal `generate()`'s with chunked prefill, prefix hits resumed from state checkpoints, both preemption
 modes and parallel samples, with every step through the fast path (the mixers' own forward never runs per chunk);
 the torch reference of the variable-length scan (`kernels.reference_gla`, what flash-linear-attention's
@@ -75,17 +75,19 @@ def references(variant: str) -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.fixture
 def spied(monkeypatch):
-    """FORCE on, and counters: the fast path's ragged calls, and the mixers' own forward calls by token count (the
-    generic path's), once `watch(engine)` is called (after the engine profiled the states with that forward)."""
+    """FORCE on, and counters: the fast path's ragged and decode calls, and the mixers' own forward calls by token
+    count (the generic path's), once `watch(engine)` is called (after the engine profiled the states with that
+    forward)."""
     monkeypatch.setattr(mamba2, "FORCE", True)
-    calls = {"ragged": 0, "chunk": 0, "decode": 0}
-    original = mamba2.Mamba2Path.ragged
+    calls = {"ragged": 0, "fast_decode": 0, "chunk": 0, "decode": 0}
+    for name, key in (("ragged", "ragged"), ("decode", "fast_decode")):
+        original = getattr(mamba2.Mamba2Path, name)
 
-    def ragged(*args, **kwargs):
-        calls["ragged"] += 1
-        return original(*args, **kwargs)
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(mamba2.Mamba2Path, "ragged", ragged)
+        monkeypatch.setattr(mamba2.Mamba2Path, name, counted)
 
     def watch(engine):
         modules = [m for m in engine.model.modules() if "_hf_paged_mamba2" in m.__dict__]
@@ -116,36 +118,39 @@ def test_fast_path_gives_transformers_tokens_with_chunked_prefill(variant, spied
     assert_all_returned(engine)
 
 
-def test_static_decode_steps_keep_the_generic_path(spied):
-    """The GPU's decode path (static buffers, padded buckets, what CUDA graphs record) keeps the mixer's own decode
-    form for decode-only steps; every step with a prefill chunk runs through the fast path."""
-    prompts, refs = references("granitemoehybrid")
-    engine = hf_paged.Engine(model("granitemoehybrid"), num_blocks=96, block_size=4, max_num_batched_tokens=8)
+@pytest.mark.parametrize("variant", ["granitemoehybrid", "falcon_h1_norm"])
+def test_static_decode_steps_run_the_fast_decode(variant, spied):
+    """The GPU's decode path (static buffers, padded buckets, what CUDA graphs record) runs decode-only steps through
+    the fast path's `decode`, steps with a prefill chunk through `ragged`. Falcon-H1 with its gated norm (what its
+    checkpoints use) is the case the mixer's own decode form cannot run for more than one row."""
+    prompts, refs = references(variant)
+    engine = hf_paged.Engine(model(variant), num_blocks=96, block_size=4, max_num_batched_tokens=8)
     engine.runner.decode_mode = "static"
     calls = spied(engine)
     assert engine_greedy(engine, prompts) == refs
     assert engine.runner.graph_steps > 0
-    assert calls["ragged"] > 0 and calls["decode"] > 0 and calls["chunk"] == 0, calls
+    assert calls["ragged"] > 0 and calls["fast_decode"] > 0 and calls["chunk"] == calls["decode"] == 0, calls
     assert_all_returned(engine)
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_keeps_working(spied):
-    """With `compile_decode`, decode-only steps run the compiled layers (the mixer's own decode form through the opaque
-    state ops, recorded as graphs) and ragged steps the fast path: transformers' tokens, no graph break."""
+@pytest.mark.parametrize("variant", ["granitemoehybrid", "falcon_h1_norm"])
+def test_compiled_decode_step_keeps_working(variant, spied):
+    """With `compile_decode`, decode-only steps run the compiled layers (the fast path's `decode` traced, its states
+    through the opaque state ops) and ragged steps the fast path eagerly: transformers' tokens, no graph break."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    prompts, refs = references("granitemoehybrid")
-    engine = hf_paged.Engine(model("granitemoehybrid"), num_blocks=96, block_size=4, max_num_seqs=8,
-                             max_num_batched_tokens=16, compile_decode=True)
+    prompts, refs = references(variant)
+    engine = hf_paged.Engine(model(variant), num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                             compile_decode=True)
     try:
         calls = spied(engine)
         assert engine_greedy(engine, prompts) == refs
         assert engine.runner.graph_steps > 0 and engine.runner.compile_failure is None
         assert not counters["graph_break"], dict(counters["graph_break"])
-        assert calls["ragged"] > 0 and calls["chunk"] == 0
+        assert calls["ragged"] > 0 and calls["fast_decode"] > 0 and calls["chunk"] == calls["decode"] == 0, calls
         assert_all_returned(engine)
     finally:
         engine.close()

@@ -1,5 +1,5 @@
-"""A fast path for the Mamba 2 mixers of hybrid models (Granite 4 hybrid, Bamba, Falcon-H1, Nemotron-H) in ragged
-steps: one call per layer and step for every row, states read from and written to their slots once.
+"""A fast path for the Mamba 2 mixers of hybrid models (Granite 4 hybrid, Bamba, Falcon-H1, Nemotron-H) on the GPU:
+one call per layer and step for every row, states read from and written to their slots once.
 
 The generic adapter (`hf_paged.attention.recurrent`) runs the mixer's own forward once per prefill chunk (a call per
 sequence and layer in a step) plus once for the decoding rows, each time gathering and scattering the states; on a
@@ -20,10 +20,14 @@ is slow. This path keeps the module's own `in_proj`, convolution weights, `dt_bi
   `kernels.reference_gla` runs the same contract in torch;
 * the gate: the module's gated norm (Falcon-H1 without `mamba_rms_norm`: `silu(gate)`), then `out_proj`.
 
+Decode-only steps over the static buffers (what CUDA graphs record, eager or compiled) run `decode`: the same
+pieces for one token a row, the states gathered and written back by the compiled step's opaque ops when traced
+(`recurrent.gather_state`, `commit_states`). The module's own decode form would do the same work, but Falcon-H1's
+gated norm (`mamba_rms_norm`, what its checkpoints use) squeezes a one-token batch `[B, 1, I]` to `[B, I]`, which
+breaks it for more than one row (transformers' own batched generate too); here the norm gets `[B, I]` rows.
+
 It is installed (`install`, from `recurrent.install`) only on those four classes of transformers whose layout
-`Mamba2Path.supports` checks, and used on CUDA in ragged steps (`FORCE`: on the CPU too, for the tests). Decode-only
-steps over the static buffers (the CUDA graphs and the compiled decode step) keep the generic path: there the
-module's own decode form already runs once for all rows, through the compiled step's opaque state ops.
+`Mamba2Path.supports` checks, and used on CUDA (`FORCE`: on the CPU too, for the tests).
 
 transformers clamps `dt` in its chunk scan but not in its one-token update, and this path does the same, so where a
 model's `time_step_limit` bites, tokens that transformers' generate() decoded one at a time come out otherwise when
@@ -122,7 +126,9 @@ class Mamba2Path:
             which = np.flatnonzero(decoding)
             pick = torch.as_tensor(seqs.rows_of(which), device=device)
             slots = state_slots[torch.as_tensor(which, device=device)]
-            y = self._decode(module, x[pick], dt[pick], b[pick], c[pick], state_pool, slots)
+            state = state_pool.index_select(0, slots)
+            y = self._update(module, x[pick], dt[pick], b[pick], c[pick], state)
+            state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
             out.index_copy_(0, pick, self._gate(module, y.reshape(len(pick), -1), gate[pick]).to(out.dtype))
         chunks = np.flatnonzero(~decoding)
         if len(chunks):
@@ -138,16 +144,43 @@ class Mamba2Path:
             return y * F.silu(gate)
         return module.norm(y, gate)
 
-    def _decode(self, module, x, dt, b, c, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each row from its slot's state (transformers' own state update, as its decode form calls it);
-        returns `[B, heads, head_dim]` in the model's dtype."""
+    def _update(self, module, x, dt, b, c, state: torch.Tensor) -> torch.Tensor:
+        """One token of each row from its state `state` `[B, heads, head_dim, state]`, updated in place
+        (transformers' own state update, called as its decode form calls it); returns `[B, heads, head_dim]` in the
+        model's dtype."""
         dim, size = module.head_dim, module.ssm_state_size
-        state = state_pool.index_select(0, slots)
         a = -torch.exp(module.A_log.float())
-        out = self.state_update(state, x, dt[:, :, None].expand(-1, -1, dim), a[:, None, None].expand(-1, dim, size),
-                                b, c, module.D[:, None].expand(-1, dim), z=None,
-                                dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True)
-        state_pool.index_copy_(0, slots, state.to(state_pool.dtype))  # (updated in place by the call)
+        return self.state_update(state, x, dt[:, :, None].expand(-1, -1, dim), a[:, None, None].expand(-1, dim, size),
+                                 b, c, module.D[:, None].expand(-1, dim), z=None,
+                                 dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True)
+
+    def decode(self, module, hidden: torch.Tensor, slots: torch.Tensor, pool, compiled: bool) -> torch.Tensor:
+        """A decode-only step over the static buffers (what CUDA graphs record): rows `hidden` `[B, H]` each decoding
+        one token from its slot's states; returns `[B, H]`. `compiled`: traced in the compiled step, the states go
+        through the opaque ops (`recurrent.gather_state`, `commit_states`) with the layer's state layout
+        (`_hf_paged_state_layout`)."""
+        layer = module.layer_idx
+        gate, xbc, dt = self._project(module, hidden)
+        if compiled:
+            specs = {kind: (list(shape), dtype) for kind, index, shape, dtype in module._hf_paged_state_layout
+                     if index == 0}
+            conv_state, state = (torch.ops.hf_paged.gather_state(slots, layer, kind, 0, *specs[kind])
+                                 for kind in ("conv", "recurrent"))
+        else:
+            conv_state, state = (pool.tensors[(layer, kind, 0)].index_select(0, slots) for kind in ("conv", "recurrent"))
+        window = torch.cat([conv_state[:, :, 1:].to(xbc.dtype), xbc[:, :, None]], dim=-1)  # the last K inputs
+        conv = (window.float() * module.conv1d.weight[:, 0].float()).sum(-1)
+        if module.conv1d.bias is not None:
+            conv = conv + module.conv1d.bias.float()
+        rows, heads, groups, size = hidden.shape[0], module.num_heads, module.n_groups, module.ssm_state_size
+        x, b, c = self.act(conv.to(xbc.dtype)).split([module.intermediate_size, groups * size, groups * size], -1)
+        y = self._update(module, x.reshape(rows, heads, module.head_dim), dt, b.reshape(rows, groups, size),
+                         c.reshape(rows, groups, size), state)
+        out = module.out_proj(self._gate(module, y.reshape(rows, -1), gate).to(hidden.dtype))
+        if compiled:
+            return torch.ops.hf_paged.commit_states(out, [window, state], slots, layer, [0, 1], [0, 0])
+        for kind, value in (("conv", window), ("recurrent", state)):
+            pool.tensors[(layer, kind, 0)].index_copy_(0, slots, value.to(pool.tensors[(layer, kind, 0)].dtype))
         return out
 
     def _prefill(self, module, x, dt, b, c, chunks, seqs: Sequences, state_slots,
@@ -237,10 +270,7 @@ def uninstall(module: torch.nn.Module) -> None:
     module.__dict__.pop("_hf_paged_mamba2", None)
 
 
-def applies(module: torch.nn.Module, hidden: torch.Tensor, rows) -> Mamba2Path | None:
-    """The module's fast path if it has one, the step is a ragged one (`rows` not None) and runs on CUDA (or
-    `FORCE`); decode-only steps over the static buffers (graphs, the compiled step) keep the generic path."""
+def applies(module: torch.nn.Module, hidden: torch.Tensor) -> Mamba2Path | None:
+    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`)."""
     fast = module.__dict__.get("_hf_paged_mamba2")
-    if fast is None or rows is None or torch.compiler.is_compiling():
-        return None
-    return fast if hidden.is_cuda or FORCE else None
+    return fast if fast is not None and (hidden.is_cuda or FORCE) else None

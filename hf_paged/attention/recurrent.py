@@ -150,7 +150,7 @@ def install(model: torch.nn.Module) -> int:
             module._hf_paged_binding = recurrent_families.binding(type(module))
             module.forward = types.MethodType(_mixer_forward, module)
             gated_deltanet.install(module)  # Qwen3.5's layout: one call a step on the GPU
-            mamba2.install(module)  # Granite 4 / Bamba / Falcon-H1 / Nemotron-H: one call a ragged step on the GPU
+            mamba2.install(module)  # Granite 4 / Bamba / Falcon-H1 / Nemotron-H: one call a step on the GPU
         count += 1
     return count
 
@@ -206,8 +206,8 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor | tuple[torch.Ten
         return call.run(hidden, _StateView(layer, pool, step.state_slots, step.state_prev), call.attention_mask)
     tokens = hidden.shape[1]
     rows = step.state_rows
-    fast = gated_deltanet.applies(call.module, hidden) or mamba2.applies(call.module, hidden, rows)
-    if fast is not None:  # gated DeltaNet (any step) or Mamba 2 (ragged steps) on the GPU: every row in one call
+    fast = gated_deltanet.applies(call.module, hidden) or mamba2.applies(call.module, hidden)
+    if fast is not None:  # Qwen3.5's gated DeltaNet or a Mamba 2 mixer on the GPU: every row of the step in one call
         if rows is None:
             return fast.decode(call.module, hidden[0], step.state_slots[:tokens], pool, compiled is not None)[None]
         return fast.ragged(call.module, hidden[0], rows, step.state_slots, pool)[None]
