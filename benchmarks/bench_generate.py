@@ -84,6 +84,15 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                        linear_value_head_dim=128, tie_word_embeddings=False),
+    # a Mamba 2 hybrid: Granite-4.0-H-Tiny's shape (36 Mamba 2 layers, 48 heads of 64 with 128-wide states, and 4
+    # attention layers; 64 experts, 6 per token, and a shared expert)
+    "granite4-h-tiny": dict(model_type="granitemoehybrid", hidden_size=1536, num_hidden_layers=40,
+                            num_attention_heads=12, num_key_value_heads=4, intermediate_size=512,
+                            shared_intermediate_size=1024, num_local_experts=64, num_experts_per_tok=6,
+                            vocab_size=100352, tie_word_embeddings=True, mamba_d_state=128, mamba_n_groups=1,
+                            mamba_n_heads=48, mamba_d_head=64, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=256,
+                            layer_types=(["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3
+                                         + ["mamba"] * 4)),
     # the other MoE shapes of issue 55 (bf16: 61, 42 and 93 GB of weights; GPU only, initialised on the device)
     "qwen3-moe-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
                               moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,

@@ -28,9 +28,7 @@ few hundred tokens.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
-import warnings
 
 import numpy as np
 import torch
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.gated_delta import gdn_decode
+from .varlen import Sequences, fla_function, ragged_conv, run_packed, varlen_conv
 
 __all__ = ["FORCE", "GatedDeltaNetPath", "varlen_conv", "warm_up", "warm_up_counts"]
 
@@ -45,23 +44,6 @@ FORCE = False  # run the fast path on the CPU too (tests)
 _ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
                "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size",
                "activation", "layer_idx")
-
-
-def varlen_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
-                index: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal convolution of packed rows: `out[r] = sum_t weight[:, t] * window[r, t] + bias`.
-
-    `x` `[T, C]`, `weight` `[C, K]`, `history` `[R, C]` (the rows before the sequences' first rows: their states'
-    last `K - 1` entries, zeros for a fresh sequence), `index` `[T, K]` int64 into `cat([history, x])` (each row's
-    window: its sequence's own rows and history only). Accumulates in float32."""
-    buffer = torch.cat([history.to(x.dtype), x])
-    out = None
-    for tap in range(weight.shape[1]):
-        term = buffer.index_select(0, index[:, tap]).float() * weight[:, tap].float()
-        out = term if out is None else out + term
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
 
 
 class GatedDeltaNetPath:
@@ -136,69 +118,41 @@ class GatedDeltaNetPath:
                pool) -> torch.Tensor:
         """All sequences of a ragged step (`hidden` `[T, H]`, `rows` = (first row, tokens, continues a state)); rows
         of no sequence (a CUDA step's token grid pads the step) get zeros. Returns `[T, H]`."""
+        packed = run_packed(lambda h, r: self.ragged(module, h, r, state_slots, pool), hidden, rows)
+        if packed is not None:  # padding rows (a CUDA step's token grid) or rows out of order: run on them packed
+            return packed
         layer = module.layer_idx
         device = hidden.device
-        firsts = np.array([r[0] for r in rows], dtype=np.int64)
-        lens = np.array([r[1] for r in rows], dtype=np.int64)
-        members = np.concatenate([np.arange(f, f + m) for f, m in zip(firsts, lens)])
-        if len(members) < hidden.shape[0] or (members != np.arange(len(members))).any():
-            # padding rows (a CUDA step's token grid) or rows out of order: run on the sequences' rows, packed
-            packed = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            take = torch.as_tensor(members, device=device)
-            out = self.ragged(module, hidden.index_select(0, take), [(int(f), r[1], r[2]) for f, r in zip(packed, rows)],
-                              state_slots, pool)
-            return out.new_zeros(hidden.shape[0], out.shape[1]).index_copy_(0, take, out)
-        conv_pool = pool.tensors[(layer, "conv", 0)]
+        seqs = Sequences(rows, device)
         state_pool = pool.tensors[(layer, "recurrent", 0)]
-        kernel = self.kernel
-        n = len(rows)
-        prev = torch.tensor([r[2] for r in rows], device=device)
-        seq_of = np.repeat(np.arange(n), lens)
-        offset = members - np.repeat(firsts, lens)  # position of each row in its sequence's chunk
         mixed, z, beta, g = self._project(module, hidden)
-        states = conv_pool.index_select(0, state_slots) * prev[:, None, None]  # [n, C, K]: zeros for fresh ones
-        history = states[:, :, 1:].transpose(1, 2).reshape(n * (kernel - 1), -1)  # [n * (K - 1), C]
-        taps = np.arange(kernel) - (kernel - 1)  # window positions relative to the row
-        position = offset[:, None] + taps[None, :]
-        index = np.where(position >= 0, n * (kernel - 1) + members[:, None] + taps[None, :],
-                         seq_of[:, None] * (kernel - 1) + (kernel - 1) + position)
-        x = mixed
-        conv = varlen_conv(x, module.conv1d.weight[:, 0], module.conv1d.bias, history,
-                           torch.as_tensor(index, device=device))
-        # each sequence's new convolution state: the last K inputs of (its state, its rows)
-        full = torch.cat([states.transpose(1, 2).reshape(n * kernel, -1).to(x.dtype), x])
-        ends = offset + 1 == np.repeat(lens, lens)
-        last = members[ends]  # each sequence's last row
-        position = lens[:, None] - kernel + np.arange(kernel)[None, :]
-        index = np.where(position >= 0, n * kernel + (last[:, None] - (lens[:, None] - 1)) + position,
-                         np.arange(n)[:, None] * kernel + kernel + position)
-        new_conv = full.index_select(0, torch.as_tensor(index.reshape(-1), device=device)).reshape(n, kernel, -1)
-        conv_pool.index_copy_(0, state_slots, new_conv.transpose(1, 2).to(conv_pool.dtype))
+        conv = ragged_conv(mixed, module.conv1d.weight[:, 0], module.conv1d.bias, pool.tensors[(layer, "conv", 0)],
+                           state_slots, seqs)
         q, k, v = self._split(module, conv)
         core = torch.zeros_like(v)
-        decoding = (lens == 1) & np.array([r[2] for r in rows])
+        decoding = seqs.decoding
         if decoding.any():
-            pick = torch.as_tensor(members[np.repeat(decoding, lens)], device=device)
+            pick = torch.as_tensor(seqs.rows_of(np.flatnonzero(decoding)), device=device)
             slots = state_slots[torch.as_tensor(np.flatnonzero(decoding), device=device)]
             core.index_copy_(0, pick, gdn_decode(q[pick], k[pick], v[pick], g[pick], beta[pick].to(g.dtype),
                                                  state_pool, slots, self.scale))
         chunks = np.flatnonzero(~decoding)
         if len(chunks):
-            self._prefill(q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool)
+            self._prefill(q, k, v, g, beta, core, chunks, seqs, state_slots, state_pool)
         return self._finish(module, core, z)
 
-    def _prefill(self, q, k, v, g, beta, core, chunks, firsts, lens, prev, state_slots, state_pool) -> None:
+    def _prefill(self, q, k, v, g, beta, core, chunks, seqs: Sequences, state_slots, state_pool) -> None:
         """The delta rule over the prefill chunks, from each one's state, into `core`; new states into the pool."""
         device = q.device
+        lens = seqs.lens
         which = torch.as_tensor(chunks, device=device)
         slots = state_slots[which]
-        initial = state_pool.index_select(0, slots) * prev[which][:, None, None, None]
-        rows = torch.as_tensor(np.concatenate([np.arange(firsts[i], firsts[i] + lens[i]) for i in chunks]),
-                               device=device)
+        initial = state_pool.index_select(0, slots) * seqs.prev[which][:, None, None, None]
+        rows = torch.as_tensor(seqs.rows_of(chunks), device=device)
         qs, ks, vs, gs, bs = (t.index_select(0, rows)[None] for t in (q, k, v, g, beta))
         fla = _fla_chunk() if q.is_cuda else None
         if fla is not None:  # one variable-length call
-            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens[chunks])]))
+            cu = seqs.cu_seqlens(chunks)
             out, final = fla(qs, ks, vs, gs, bs, initial_state=initial.float(), output_final_state=True,
                              cu_seqlens=cu.to(device), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)
             core.index_copy_(0, rows, out[0].to(core.dtype))
@@ -270,15 +224,8 @@ def _fla_chunk():
     Without it, prefill runs transformers' torch reference one chunk at a time, which is correct but much slower on a
     GPU. fla-core installed but failing to import (e.g. its dependency einops missing) would make that fallback
     silent, so a failed import is said once, with its reason, not swallowed."""
-    if importlib.util.find_spec("fla") is None:  # not installed: the reference runs, as documented
-        return None
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception as error:  # noqa: BLE001 - any failure of its import: the reference runs, said once
-        warnings.warn(f"flash-linear-attention is installed but cannot be imported ({error}): gated DeltaNet "
-                      "prefill runs transformers' torch reference, chunk by chunk (much slower)", stacklevel=2)
-        return None
-    return chunk_gated_delta_rule
+    return fla_function("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                        "gated DeltaNet prefill runs transformers' torch reference, chunk by chunk (much slower)")
 
 
 def install(module: torch.nn.Module) -> None:

@@ -45,7 +45,7 @@ import torch
 
 from ..cache import PagedCache
 from ..kernels.gated_delta import gdn_decode
-from . import gated_deltanet, recurrent_families
+from . import gated_deltanet, mamba2, recurrent_families
 from .compiled_op import _ACTIVE
 
 __all__ = ["install", "uninstall", "mixer_modules", "is_mixer_class", "cache_argument"]
@@ -150,6 +150,7 @@ def install(model: torch.nn.Module) -> int:
             module._hf_paged_binding = recurrent_families.binding(type(module))
             module.forward = types.MethodType(_mixer_forward, module)
             gated_deltanet.install(module)  # Qwen3.5's layout: one call a step on the GPU
+            mamba2.install(module)  # Granite 4 / Bamba / Falcon-H1 / Nemotron-H: one call a step on the GPU
         count += 1
     return count
 
@@ -170,6 +171,7 @@ def uninstall(model: torch.nn.Module) -> None:
         if module.__dict__.pop("_hf_paged_layer_alias", False):
             module.__dict__.pop("layer_idx", None)
         gated_deltanet.uninstall(module)
+        mamba2.uninstall(module)
         if original is not None:
             if isinstance(original, types.MethodType) and original.__func__ is type(module).forward:
                 module.__dict__.pop("forward", None)
@@ -204,8 +206,8 @@ def _run_paged(cache: PagedCache, call: _Call) -> torch.Tensor | tuple[torch.Ten
         return call.run(hidden, _StateView(layer, pool, step.state_slots, step.state_prev), call.attention_mask)
     tokens = hidden.shape[1]
     rows = step.state_rows
-    fast = gated_deltanet.applies(call.module, hidden)
-    if fast is not None:  # Qwen3.5's gated DeltaNet on the GPU: every row of the step in one call
+    fast = gated_deltanet.applies(call.module, hidden) or mamba2.applies(call.module, hidden)
+    if fast is not None:  # Qwen3.5's gated DeltaNet or a Mamba 2 mixer on the GPU: every row of the step in one call
         if rows is None:
             return fast.decode(call.module, hidden[0], step.state_slots[:tokens], pool, compiled is not None)[None]
         return fast.ragged(call.module, hidden[0], rows, step.state_slots, pool)[None]

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from .. import kernels
-from ..attention import gated_deltanet
+from ..attention import gated_deltanet, mamba2
 from ..cache import attention_heads, layer_kv_shapes
 from . import recording
 
@@ -65,7 +65,8 @@ class WarmUpForwards:
         (`kernels.prefill_tile_lengths`), so each is compiled (a missed one cost a serving step about a second of
         JIT), and each forward is run once (four of the nine powers of two up to 512, typically). Nothing is written
         (slot -1) and every table points at block 0. A hybrid's gated DeltaNet layers then warm flash-linear-attention's
-        variable-length call over the token and sequence counts that compile anew (`gated_deltanet.warm_up`).
+        variable-length call over the token and sequence counts that compile anew (`gated_deltanet.warm_up`), and its
+        Mamba 2 layers the variable-length scan of each layer shape (`mamba2.warm_up`).
         """
         heads, _ = attention_heads(self.cache.config)  # the group sizes: the same on every TP rank
         # every layer shape's tile shapes (Gemma 4's global layers tile by their own head size and group)
@@ -77,6 +78,7 @@ class WarmUpForwards:
                 self._dummy_prefill(q_len, max(1, min(4, max_tokens // q_len)))
         if self.hybrid:
             gated_deltanet.warm_up(self.model, max_tokens)
+            mamba2.warm_up(self.model, max_tokens)
         if self.device.type == "cuda":
             recording.device_synchronize(self.device)
 
