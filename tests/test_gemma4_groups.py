@@ -21,6 +21,7 @@ import torch
 from transformers import Gemma4TextConfig
 
 import hf_paged
+from hf_paged import kernels
 from hf_paged.cache import GroupedPagedCache, KVPool, KVShape, PagedCache, layer_kv_shapes, plan_for
 from hf_paged.cache.kv_pages import KVPages
 from hf_paged.core import NULL_BLOCK, GroupedBlockManager, plan_layer_groups
@@ -146,6 +147,44 @@ def test_pages_hold_each_layer_apart_and_move_whole():
         KVPages(shapes, (0, 16, 33), 36, 1, 2, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="indexer"):
         KVPages([KVShape(1, 4, 4, index_dim=2)], (0,), 10, 1, 2, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
+def test_triton_kernels_write_and_read_a_layers_place_in_the_pages(monkeypatch):
+    """The Triton kernels (under the interpreter without CUDA) take a layer's page views by their strides: writes
+    land at its offset only, decode and prefill read what the torch references read from contiguous copies, and
+    copy-on-write copies whole pages."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes, block = [LOCAL, GLOBAL], 8
+    pool = KVPages(shapes, (0, 64), 192, num_blocks=6, block_size=block, device=torch.device(device),
+                   dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.tensor([[4, 1, 3], [5, 2, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([19, 11], dtype=torch.int32, device=device)
+    slots = torch.cat([table[b, torch.arange(n) // block].long() * block + torch.arange(n) % block
+                       for b, n in enumerate(lens.tolist())]).to(device)
+    cu = torch.tensor([0, 19, 30], dtype=torch.int32, device=device)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    for index, shape in enumerate(shapes):
+        keys, values = pool.layer_views(index)
+        new_k, new_v = (torch.randn(30, shape.kv_heads, shape.key_dim, generator=gen).to(device) for _ in range(2))
+        other = pool.layer_views(1 - index)[0].clone()
+        kernels.write_kv(new_k, new_v, keys, values, slots)
+        assert torch.equal(pool.layer_views(1 - index)[0], other)  # the other layer's place is untouched
+        dense_k, dense_v = keys.contiguous(), values.contiguous()
+        query = torch.randn(30, 4, shape.key_dim, generator=gen).to(device)
+        decode_q = query[cu[1:].long() - 1]
+        got = [kernels.paged_decode(decode_q, keys, values, table, lens, 0.25, sliding_window=WINDOW),
+               kernels.paged_prefill(query, keys, values, table, cu, lens, 0.25, 19)]
+        monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+        expected = [kernels.paged_decode(decode_q, dense_k, dense_v, table, lens, 0.25, sliding_window=WINDOW),
+                    kernels.paged_prefill(query, dense_k, dense_v, table, cu, lens, 0.25, 19)]
+        monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    before = pool.tensors[0][4].clone()
+    kernels.copy_blocks(pool.tensors[0], torch.tensor([4], device=device), torch.tensor([0], device=device))
+    assert torch.equal(pool.tensors[0][0], before)
 
 
 def test_the_engine_groups_gemma4_and_shares_views_with_the_source_layers():
@@ -319,3 +358,25 @@ def test_gemma4_31b_like_bytes_per_sequence_at_32k():
     assert got["groups_prefill"] == (2048 + 10 * 193) * got["page_bytes"]
     assert got["groups_decode"] == (2048 + 10 * 65) * got["page_bytes"]
     assert got["groups_prefill"] < got["one_table"] / 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("global_head_dim", [32, 512])  # 512: the wide kernels of Gemma 4's global layers
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_gemma4_groups_on_cuda(global_head_dim, compile_decode):
+    """The Triton path with CUDA graphs (and the compiled step): pages, sharing layers, chunked prefill, prefix hits
+    and a pool that makes the local groups release; transformers' greedy tokens in float32."""
+    m = generating_model("gemma4_text", **dict(CONFIG, global_head_dim=global_head_dim)).cuda()
+    prompts = random_prompts((60, 9, 41, 33, 17, 50), seed=3, vocab=200)
+    prompts += [prompts[0][:40] + p for p in random_prompts((5, 12), seed=4, vocab=200)]
+    refs = [dense_generate(m, input_ids=torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(m, num_blocks=40, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True,
+                             compile_decode=compile_decode)
+    assert isinstance(engine.cache.kv, KVPages) and engine.runner.use_cuda_graph and engine.runner.grouped
+    assert engine_greedy(engine, prompts, new=24) == refs
+    assert engine.runner.graph_steps > 0 and engine.runner.graph_failure is None
+    assert engine.kv_stats().window_released > 0 and engine.prefix_cache_stats().hit_tokens > 0
+    assert_all_returned(engine)
+    engine.close()
