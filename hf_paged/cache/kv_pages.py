@@ -10,6 +10,10 @@ values right after them, both with the page's block stride (`torch.as_strided`; 
 head and token strides, the torch references index it). Layers of different groups at overlapping offsets alias,
 which is safe for the reason slots are: a block id belongs to one group's tables at a time.
 
+Why pages and not slot tensors sized for the widest layer aliasing them: Gemma-4-31B's 10 global layers (4 KV heads x
+512) take half the bytes of 10 local ones (16 x 256), so slots would leave half of every global block empty, and the
+global group is the one that keeps a whole context (at 32k tokens in bf16: 5 GiB a sequence instead of 2.5).
+
 What the rest of the pool does is `KVPool`'s, on the page tensor: copy-on-write copies whole pages (one launch:
 each block ``[1, block_size, page_width]`` is contiguous), swapping moves whole pages, growth copies the pages and the
 cache takes new views. A page costs ``page_width * block_size`` elements, padding included (a group narrower than

@@ -5,7 +5,8 @@ Why groups: a mixed stack (Gemma 2/3's 5 local : 1 global layers, gpt-oss, Coher
 global layers still read it. With one table per *group* of layers, the sliding groups' tables release what fell out
 of their window (`hf_paged.core.block_groups`) and only the full groups keep every block.
 
-The layout (vLLM v1's hybrid allocator, written anew here): all groups have the same number of layers, ``group_size``
+The layout (vLLM v1's hybrid allocator, written anew here), layers of one shape: all groups have the same number of
+layers, ``group_size``
 (the fewest layers of any kind, so the full layers make whole groups), and one block id holds that many layers' K/V.
 The pool has ``group_size`` *slot* tensors; layer ``l`` reads and writes slot tensor ``slot_of[l]`` (its position in
 its group) through its group's table. Layers at the same position of different groups alias one tensor, which is
