@@ -25,6 +25,7 @@ from hf_paged import kernels
 from hf_paged.cache import GroupedPagedCache, KVPool, KVShape, PagedCache, layer_kv_shapes, plan_for
 from hf_paged.cache.kv_pages import KVPages
 from hf_paged.core import NULL_BLOCK, GroupedBlockManager, plan_layer_groups
+from hf_paged.model_zoo import tiny_config
 
 try:
     from tests.helpers import assert_all_returned, dense_generate, engine_greedy, generating_model, random_prompts
@@ -212,6 +213,15 @@ def test_the_engine_groups_gemma4_and_shares_views_with_the_source_layers():
     probe._kv_sources = {7: 6, 8: 5}
     assert plan_for(model().config, probe) is None
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_unified", "gemma4_unified_text"])
+def test_the_multimodal_and_unified_configs_plan_as_the_text_model(family):
+    config = tiny_config(family, **CONFIG) if family.endswith("_text") else tiny_config(family, text_config=CONFIG)
+    probe = PagedCache(config=config, num_blocks=1, block_size=BLOCK)
+    text = tiny_config("gemma4_text", **CONFIG)
+    assert probe._kv_sources == {7: 5, 8: 6} and probe.kv_shapes == [LOCAL] * 3 + [GLOBAL] + [LOCAL] * 2 + [GLOBAL]
+    assert plan_for(config, probe) == plan_for(text, PagedCache(config=text, num_blocks=1, block_size=BLOCK))
 
 
 # ------------------------------------------------------------------------------------------------------- tokens
