@@ -38,8 +38,7 @@ S, F = "sliding_attention", "full_attention"
 WINDOW, BLOCK, NEW = 8, 4, 20
 CONFIG = dict(layer_types=[S, S, S, F, S, S, F, S, F], num_hidden_layers=9, num_kv_shared_layers=2,
               sliding_window=WINDOW, attention_k_eq_v=True, num_global_key_value_heads=2, global_head_dim=32,
-              # (the zoo's per-layer embeddings are 262144 x layers x 256: a 600M-parameter "tiny" model)
-              vocab_size_per_layer_input=256, hidden_size_per_layer_input=16)
+              vocab_size_per_layer_input=256, hidden_size_per_layer_input=16)  # (small per-layer input embeddings)
 LOCAL, GLOBAL = KVShape(2, 16, 16), KVShape(2, 32, 32)
 LENGTHS = (23, 5, 17)
 
