@@ -323,6 +323,26 @@ def test_a_small_pool_preempts_and_the_tokens_stay_exact(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
+def test_the_engine_on_the_triton_kernels(monkeypatch):
+    """The whole engine on the Triton kernels (the interpreter without CUDA; about 20 s): local layers through the
+    standard kernels, global layers of 512 through the wide ones, each on its page views; transformers' tokens."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    assert kernels.get_backend(torch.device("cpu")) == "triton"
+    m = generating_model("gemma4_text", **dict(CONFIG, global_head_dim=512))
+    prompts = random_prompts((30, 9), seed=3, vocab=200)
+    refs = [dense_generate(m, input_ids=torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    engine = hf_paged.Engine(m, num_blocks=40, block_size=8)
+    engine.runner.decode_mode = "static"
+    assert isinstance(engine.cache.kv, KVPages)
+    assert engine_greedy(engine, prompts, new=10) == refs
+    assert engine.kv_stats().window_released > 0
+    assert_all_returned(engine)
+    engine.close()
+
+
+@pytest.mark.slow
 def test_compiled_decode_step_reads_each_layers_group():
     """`compile_decode`: the fused op writes a layer's K/V at its offset of the page and reads through its group's
     tables; a sharing layer through its source's."""
