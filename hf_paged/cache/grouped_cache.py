@@ -2,8 +2,7 @@
 
 Why: a mixed sliding / full stack (Gemma 2, 3, 3n and 4, gpt-oss, Cohere 2, MiMo-V2-Flash, Qwen2 with
 `max_window_layers`) can release its local layers' blocks before their window only if those layers have tables of
-their own
-(`hf_paged.core.layer_groups` for the layout, `hf_paged.core.block_groups` for the tables).
+their own (`hf_paged.core.layer_groups` for the layout, `hf_paged.core.block_groups` for the tables).
 
 * Layout: when every layer has one `KVShape`, the pool has ``group_size`` slot tensors of it (a `KVPool` of that
   many layers); layer ``l`` reads and writes slot ``slot_of[l]``, so one block id costs ``group_size`` layers, not
