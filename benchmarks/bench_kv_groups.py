@@ -1,7 +1,9 @@
 """KV memory of a mixed sliding / full stack with one block table (today) and with layer groups (issue 54, item 2).
 
 For a model shape (default: Gemma-3-27B's text stack, 62 layers of 16 KV heads x 128, every sixth layer global, the
-others with a 1,024-token window, bf16) and each context length, two numbers per layout:
+others with a 1,024-token window, bf16; `--family gemma4`: Gemma-4-31B's, 60 layers, local layers 16 KV heads x 256,
+global ones 4 x 512, packed into pages by width, `hf_paged.cache.kv_pages`) and each context length, two numbers per
+layout:
 
 * **KV bytes per sequence**: a sequence is prefilled to the context in chunks of `--chunk` tokens and decodes one
   more token, through the real block managers (`BlockManager` for one table, `GroupedBlockManager` for the groups,
@@ -16,6 +18,7 @@ Everything is block bookkeeping (no tensors, no model weights: the config alone)
 
     python benchmarks/bench_kv_groups.py                                 # Gemma-3-27B, 4k / 32k / 128k, 60 GiB
     python benchmarks/bench_kv_groups.py --contexts 8192 32768 --budget-gib 40 --out benchmarks/results/<dir>
+    python benchmarks/bench_kv_groups.py --family gemma4 --contexts 32768  # Gemma-4-31B's layers
     python benchmarks/bench_kv_groups.py --tiny                          # a tiny shape (the test's smoke run)
 """
 
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Gemma3TextConfig
+from transformers import Gemma3TextConfig, Gemma4TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,6 +53,19 @@ def gemma3_config(layers: int = 62, kv_heads: int = 16, head_dim: int = 128, win
     types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     return Gemma3TextConfig(num_hidden_layers=layers, num_key_value_heads=kv_heads, num_attention_heads=2 * kv_heads,
                             head_dim=head_dim, hidden_size=256, intermediate_size=256, vocab_size=256,
+                            sliding_window=window, layer_types=types)
+
+
+def gemma4_config(layers: int = 60, kv_heads: int = 16, head_dim: int = 256, window: int = 1024, pattern: int = 6,
+                  global_kv_heads: int = 4, global_head_dim: int = 512) -> Gemma4TextConfig:
+    """A Gemma 4 text config of this shape (Gemma-4-31B's by default: its global layers have their own KV heads and
+    head size, keys and values from one projection); only the KV-relevant fields matter."""
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    types[-1] = "full_attention"  # (Gemma 4's config makes the last layer global)
+    return Gemma4TextConfig(num_hidden_layers=layers, num_key_value_heads=kv_heads, num_attention_heads=2 * kv_heads,
+                            head_dim=head_dim, global_head_dim=global_head_dim, attention_k_eq_v=True,
+                            num_global_key_value_heads=global_kv_heads, hidden_size=256, intermediate_size=256,
+                            vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16,
                             sliding_window=window, layer_types=types)
 
 
@@ -137,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-gib", type=float, default=60.0, help="KV memory of the pool (kv_cache_memory)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the engine's token budget)")
+    parser.add_argument("--family", choices=("gemma3", "gemma4"), default="gemma3",
+                        help="gemma3: the shape of --layers, --kv-heads, --head-dim; gemma4: Gemma-4-31B's layers "
+                             "(--window and --pattern apply)")
     parser.add_argument("--layers", type=int, default=62)
     parser.add_argument("--kv-heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -160,7 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    config = gemma3_config(args.layers, args.kv_heads, args.head_dim, args.window, args.pattern)
+    if args.family == "gemma4" and args.tiny:
+        config = gemma4_config(args.layers, args.kv_heads, args.head_dim, args.window, args.pattern, 1, 2 * args.head_dim)
+    elif args.family == "gemma4":
+        config = gemma4_config(window=args.window, pattern=args.pattern)
+    else:
+        config = gemma3_config(args.layers, args.kv_heads, args.head_dim, args.window, args.pattern)
     budget = int(args.budget_gib * _GIB)
     rows = [measure(config, c, block_size=args.block_size, chunk=args.chunk, budget=budget, dtype=torch.bfloat16)
             for c in args.contexts]

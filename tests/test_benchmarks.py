@@ -420,7 +420,8 @@ COMMAND_LINES = {
                     {"adapters": "0,8", "lora_kernel": "torch", "kernel_rows": "1,256", "kernel_shape": "4096,4096"})],
     "bench_kv_groups": [(["--contexts", "4096", "32768", "--budget-gib", "40"],
                          {"contexts": [4096, 32768], "budget_gib": 40, "layers": 62, "window": 1024}),
-                        (["--out", "r"], {"contexts": [4096, 32768, 131072], "budget_gib": 60.0})],
+                        (["--out", "r"], {"contexts": [4096, 32768, 131072], "budget_gib": 60.0}),
+                        (["--family", "gemma4"], {"family": "gemma4", "window": 1024})],
     "bench_lm_eval": [(["--tokenizer", "t", "--requests", "400", "--out", "o"],
                        {"tokenizer": "t", "requests": 400, "batch_size": 64, "kv_cache_dtype": "auto"}),
                       (["--tokenizer", "t", "--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"})],
@@ -594,6 +595,9 @@ def test_kv_groups_bench_arguments_and_tiny_run(capsys, tmp_path):
         today, grouped = row["today"], row["grouped"]
         assert grouped["bytes_per_seq"] < today["bytes_per_seq"] and grouped["max_batch"] > today["max_batch"] > 0
         assert grouped["bytes_per_block"] * len(row["groups"]["windows"]) >= today["bytes_per_block"]  # (padding)
+    assert rows[-1]["saving"] > 0.6
+    rows = bench_kv_groups.main(["--tiny", "--family", "gemma4"])  # layers of two shapes: pages
+    assert all(r["grouped"]["bytes_per_seq"] < r["today"]["bytes_per_seq"] for r in rows)
     assert rows[-1]["saving"] > 0.6
 
 

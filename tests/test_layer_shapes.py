@@ -15,6 +15,7 @@ from transformers import AutoConfig, GenerationConfig
 import hf_paged
 from hf_paged.attention import support
 from hf_paged.cache import KVPool, KVShape, PagedCache, kv_bytes_per_token, layer_kv_shapes
+from hf_paged.cache.kv_pages import KVPages
 from hf_paged.model_zoo import tiny_config, tiny_model
 
 try:
@@ -93,17 +94,22 @@ def test_the_gate_accepts_mixed_shapes_and_names_them():
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-@pytest.mark.parametrize("path", ["eager", "static", "chunked"])
+@pytest.mark.parametrize("path", ["eager", "static", "chunked", "grouped"])
 def test_engine_greedy_matches_transformers(family, path):
+    """One table over a pool of two shape groups; "grouped": the engine's default for these mixed sliding / full
+    stacks, one table per layer group over pages of both shapes (`cache.kv_pages`), its local group releasing."""
     prompts, refs = references(family)
-    kwargs = dict(num_blocks=96, block_size=4)
+    kwargs = dict(num_blocks=96, block_size=4, release_window_blocks=path == "grouped")
     if path == "chunked":
         kwargs.update(max_num_batched_tokens=6, max_num_seqs=3)
     engine = hf_paged.Engine(model(family), **kwargs)
     if path != "eager":
         engine.runner.decode_mode = "static"
     assert engine_greedy(engine, prompts) == refs
-    assert len(engine.cache.kv.groups) == 2 and engine.cache.kv.uniform is None
+    if path == "grouped":
+        assert isinstance(engine.cache.kv, KVPages) and engine.kv_stats().window_released > 0
+    else:
+        assert len(engine.cache.kv.groups) == 2 and engine.cache.kv.uniform is None
     assert_all_returned(engine)
     engine.close()
 
@@ -172,7 +178,8 @@ def test_parallel_samples_with_a_seed_equal_transformers(family):
 def test_swap_preemption_and_prefix_hits_keep_every_group_consistent(family):
     prompts, refs = references(family)
     m = model(family)
-    swap = hf_paged.Engine(m, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01)
+    swap = hf_paged.Engine(m, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01,
+                           release_window_blocks=False)  # (one table: the grouped pool is test_gemma4_groups')
     swap.runner.decode_mode = "static"
     assert engine_greedy(swap, prompts) == refs
     assert swap.scheduler.num_preemptions["swap"] > 0

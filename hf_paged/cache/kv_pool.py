@@ -127,21 +127,27 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.groups: list[_Group] = []
-        by_shape: dict[KVShape, _Group] = {}
-        self._place: list[tuple[_Group, int]] = []  # pool index -> (its group, its row there)
-        for index, shape in enumerate(self.shapes):
-            group = by_shape.get(shape)
-            if group is None:
-                group = by_shape[shape] = _Group(shape, [])
-                self.groups.append(group)
-            self._place.append((group, len(group.members)))
-            group.members.append(index)
+        self.groups, self._place = self._make_groups()  # (`_place`: pool index -> (its group, its row there))
         for group in self.groups:
             group.tensors = [torch.zeros(s, device=device, dtype=dtype) for s in group.shapes(num_blocks, block_size)]
             if num_cpu_blocks > 0:
                 group.cpu = [torch.zeros(s, dtype=dtype, pin_memory=device.type == "cuda")
                              for s in group.shapes(num_cpu_blocks, block_size)]
+
+    def _make_groups(self) -> tuple[list[_Group], list[tuple[_Group, int]]]:
+        """The groups of `shapes` (one per shape) and each pool layer's (group, row); tensors not made yet. (A grouped
+        cache of layers of several shapes lays them out otherwise: `kv_pages.KVPages`.)"""
+        groups: list[_Group] = []
+        by_shape: dict[KVShape, _Group] = {}
+        place: list[tuple[_Group, int]] = []
+        for index, shape in enumerate(self.shapes):
+            group = by_shape.get(shape)
+            if group is None:
+                group = by_shape[shape] = _Group(shape, [])
+                groups.append(group)
+            place.append((group, len(group.members)))
+            group.members.append(index)
+        return groups, place
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{len(g.members)}x{g.shape}" for g in self.groups)

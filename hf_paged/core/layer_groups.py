@@ -5,7 +5,8 @@ Why groups: a mixed stack (Gemma 2/3's 5 local : 1 global layers, gpt-oss, Coher
 global layers still read it. With one table per *group* of layers, the sliding groups' tables release what fell out
 of their window (`hf_paged.core.block_groups`) and only the full groups keep every block.
 
-The layout (vLLM v1's hybrid allocator, written anew here): all groups have the same number of layers, ``group_size``
+The layout (vLLM v1's hybrid allocator, written anew here), layers of one shape: all groups have the same number of
+layers, ``group_size``
 (the fewest layers of any kind, so the full layers make whole groups), and one block id holds that many layers' K/V.
 The pool has ``group_size`` *slot* tensors; layer ``l`` reads and writes slot tensor ``slot_of[l]`` (its position in
 its group) through its group's table. Layers at the same position of different groups alias one tensor, which is
@@ -14,8 +15,17 @@ keys are salted by group). A kind whose layers do not fill their last group pads
 unused for that group's blocks). Gemma-3-27B: 62 layers = 10 full + 52 sliding -> ``group_size`` 10, one full group
 and six sliding groups (the last one holds 2 layers), so a block id costs 10 layers instead of 62.
 
-Scope (v1): a stack whose K/V layers all share one `KVShape` and have at least one full and one sliding layer;
-`plan_layer_groups` returns None otherwise and the cache keeps its one table (today's behaviour).
+Layers of different sizes (Gemma 4: local layers of ``head_dim`` 256, global layers of ``global_head_dim`` 512 and
+their own KV heads): a block id is a *page* of ``page_width`` elements per token, and each layer of a group has its
+own ``offset`` in it (`LayerGroups.layout`, given each layer's elements per token). The plan packs each kind's layers,
+in layer order, into groups whose widths add up to at most the page, the page being the smallest kind's whole width
+(so that kind makes one group) or the widest layer's. Layers of one width give exactly the plan above (offsets are
+slot positions times that width); layers at one offset of different groups alias, as slots do. Gemma-4-31B-like
+(50 local layers of 16 heads x 256, 10 global of 4 heads x 512, K and V): page = the 10 global layers' 40960
+elements a token = 5 local layers, so 1 full and 10 sliding groups and no padding.
+
+Scope: a stack with at least one full and one sliding K/V layer; `plan_layer_groups` returns None otherwise and the
+cache keeps its one table (today's behaviour).
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ class LayerGroups:
 
     ``windows[g]``: group ``g``'s sliding window in tokens (None: full attention, keeps every block);
     ``members[g]``: its pool layers, at most ``group_size``; ``group_of[i]`` / ``slot_of[i]``: pool layer ``i``'s
-    group and slot tensor. Group 0 is always a full group (its table is the one the rest of hf-paged sees).
+    group and position in it (its slot tensor when every layer has one shape). ``widths``: each pool layer's
+    elements per token the plan packed (empty: every layer one unit). Group 0 is always a full group (its table is
+    the one the rest of hf-paged sees).
     """
 
     group_size: int
@@ -47,6 +59,7 @@ class LayerGroups:
     members: tuple[tuple[int, ...], ...]
     group_of: tuple[int, ...]
     slot_of: tuple[int, ...]
+    widths: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -60,43 +73,67 @@ class LayerGroups:
         """Whether the windows the layers' attention calls passed (pool order) are the planned ones."""
         return list(windows) == self.layer_windows()
 
+    def layout(self, widths: Sequence[int]) -> tuple[tuple[int, ...], int]:
+        """``(offset_of, page_width)`` of pool layers `widths` wide (elements per token): each layer's offset in a
+        block's page (the widths of its group's earlier members) and the page, the widest group's sum. Why widths
+        given here and not the planned ones: a tensor-parallel rank holds its share of every layer's heads."""
+        if len(widths) != len(self.group_of):
+            raise ValueError(f"widths must give {len(self.group_of)} layers' widths, got {len(widths)}")
+        offsets = [0] * len(widths)
+        page = 0
+        for members in self.members:
+            at = 0
+            for layer in members:
+                offsets[layer], at = at, at + widths[layer]
+            page = max(page, at)
+        return tuple(offsets), page
 
-def plan_layer_groups(windows: Sequence[int | None]) -> LayerGroups | None:
+
+def plan_layer_groups(windows: Sequence[int | None], widths: Sequence[int] | None = None) -> LayerGroups | None:
     """The groups of K/V layers whose windows are `windows` (pool order; None: full attention), or None when grouping
     gains nothing: every layer full, or every layer sliding (the one-table release of `hf_paged.core.window`
     already frees those).
 
-    Layers of one window form one kind; ``group_size`` is the fewest layers of any kind, and each kind is cut, in
-    layer order, into groups of that size (the last padded). Full groups come first. None as well past `MAX_GROUPS`
-    groups.
+    Layers of one window form one kind. `widths` (each layer's elements per token; None: all alike): the page is the
+    smallest kind's whole width, or the widest layer's if that is more, and each kind is cut, in layer order, into
+    groups of at most a page (the last padded). With one width that is ``group_size`` layers a group, the fewest of
+    any kind. Full groups come first. None as well past `MAX_GROUPS` groups.
     """
     if not windows:
         return None
     for w in windows:
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"a layer's sliding window must be a positive int or None, got {w!r}")
+    units = [1] * len(windows) if widths is None else list(widths)
+    if len(units) != len(windows) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in units):
+        raise ValueError(f"widths must be {len(windows)} positive ints (one per layer), got {widths!r}")
     kinds: dict[int | None, list[int]] = {}
     for index, w in enumerate(windows):
         kinds.setdefault(w, []).append(index)
     if None not in kinds or len(kinds) < 2:
         return None
-    size = min(len(layers) for layers in kinds.values())
-    if sum(-(-len(layers) // size) for layers in kinds.values()) > MAX_GROUPS:
-        return None
-    order = [None] + sorted(w for w in kinds if w is not None)
+    page = max(min(sum(units[i] for i in layers) for layers in kinds.values()), max(units))
     group_windows: list[int | None] = []
     members: list[tuple[int, ...]] = []
+    for w in [None] + sorted(w for w in kinds if w is not None):
+        chunk: list[int] = []
+        for layer in kinds[w]:
+            if chunk and sum(units[i] for i in chunk) + units[layer] > page:
+                members.append(tuple(chunk))
+                group_windows.append(w)
+                chunk = []
+            chunk.append(layer)
+        members.append(tuple(chunk))
+        group_windows.append(w)
+    if len(members) > MAX_GROUPS:
+        return None
     group_of = [0] * len(windows)
     slot_of = [0] * len(windows)
-    for w in order:
-        layers = kinds[w]
-        for start in range(0, len(layers), size):
-            chunk = tuple(layers[start : start + size])
-            for slot, layer in enumerate(chunk):
-                group_of[layer], slot_of[layer] = len(members), slot
-            members.append(chunk)
-            group_windows.append(w)
-    return LayerGroups(size, tuple(group_windows), tuple(members), tuple(group_of), tuple(slot_of))
+    for group, chunk in enumerate(members):
+        for slot, layer in enumerate(chunk):
+            group_of[layer], slot_of[layer] = group, slot
+    return LayerGroups(max(map(len, members)), tuple(group_windows), tuple(members), tuple(group_of), tuple(slot_of),
+                       () if widths is None else tuple(units))
 
 
 def config_layer_windows(config, num_layers: int) -> list[int | None] | None:

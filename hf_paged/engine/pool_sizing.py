@@ -55,7 +55,8 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     `group_layers` (the engine's `release_window_blocks`): a mixed sliding / full stack gets a `GroupedPagedCache`
     (one block table per layer group, `cache.grouped_cache.plan_for`), whose block holds one group's layers. A
     `num_blocks` given counts blocks of every layer (what a one-table pool of that memory holds): the grouped pool
-    gets the same memory, `num_blocks * layers // group_size` blocks of one group.
+    gets the same memory, in blocks of one group's page (`GroupedPagedCache.bytes_per_block`: ``group_size`` layers
+    when every layer has one shape, else the page the layers of several shapes are packed in).
 
     The Triton kernels tile a block in 8 to 256 tokens: a `block_size` outside that on their device is refused here,
     where each step would otherwise fail every request it holds."""
@@ -69,10 +70,11 @@ def build_engine_cache(model, tp, device: torch.device, dtype: torch.dtype, *, b
     specs = profile_state_specs(model)  # every recurrent state (shape, dtype), from one call of each mixer
     groups = plan_for(model.config, probe, fp8=pool_dtype != dtype, recurrent=bool(specs)) if group_layers else None
     if groups is not None:
+        one_table = probe.bytes_per_block(pool_dtype)
         probe = GroupedPagedCache(config=model.config, num_blocks=1, block_size=block_size, num_kv_heads=kv_heads,
                                   layer_groups=groups)
-        if num_blocks is not None:
-            num_blocks = num_blocks * len(groups.group_of) // groups.group_size
+        if num_blocks is not None:  # the same memory in blocks of one group's page
+            num_blocks = num_blocks * one_table // probe.bytes_per_block(pool_dtype)
     per_block = probe.bytes_per_block(pool_dtype)
     per_slot = StatePool.spec_bytes(specs)
     checkpoints = 0
