@@ -395,13 +395,28 @@ class StepTimer:
 
 
 def run_paged(model, workload, args, progress: bool, compile_decode: bool = False, compile_prefill: bool = True,
-              prefix_caching: bool = True, kv_cache_dtype: str = "auto", window_groups: bool = True):
+              prefix_caching: bool = True, kv_cache_dtype: str = "auto", window_groups: bool = True,
+              fast_paths: bool = True):
     """hf_paged's engine; the caller's wall time includes its start-up (memory profiling, pool, kernel compilation,
     CUDA graph capture; with `compile_decode`, Dynamo + Inductor compiling the decode step). `compile_prefill=False`
     keeps a compiled engine's prefill steps on the model's own code (system `paged_compiled_eager_prefill`);
     `prefix_caching=False` runs without the prefix cache (systems `paged_nocache`, `paged_compiled_nocache`).
     `kv_cache_dtype`: the engine's ("fp8": an FP8 KV pool). `window_groups=False` keeps one block table for every
-    layer (systems `*_onetable`), so sliding-window layers hold their whole context as before block groups."""
+    layer (systems `*_onetable`), so sliding-window layers hold their whole context as before block groups.
+    `fast_paths=False` runs every recurrent layer through the generic adapter, one call per prefill chunk (systems
+    `*_generic`: `hf_paged.attention.varlen.FAST_PATHS` off while the engine is built and runs)."""
+    from hf_paged.attention import varlen
+
+    varlen.FAST_PATHS = fast_paths
+    try:
+        return _run_paged(model, workload, args, progress, compile_decode, compile_prefill, prefix_caching,
+                          kv_cache_dtype, window_groups)
+    finally:
+        varlen.FAST_PATHS = True
+
+
+def _run_paged(model, workload, args, progress: bool, compile_decode: bool, compile_prefill: bool,
+               prefix_caching: bool, kv_cache_dtype: str, window_groups: bool):
     import hf_paged
 
     setup_start = time.perf_counter()
@@ -508,9 +523,10 @@ def _kv_dtypes(text: str) -> list[str]:
 
 
 def _paged_base(system: str) -> str:
-    """An hf_paged system's name without its options: `_nocache` (no prefix cache) and `_onetable` (one block table
-    for every layer: sliding-window layers keep their blocks, `release_window_blocks=False`), in any order."""
-    return system.replace("_nocache", "").replace("_onetable", "")
+    """An hf_paged system's name without its options: `_nocache` (no prefix cache), `_onetable` (one block table
+    for every layer: sliding-window layers keep their blocks, `release_window_blocks=False`) and `_generic` (the
+    recurrent layers' generic adapter, no fast path), in any order."""
+    return system.replace("_nocache", "").replace("_onetable", "").replace("_generic", "")
 
 
 def _runs(systems: str, kv_dtypes: list[str]) -> list[tuple[str, str, str]]:
@@ -533,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="paged,generate_batch_graphs,dynamic",
                         help="comma list of: paged, paged_compiled, paged_compiled_eager_prefill (each may end in "
-                             "_nocache: no prefix cache, and/or _onetable: one block table for every layer), "
+                             "_nocache: no prefix cache, _onetable: one block table for every layer, _generic: recurrent layers "
+                             "without their fast path), "
                              "generate_batch, generate_batch_graphs, dynamic")
     parser.add_argument("--dynamic-batch-size", type=int, default=64)
     parser.add_argument("--dynamic-max-batches", type=int, default=0,
@@ -657,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
                     extra = run_paged(model, workload, args, progress, compile_decode=system.startswith("paged_comp"),
                                       compile_prefill=_paged_base(system) != "paged_compiled_eager_prefill",
                                       prefix_caching="_nocache" not in system, kv_cache_dtype=kv_dtype,
-                                      window_groups="_onetable" not in system)
+                                      window_groups="_onetable" not in system, fast_paths="_generic" not in system)
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 sync(args.device)

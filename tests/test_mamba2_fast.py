@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.attention import mamba2
+from hf_paged.attention import mamba2, varlen
 from hf_paged.kernels.reference_gla import chunk_simple_gla_reference
 
 try:
@@ -115,6 +115,19 @@ def test_fast_path_gives_transformers_tokens_with_chunked_prefill(variant, spied
     calls = spied(engine)
     assert engine_greedy(engine, prompts) == refs
     assert calls["ragged"] > 0 and calls["chunk"] == calls["decode"] == 0, calls
+    assert_all_returned(engine)
+
+
+def test_fast_paths_off_runs_the_generic_adapter(spied, monkeypatch):
+    """`varlen.FAST_PATHS` off (the benchmarks' `*_generic` systems): the mixers' own forward runs per chunk and for
+    the decoding rows, the fast path never, and the tokens are the same."""
+    monkeypatch.setattr(varlen, "FAST_PATHS", False)
+    prompts, refs = references("granitemoehybrid")
+    engine = hf_paged.Engine(model("granitemoehybrid"), num_blocks=96, block_size=4, max_num_batched_tokens=6,
+                             max_num_seqs=3)
+    calls = spied(engine)
+    assert engine_greedy(engine, prompts) == refs
+    assert calls["ragged"] == calls["fast_decode"] == 0 and calls["chunk"] > 0 and calls["decode"] > 0, calls
     assert_all_returned(engine)
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.gated_delta import gdn_decode
-from .varlen import Sequences, fla_function, ragged_conv, run_packed, varlen_conv
+from .varlen import Sequences, enabled, fla_function, ragged_conv, run_packed, varlen_conv
 
 __all__ = ["FORCE", "GatedDeltaNetPath", "varlen_conv", "warm_up", "warm_up_counts"]
 
@@ -239,6 +239,7 @@ def uninstall(module: torch.nn.Module) -> None:
 
 
 def applies(module: torch.nn.Module, hidden: torch.Tensor) -> GatedDeltaNetPath | None:
-    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`)."""
+    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`; none with `varlen.FAST_PATHS`
+    off)."""
     fast = module.__dict__.get("_hf_paged_fast")
-    return fast if fast is not None and (hidden.is_cuda or FORCE) else None
+    return fast if fast is not None and enabled(hidden, FORCE) else None

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.reference_gla import chunk_simple_gla_reference
-from .varlen import Sequences, fla_function, ragged_conv, run_packed
+from .varlen import Sequences, enabled, fla_function, ragged_conv, run_packed
 
 __all__ = ["FORCE", "Mamba2Path", "applies", "install", "reference_scan", "uninstall", "warm_up"]
 
@@ -271,6 +271,7 @@ def uninstall(module: torch.nn.Module) -> None:
 
 
 def applies(module: torch.nn.Module, hidden: torch.Tensor) -> Mamba2Path | None:
-    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`)."""
+    """The module's fast path if it has one and the step runs on CUDA (or `FORCE`; none with `varlen.FAST_PATHS`
+    off)."""
     fast = module.__dict__.get("_hf_paged_mamba2")
-    return fast if fast is not None and (hidden.is_cuda or FORCE) else None
+    return fast if fast is not None and enabled(hidden, FORCE) else None

@@ -19,7 +19,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["Sequences", "fla_function", "ragged_conv", "run_packed", "varlen_conv"]
+__all__ = ["Sequences", "enabled", "fla_function", "ragged_conv", "run_packed", "varlen_conv"]
+
+#: False: every recurrent layer runs the generic adapter, one call per prefill chunk, even where a fast path is
+#: installed (`benchmarks/bench_generate.py`'s `*_generic` systems compare the two in one process). Read per call.
+FAST_PATHS = True
+
+
+def enabled(hidden: torch.Tensor, force: bool) -> bool:
+    """Whether a fast path runs for a step on `hidden`'s device: on CUDA (or the CPU when `force`), unless
+    `FAST_PATHS` is off."""
+    return FAST_PATHS and (hidden.is_cuda or force)
 
 
 class Sequences:
