@@ -135,6 +135,60 @@ def test_constrained_requests_are_pipelined_with_the_tokens_of_normal_steps(engi
             _check_person(texts[k])
 
 
+def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_steps(engine):
+    """A pipelined step's accepts and fills run in several worker chunks (`StructuredOutputs.advance`): 26
+    constrained requests, three chunks a step, between unconstrained ones, requests leaving by length, by grammar end
+    and by EOS while a step is in flight (so the next step's masks are gathered from the chunks' rows). Tokens and
+    finish reasons equal those of normal steps; every output obeys its grammar; the workers' time is counted."""
+    prompts, params = [], []
+    for k in range(28):
+        prompts.append(f"p{k}:")
+        if k % 9 == 4:
+            params.append(SamplingParams(max_new_tokens=6 + k, ignore_eos=True))
+        elif k % 3 == 0:
+            params.append(SamplingParams(max_new_tokens=10 + 2 * k, json_schema=SCHEMA))
+        elif k % 3 == 1:
+            params.append(SamplingParams(max_new_tokens=8 + k % 7, regex="(ab)+c", ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_new_tokens=20, choice=["yes", "no", "maybe so"], do_sample=True, seed=k))
+    chunks = []
+
+    def run(mode):
+        eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=512, block_size=4, max_num_seqs=32)
+        eng.runner.decode_mode = mode
+        eng.structured.threads = 3
+        advance = eng.structured.advance
+
+        def counted(*args, **kwargs):
+            job = advance(*args, **kwargs)
+            chunks.append(len(job.futures) if job is not None else 0)
+            return job
+
+        eng.structured.advance = counted
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  eng.pipelined_steps, dict(eng.structured.host_seconds), eng.kv_stats().used_blocks)
+        eng.close()
+        return result
+
+    normal, normal_reasons, _, _, _ = run("eager")
+    assert not chunks  # normal steps fill in line
+    piped, reasons, pipelined, seconds, used = run("static")
+    assert pipelined > 0 and max(chunks) == 3 and seconds["workers"] > 0 and used == 0
+    assert piped == normal and reasons == normal_reasons
+    assert {"length", "grammar"} <= set(reasons)
+    for k, (tokens, reason) in enumerate(zip(piped, reasons)):
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if k % 9 == 4:
+            assert len(tokens) == params[k].max_new_tokens
+        elif k % 3 == 0 and reason != "length":
+            _check_person(text)
+        elif k % 3 == 1:
+            assert re.fullmatch("(ab)+c", text) or (reason == "length" and re.fullmatch("(ab)*a?", text))
+        elif k % 3 == 2:
+            assert text in ("yes", "no", "maybe so")
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"json_schema": {"type": "objectx"}}, ValueError, "json_schema"),
     ({"regex": "([a-"}, ValueError, "regex"),

@@ -9,7 +9,7 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 * `start(group, compiled)`: a `GrammarMatcher` for the request, kept in `group.data[GRAMMAR]`. Parallel samples
   (`num_return_sequences=n`) fork it into one matcher per sample when the samples are drawn (`RequestGrammar`).
 * `fill(sched)`: right after the step's forward is launched (on CUDA the GPU is still computing), the host fills one
-  row of a token bitmask per constrained logits row and starts its copy to the device.
+  row of a token bitmask per constrained logits row and starts its copy to the device (normal steps).
 * `apply(logits, masks)`: before any token is picked, the masked tokens' logits become -inf on the device
   (xgrammar's `apply_token_bitmask_inplace`), for greedy, sampled and parallel-sampled rows alike.
 * `accept(group, seq, token)`: the matcher advances with the token picked; a matcher that terminates (the grammar is
@@ -22,6 +22,16 @@ advances the matchers with them, fills the next mask and uploads it; the pick is
 So the fill overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token
 appends and scheduling in between. Parallel samples and requests with logprobs take normal steps.
 
+A pipelined step's grammar work runs in worker threads (`advance`, `GrammarJob`): when a step's picks are launched,
+its constrained rows are split into chunks of at least `MIN_CHUNK_ROWS`, one per thread (`threads`: half the cores the
+process may use, at most 8); each chunk waits for the picks' event, advances its matchers with one batch accept and
+fills the next step's mask rows with one batch fill. xgrammar's calls release the GIL (tvm-ffi), so the chunks run in
+parallel, and alongside the engine thread's Python work until it needs the masks (`job_masks`). Accepts cost as much
+as fills (~6 us a row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on one
+thread, so both go to the chunks. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
+waiting for the jobs, the upload and the masking) and the chunks' (`workers`), for `benchmarks/bench_structured.py
+--host-profile`.
+
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
 """
@@ -29,9 +39,12 @@ past the tokenizer's are never allowed).
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +52,13 @@ import torch
 from ..core import SchedulerOutput, Sequence, SequenceGroup
 from .params import SamplingParams
 
-__all__ = ["GRAMMAR", "GrammarCache", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
-           "grammar_cache", "import_xgrammar"]
+__all__ = ["GRAMMAR", "GrammarCache", "GrammarJob", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
+           "default_threads", "grammar_cache", "import_xgrammar"]
 
 GRAMMAR = "grammar"  # key of a group's `RequestGrammar` in `SequenceGroup.data`
 INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer (a JSON schema's is ~10-100 KB)
+MIN_CHUNK_ROWS = 8  # rows a worker chunk takes at least: below, a thread's hand-off costs more than it saves
 
 
 def import_xgrammar():
@@ -144,12 +158,38 @@ def grammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gram
         return cache
 
 
+def default_threads() -> int:
+    """Worker threads for the grammar work of a step: half the cores this process may use (the engine thread and the
+    GPU driver keep the rest), 1 to 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's grammar worker threads (shared by its engines: started once, idle between steps)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hf-paged-grammar")
+        return _POOL
+
+
 @dataclass
 class RequestGrammar:
-    """The matchers of one request: one per sample (index `Sequence.sample_index`)."""
+    """The matchers of one request: one per sample (index `Sequence.sample_index`). `stop_ids`: the tokens that
+    terminate its matchers (a matcher terminates only by accepting one: the worker chunks ask `is_terminated` only
+    then)."""
 
     matchers: list
     rejected: bool = False
+    stop_ids: frozenset = frozenset()
 
     def for_seq(self, seq: Sequence):
         return self.matchers[seq.sample_index]
@@ -170,6 +210,51 @@ class StepMasks:
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
+@dataclass
+class GrammarJob:
+    """The advance of a launched step's constrained rows through its tokens, in worker chunks (`advance`): row `j`
+    is `seqs[j]` of `groups[j]`; `host` row `j` receives its mask for the next step unless its grammar ended there.
+    `ends` ({id(seq): "grammar" | "grammar_rejected"}) once the chunks are done (`StructuredOutputs.collect`)."""
+
+    seqs: list[Sequence]
+    groups: list[SequenceGroup]
+    host: torch.Tensor
+    futures: list[Future]
+    ends: dict[int, str] | None = None
+    mask_rows: dict[int, int] | None = None  # id(seq) -> `host` row, for the rows whose grammar goes on
+
+    def wait(self) -> None:
+        """Until every chunk has returned (or raised): its matchers and `host` are the caller's again."""
+        wait(self.futures)
+
+
+def _advance_chunk(event, tokens: torch.Tensor, rows: list[int], first: int, matchers: list, stop_ids: list,
+                   host: torch.Tensor, batch) -> tuple[dict[int, str], float]:
+    """One worker chunk: wait for the picks, accept each row's token (one batch call), fill the next mask of each
+    matcher that goes on into `host[first + j]` (one batch call). Returns the ends ({first + j: end}) and the seconds
+    of work (the wait for the picks left out)."""
+    if event is not None:
+        event.synchronize()
+    start = time.perf_counter()
+    xgr = import_xgrammar()
+    picked = tokens.tolist()
+    chunk = [picked[r] for r in rows]
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, chunk)
+    ends: dict[int, str] = {}
+    live, at = [], []
+    for j, (matcher, ok, token, stops) in enumerate(zip(matchers, accepted, chunk, stop_ids)):
+        if not ok:  # a terminated matcher refuses every token; else nothing allowed it (a bug)
+            ends[first + j] = "grammar" if matcher.is_terminated() else "grammar_rejected"
+        elif token in stops and matcher.is_terminated():
+            ends[first + j] = "grammar"
+        else:
+            live.append(matcher)
+            at.append(first + j)
+    if live:
+        batch.batch_fill_next_token_bitmask(live, host, at)
+    return ends, time.perf_counter() - start
+
+
 class StructuredOutputs:
     """The engine's side of structured outputs (see the module docstring)."""
 
@@ -182,7 +267,11 @@ class StructuredOutputs:
         self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
         self._dev: torch.Tensor | None = None
         self._batch = None  # xgrammar's BatchGrammarMatcher (fills many rows in threads)
+        self._chunk_batches: list = []  # one single-threaded BatchGrammarMatcher per worker chunk
+        self._pending: GrammarJob | None = None  # the last job started: waited for before its buffer is reused
+        self.threads = default_threads()  # worker chunks a pipelined step's grammar work is split into, at most
         self.masked_rows = 0  # rows masked so far (tests, stats)
+        self.host_seconds = {"critical": 0.0, "workers": 0.0}  # grammar work: the engine thread's, the workers'
         self._live: weakref.WeakSet = weakref.WeakSet()  # constrained groups not reported finished yet
 
     @property
@@ -214,7 +303,8 @@ class StructuredOutputs:
 
     def start(self, group: SequenceGroup, compiled) -> None:
         xgr = import_xgrammar()
-        group.data[GRAMMAR] = RequestGrammar([xgr.GrammarMatcher(compiled)])
+        matcher = xgr.GrammarMatcher(compiled)
+        group.data[GRAMMAR] = RequestGrammar([matcher], stop_ids=frozenset(matcher.stop_token_ids))
         self._live.add(group)
 
     def finished(self, group: SequenceGroup) -> None:
@@ -239,6 +329,9 @@ class StructuredOutputs:
             row += 1
         if not rows:
             return None
+        start = time.perf_counter()
+        if self._pending is not None:  # a job of a step that failed before it was collected: let it finish first
+            self._pending.wait()
         xgr = import_xgrammar()
         n = len(rows)
         host = self._host_buffer(n)
@@ -248,25 +341,124 @@ class StructuredOutputs:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, host[:n])
+        masks = self._upload(rows, host[:n], groups)
+        self.host_seconds["critical"] += time.perf_counter() - start
+        return masks
+
+    def _upload(self, rows: list[int], host: torch.Tensor, groups: list[SequenceGroup]) -> StepMasks:
+        """Start the copy of `host` (one mask row per entry of `rows`) to the device."""
+        n = len(rows)
         device = self._dev[:n]
-        device.copy_(host[:n], non_blocking=True)
+        device.copy_(host, non_blocking=True)
         self.masked_rows += n
         return StepMasks(rows, device, groups)
+
+    # ------------------------------------------------------------------ pipelined steps (worker chunks)
+    def advance(self, sched: SchedulerOutput, tokens: torch.Tensor, event, ended: dict | None = None
+                ) -> GrammarJob | None:
+        """Start advancing the matchers of `sched`'s constrained sampling rows through the step's picks (`tokens`,
+        on the host once `event` is done) and filling their next masks, in worker chunks (None if the step has no
+        such row). `ended`: the sequences (by `id`) whose grammar ended with the token before (their picks are
+        dropped; their matchers are left alone). The caller collects the job (`collect`, `job_masks`) before it
+        touches these matchers again."""
+        rows, seqs, groups, matchers, stops = [], [], [], [], []
+        row = 0
+        for item in sched.scheduled:
+            if not item.sample:
+                continue
+            group = item.group
+            if group.masked and not (ended and id(item.seq) in ended):
+                state = group.data[GRAMMAR]
+                rows.append(row)
+                seqs.append(item.seq)
+                groups.append(group)
+                matchers.append(state.matchers[0])
+                stops.append(state.stop_ids)
+            row += 1
+        if not rows:
+            return None
+        if self._pending is not None:  # (done already unless a step failed before it was collected)
+            self._pending.wait()
+        xgr = import_xgrammar()
+        n = len(rows)
+        host = self._host_buffer(n)
+        chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
+        while len(self._chunk_batches) < chunks:
+            self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+        size = -(-n // chunks)
+        pool = _pool()
+        futures = [pool.submit(_advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
+                               stops[a:a + size], host, self._chunk_batches[k])
+                   for k, a in enumerate(range(0, n, size))]
+        self._pending = GrammarJob(seqs, groups, host, futures)
+        return self._pending
+
+    def collect(self, job: GrammarJob) -> dict[int, str]:
+        """Wait for `job`'s chunks; the ends its tokens brought ({id(seq): end}; a rejected token marks its request
+        `rejected`). A chunk's exception is raised here."""
+        if job.ends is None:
+            start = time.perf_counter()
+            ends: dict[int, str] = {}
+            for future in job.futures:
+                chunk_ends, seconds = future.result()
+                self.host_seconds["workers"] += seconds
+                for j, end in chunk_ends.items():
+                    ends[id(job.seqs[j])] = end
+                    if end == "grammar_rejected":
+                        job.groups[j].data[GRAMMAR].rejected = True
+            job.mask_rows = {id(seq): j for j, seq in enumerate(job.seqs) if id(seq) not in ends}
+            job.ends = ends
+            self.host_seconds["critical"] += time.perf_counter() - start
+        return job.ends
+
+    def job_masks(self, job: GrammarJob, sched: SchedulerOutput) -> StepMasks | None:
+        """The masks of `sched` (the step after `job`'s) from the rows `job` filled, uploaded (None if it has no
+        constrained row). Usually the same sequences in the same order: `job.host` goes as it is; else its rows are
+        gathered. A constrained row `job` did not fill (not expected) makes it fill the step in line (`fill`)."""
+        ends = self.collect(job)
+        start = time.perf_counter()
+        mask_rows = job.mask_rows
+        rows, source, groups = [], [], []
+        row = 0
+        for item in sched.scheduled:
+            if not item.sample:
+                continue
+            seq = item.seq
+            if item.group.masked and id(seq) not in ends:
+                at = mask_rows.get(id(seq))
+                if at is None:
+                    return self.fill(sched, ends)
+                rows.append(row)
+                source.append(at)
+                groups.append(item.group)
+            row += 1
+        if not rows:
+            return None
+        n = len(rows)
+        if source[-1] == n - 1 and source == list(range(n)):
+            host = job.host[:n]
+        else:
+            host = job.host.index_select(0, torch.tensor(source, dtype=torch.long))
+        masks = self._upload(rows, host, groups)
+        self.host_seconds["critical"] += time.perf_counter() - start
+        return masks
 
     def apply(self, logits: torch.Tensor, masks: StepMasks) -> None:
         """Set the logits of every token the grammar forbids to -inf, in place, on the logits' device."""
         width = masks.device.shape[1] * 32
         if logits.shape[1] > width:
             raise RuntimeError(f"logits have {logits.shape[1]} columns but the grammar's bitmask covers {width}")
+        start = time.perf_counter()
         xgr = import_xgrammar()
         n, vocab = len(masks.rows), logits.shape[1]
         if masks.rows[-1] == n - 1:  # the first n rows (every row constrained, say): masked where they are
             xgr.apply_token_bitmask_inplace(logits[:n], masks.device, vocab_size=vocab)
-            return
-        index = torch.tensor(masks.rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        picked = logits.index_select(0, index)
-        xgr.apply_token_bitmask_inplace(picked, masks.device, vocab_size=vocab)
-        logits.index_copy_(0, index, picked)
+        else:
+            index = torch.tensor(masks.rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            picked = logits.index_select(0, index)
+            xgr.apply_token_bitmask_inplace(picked, masks.device, vocab_size=vocab)
+            logits.index_copy_(0, index, picked)
+        self.host_seconds["critical"] += time.perf_counter() - start
 
     def _host_buffer(self, rows: int) -> torch.Tensor:
         """A host bitmask of at least `rows` rows; never the one the previous step's upload may still read."""
