@@ -26,11 +26,12 @@ A pipelined step's grammar work runs in worker threads (`advance`, `GrammarJob`)
 its constrained rows are split into chunks of at least `MIN_CHUNK_ROWS`, one per thread (`threads`: half the cores the
 process may use, at most 8); each chunk waits for the picks' event, advances its matchers with one batch accept and
 fills the next step's mask rows with one batch fill. xgrammar's calls release the GIL (tvm-ffi), so the chunks run in
-parallel, and alongside the engine thread's Python work until it needs the masks (`job_masks`). Accepts cost as much
-as fills (~6 us a row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on one
-thread, so both go to the chunks. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
-waiting for the jobs, the upload and the masking) and the chunks' (`workers`), for `benchmarks/bench_structured.py
---host-profile`.
+parallel, and alongside the engine thread's Python work until it needs the masks (`job_masks`). Accepts cost about as
+much as fills (1.5-6 us a row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on
+one thread, so both go to the chunks. With one thread (under 4 cores) there is no worker: the engine thread runs the
+job when it collects it (a thread's wake-up cost more than it saved on the 2-core CPU machine). `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
+waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
+for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
@@ -210,6 +211,22 @@ class StepMasks:
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
+class _Deferred:
+    """A chunk run by the engine thread itself when it is collected (one thread: `StructuredOutputs.threads` 1),
+    with a `Future`'s `result()`."""
+
+    def __init__(self, fn, *args) -> None:
+        self._call = (fn, args)
+        self._result = None
+
+    def result(self):
+        if self._call is not None:
+            fn, args = self._call
+            self._call = None
+            self._result = fn(*args)
+        return self._result
+
+
 @dataclass
 class GrammarJob:
     """The advance of a launched step's constrained rows through its tokens, in worker chunks (`advance`): row `j`
@@ -219,27 +236,32 @@ class GrammarJob:
     seqs: list[Sequence]
     groups: list[SequenceGroup]
     host: torch.Tensor
-    futures: list[Future]
+    futures: list[Future | _Deferred]
     ends: dict[int, str] | None = None
     mask_rows: dict[int, int] | None = None  # id(seq) -> `host` row, for the rows whose grammar goes on
 
     def wait(self) -> None:
-        """Until every chunk has returned (or raised): its matchers and `host` are the caller's again."""
-        wait(self.futures)
+        """Until every worker chunk has returned (or raised): its matchers and `host` are the caller's again (a
+        deferred chunk never runs once its step is dropped)."""
+        wait([f for f in self.futures if isinstance(f, Future)])
 
 
 def _advance_chunk(event, tokens: torch.Tensor, rows: list[int], first: int, matchers: list, stop_ids: list,
-                   host: torch.Tensor, batch) -> tuple[dict[int, str], float]:
-    """One worker chunk: wait for the picks, accept each row's token (one batch call), fill the next mask of each
-    matcher that goes on into `host[first + j]` (one batch call). Returns the ends ({first + j: end}) and the seconds
-    of work (the wait for the picks left out)."""
+                   host: torch.Tensor, batch, threaded: bool) -> tuple[dict[int, str], float]:
+    """One chunk: wait for the picks, accept each row's token, fill the next mask of each matcher that goes on into
+    `host[first + j]` (one batch call). Returns the ends ({first + j: end}) and the seconds of work (the wait for the
+    picks left out). A worker thread (`threaded`) accepts in one batch call (one GIL release: its C++ is slower than
+    single accepts, ~3 against ~2 us a row, but 8 threads each taking and dropping the GIL per row would queue on it);
+    the engine thread accepts row by row."""
     if event is not None:
         event.synchronize()
     start = time.perf_counter()
-    xgr = import_xgrammar()
     picked = tokens.tolist()
     chunk = [picked[r] for r in rows]
-    accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, chunk)
+    if threaded:
+        accepted = import_xgrammar().BatchGrammarMatcher.batch_accept_token(matchers, chunk)
+    else:
+        accepted = [matcher.accept_token(token) for matcher, token in zip(matchers, chunk)]
     ends: dict[int, str] = {}
     live, at = [], []
     for j, (matcher, ok, token, stops) in enumerate(zip(matchers, accepted, chunk, stop_ids)):
@@ -383,13 +405,18 @@ class StructuredOutputs:
         n = len(rows)
         host = self._host_buffer(n)
         chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
-        while len(self._chunk_batches) < chunks:
-            self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
-        size = -(-n // chunks)
-        pool = _pool()
-        futures = [pool.submit(_advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
-                               stops[a:a + size], host, self._chunk_batches[k])
-                   for k, a in enumerate(range(0, n, size))]
+        if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            futures = [_Deferred(_advance_chunk, event, tokens, rows, 0, matchers, stops, host, self._batch, False)]
+        else:
+            while len(self._chunk_batches) < chunks:
+                self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+            size = -(-n // chunks)
+            pool = _pool()
+            futures = [pool.submit(_advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
+                                   stops[a:a + size], host, self._chunk_batches[k], True)
+                       for k, a in enumerate(range(0, n, size))]
         self._pending = GrammarJob(seqs, groups, host, futures)
         return self._pending
 
