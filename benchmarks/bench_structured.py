@@ -16,8 +16,9 @@ The host's grammar work per pipelined step is reported next to the throughput (`
 ``main ms/step`` is the engine thread's (waiting for the worker chunks, uploading and applying the masks: on the
 critical path), ``workers ms/step`` the chunks' accepts and fills summed over threads (with one thread the engine
 thread's own, inside ``main``). ``--grammar-threads 1,8`` runs the constrained system once per worker-thread count
-(1: no worker, the engine thread does it), named ``json_schema@1``, ``json_schema@8``. ``--model tiny --tokenizer DIR --decode-mode static`` profiles the host side on
-the CPU with a real vocabulary, pipelined as on a GPU (the CPU's masking, ~0.5 ms a row, is in ``main``).
+(1: no worker, the engine thread does it), named ``json_schema@1``, ``json_schema@8``. ``--model tiny --tokenizer DIR
+--decode-mode static`` profiles the host side on the CPU with a real vocabulary, pipelined as on a GPU (the CPU's
+masking, ~0.5 ms a row, is in ``main``).
 
 Prints a markdown table (tok/s, fraction of the unconstrained run, pipelined steps, masked rows, grammar host time),
 writes ``structured.json`` and (with matplotlib) ``structured.png`` under ``--out``.
@@ -122,7 +123,8 @@ def timed_pass(engine, prompts: list[list[int]], system: tuple, name: str) -> di
     main, workers = (structured.host_seconds[key] - host[key] for key in ("critical", "workers"))
     return {"system": name, "seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
             "pipelined_steps": piped, "masked_rows": structured.masked_rows - masked,
-            "grammar_main_ms_step": 1e3 * main / max(piped, 1), "grammar_workers_ms_step": 1e3 * workers / max(piped, 1)}
+            "grammar_main_ms_step": 1e3 * main / max(piped, 1),
+            "grammar_workers_ms_step": 1e3 * workers / max(piped, 1)}
 
 
 def run(engine, prompts: list[list[int]], systems: dict, repeats: int) -> list[dict]:

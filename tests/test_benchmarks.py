@@ -390,7 +390,8 @@ def test_structured_harness_profiles_the_grammar_host_work_per_thread_count(tmp_
 
     data = json.loads((tmp_path / "structured.json").read_text())
     records = {r["system"]: r for r in data["records"]}
-    assert list(records) == ["unconstrained", "json_schema@1", "json_schema@2"] and data["meta"]["grammar_threads"] == [1, 2]
+    assert list(records) == ["unconstrained", "json_schema@1", "json_schema@2"]
+    assert data["meta"]["grammar_threads"] == [1, 2]
     for name in ("json_schema@1", "json_schema@2"):
         assert records[name]["pipelined_steps"] > 0 and records[name]["masked_rows"] == 64
         assert records[name]["grammar_main_ms_step"] > 0 and records[name]["grammar_workers_ms_step"] > 0

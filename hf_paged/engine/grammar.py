@@ -29,9 +29,9 @@ fills the next step's mask rows with one batch fill. xgrammar's calls release th
 parallel, and alongside the engine thread's Python work until it needs the masks (`job_masks`). Accepts cost about as
 much as fills (1.5-6 us a row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on
 one thread, so both go to the chunks. With one thread (under 4 cores) there is no worker: the engine thread runs the
-job when it collects it (a thread's wake-up cost more than it saved on the 2-core CPU machine). `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
-waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
-for `benchmarks/bench_structured.py`.
+job when it collects it (a thread's wake-up cost more than it saved on the 2-core CPU machine). `host_seconds` sums
+the engine thread's time in grammar work (`critical`: the fill, waiting for the jobs, the upload and the masking) and
+the chunks' accepts and fills (`workers`, wherever they ran), for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
