@@ -189,6 +189,33 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
             assert text in ("yes", "no", "maybe so")
 
 
+def test_a_worker_chunk_reports_ends_and_fills_the_masks_of_the_matchers_that_go_on(engine):
+    """`_advance_chunk` (the worker side of a pipelined step): a token accepted goes on and gets its next mask (as
+    the matcher's own fill gives it); a stop token that completes the grammar ends it ("grammar"), as does any token
+    given to a terminated matcher; a token the grammar refuses is "grammar_rejected"; ended rows' masks are left
+    alone. Rows are taken from the step's picks by their row in the step, ends keyed from `first`."""
+    import xgrammar as xgr
+
+    from hf_paged.engine.grammar import _advance_chunk
+
+    compiled = engine.structured.cache().get("regex", "ab")
+    a, b = (engine.tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    stop = engine.tokenizer.eos_token_id
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(4)]
+    for m in matchers[1:3]:
+        assert m.accept_token(a) and m.accept_token(b)
+    assert matchers[2].accept_token(stop) and matchers[2].is_terminated()
+    width = (engine.logits_width() + 31) // 32
+    host = torch.full((8, width), 7, dtype=torch.int32)
+    picks = torch.tensor([a, b, stop, a, b])  # row 1 (a step row that is not in the chunk) is skipped
+    stops = [frozenset(m.stop_token_ids) for m in matchers]
+    ends, seconds = _advance_chunk(None, picks, [0, 2, 3, 4], 3, matchers, stops, host, xgr.BatchGrammarMatcher(1))
+    assert ends == {4: "grammar", 5: "grammar", 6: "grammar_rejected"} and seconds >= 0
+    expected = torch.empty((1, width), dtype=torch.int32)
+    matchers[0].fill_next_token_bitmask(expected, 0)
+    assert torch.equal(host[3], expected[0]) and (host[4:] == 7).all() and (host[:3] == 7).all()
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"json_schema": {"type": "objectx"}}, ValueError, "json_schema"),
     ({"regex": "([a-"}, ValueError, "regex"),
