@@ -138,8 +138,9 @@ def test_constrained_requests_are_pipelined_with_the_tokens_of_normal_steps(engi
 def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_steps(engine):
     """A pipelined step's accepts and fills run in several worker chunks (`StructuredOutputs.advance`): 26
     constrained requests, three chunks a step, between unconstrained ones, requests leaving by length, by grammar end
-    and by EOS while a step is in flight (so the next step's masks are gathered from the chunks' rows). Tokens and
-    finish reasons equal those of normal steps; every output obeys its grammar; the workers' time is counted."""
+    and by EOS while a step is in flight (so the next step's masks are gathered from the chunks' rows), in the
+    scheduler's `DecodeBatch` once the running set settles. Tokens and finish reasons equal those of normal steps;
+    every output obeys its grammar; the workers' time is counted."""
     prompts, params = [], []
     for k in range(28):
         prompts.append(f"p{k}:")
@@ -151,7 +152,7 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
             params.append(SamplingParams(max_new_tokens=8 + k % 7, regex="(ab)+c", ignore_eos=True))
         else:
             params.append(SamplingParams(max_new_tokens=20, choice=["yes", "no", "maybe so"], do_sample=True, seed=k))
-    chunks = []
+    chunks, batched = [], []
 
     def run(mode):
         eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=512, block_size=4, max_num_seqs=32)
@@ -159,9 +160,10 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
         eng.structured.threads = 3
         advance = eng.structured.advance
 
-        def counted(*args, **kwargs):
-            job = advance(*args, **kwargs)
+        def counted(sched, *args):
+            job = advance(sched, *args)
             chunks.append(len(job.futures) if job is not None else 0)
+            batched.append(sched.batch is not None and job is not None)
             return job
 
         eng.structured.advance = counted
@@ -175,6 +177,7 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
     assert not chunks  # normal steps fill in line
     piped, reasons, pipelined, seconds, used = run("static")
     assert pipelined > 0 and max(chunks) == 3 and seconds["workers"] > 0 and used == 0
+    assert any(batched)  # constrained rows ride in the scheduler's DecodeBatch too
     assert piped == normal and reasons == normal_reasons
     assert {"length", "grammar"} <= set(reasons)
     for k, (tokens, reason) in enumerate(zip(piped, reasons)):

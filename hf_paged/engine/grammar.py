@@ -378,20 +378,19 @@ class StructuredOutputs:
         return StepMasks(rows, device, groups)
 
     # ------------------------------------------------------------------ pipelined steps (worker chunks)
-    def advance(self, sched: SchedulerOutput, tokens: torch.Tensor, event, ended: dict | None = None
-                ) -> GrammarJob | None:
+    def advance(self, sched: SchedulerOutput, tokens: torch.Tensor, event) -> GrammarJob | None:
         """Start advancing the matchers of `sched`'s constrained sampling rows through the step's picks (`tokens`,
         on the host once `event` is done) and filling their next masks, in worker chunks (None if the step has no
-        such row). `ended`: the sequences (by `id`) whose grammar ended with the token before (their picks are
-        dropped; their matchers are left alone). The caller collects the job (`collect`, `job_masks`) before it
-        touches these matchers again."""
+        such row). The caller collects the job (`collect`, `job_masks`) before it touches these matchers again. A
+        row whose grammar ended with the token before (its pick is dropped) ends again: its terminated matcher
+        refuses the token."""
         rows, seqs, groups, matchers, stops = [], [], [], [], []
         row = 0
         for item in sched.scheduled:
             if not item.sample:
                 continue
             group = item.group
-            if group.masked and not (ended and id(item.seq) in ended):
+            if group.masked:
                 state = group.data[GRAMMAR]
                 rows.append(row)
                 seqs.append(item.seq)

@@ -92,10 +92,9 @@ class PipelinedDecode:
             and len({id(item.group) for item in scheduled}) == len(scheduler.running)
         )
 
-    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, ended: dict | None = None) -> _InFlight:
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
         """Pick the step's tokens on the device and start their copy to the host; do not wait for it. Constrained
-        rows: worker threads start advancing their matchers with the tokens as soon as they arrive (but not the rows
-        in `ended`, whose grammar ended with the token before).
+        rows: worker threads start advancing their matchers with the tokens as soon as they arrive.
 
         Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
         can plan the next step (one more token for each) before the token is known.
@@ -115,8 +114,8 @@ class PipelinedDecode:
         else:
             host = tokens
         job = None
-        if self.structured.active and sched.batch is None:  # (rows of a DecodeBatch are never constrained)
-            job = self.structured.advance(sched, host, event, ended)  # (its rows: before the placeholders go in)
+        if self.structured.active:
+            job = self.structured.advance(sched, host, event)  # (its rows: before the placeholders go in)
         if sched.batch is not None:  # one token for each of the batch's sequences, in row order
             for seq in sched.batch.seqs:
                 seq.num_computed += 1
@@ -161,7 +160,7 @@ class PipelinedDecode:
                     logits, _ = self.runner.execute(sched, input_tokens=source)
                     if self.structured.active:  # the masks of constrained rows, filled while the forward runs
                         self._mask_next(current, sched, logits)
-                    launched = self._launch(sched, logits, current.grammar_ends)
+                    launched = self._launch(sched, logits)
             except Exception as error:
                 failure = error
             except BaseException as error:
@@ -211,7 +210,9 @@ class PipelinedDecode:
             self._accept_in_flight(current)
         batch = current.sched.batch
         # (a batch keeps its last two steps: every step is applied before the one after it is scheduled)
-        rows = batch.rows_of(current.sched.batch_step) if batch is not None and batch.token_stops_only else None
+        # (a step whose tokens ended grammars takes the general path: `_apply_with_stops` finishes those requests)
+        rows = batch.rows_of(current.sched.batch_step) \
+            if batch is not None and batch.token_stops_only and not current.grammar_ends else None
         if rows is not None:
             if batch.eos_ids is not None and batch is self.scheduler.decode_batch \
                     and batch.number - rows.number <= 1 and rows.generation == batch.generation:
@@ -325,7 +326,7 @@ class PipelinedDecode:
     def _accept_in_flight(self, current: _InFlight) -> None:
         """Advance the grammar matchers of `current`'s constrained rows with their tokens (waiting for them), once:
         collect the worker threads' job (`StructuredOutputs.collect`), or accept here if there is none; record the
-        ends they bring for `_apply`. Rows of a `DecodeBatch` are never constrained."""
+        ends they bring for `_apply`."""
         if current.grammar_ends is not None:
             return
         if current.grammar_job is not None:  # advanced in worker threads (`StructuredOutputs.advance`)
@@ -350,7 +351,7 @@ class PipelinedDecode:
         have taken `current`'s tokens and the workers to have filled the masks (else fill them here), upload them and
         apply them on the device, before the picks are launched. A row whose grammar ended with `current`'s token is
         not masked (its pick is dropped)."""
-        if sched.batch is not None or not any(item.group.masked for item in sched.scheduled):
+        if not any(item.group.masked for item in sched.scheduled):
             return
         self._accept_in_flight(current)
         if current.grammar_job is not None:
