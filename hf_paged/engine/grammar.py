@@ -20,7 +20,8 @@ is `masked` (`SequenceGroup.masked`, never `plain`). Its decode steps are pipeli
 launched before the tokens of the step before are on the host, and while it runs the host waits for those tokens,
 advances the matchers with them, fills the next mask and uploads it; the pick is launched after the mask is applied.
 So the fill overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token
-appends and scheduling in between. Parallel samples and requests with logprobs take normal steps.
+appends and scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched
+scheduling, upload and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with logprobs take normal steps.
 
 A pipelined step's grammar work runs in worker threads (`advance`, `GrammarJob`): when a step's picks are launched,
 its constrained rows are split into chunks of at least `MIN_CHUNK_ROWS`, one per thread (`threads`: half the cores the

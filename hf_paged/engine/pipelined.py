@@ -23,9 +23,9 @@ greedy or sampled on the device, constrained or not, on the static path). A mixi
   waiting for tokens fails the requests of both steps (half applied). `tests/test_pipelined_decode.py`.
 
 Host work, about 0.5-0.9 us a request a step at 256 requests on the CPU sandbox (`benchmarks/bench_host_step.py`):
-once a pipelined step covers every running group, each with one plain sequence, the scheduler keeps their rows in a
-`hf_paged.core.decode_batch.DecodeBatch`. The runner copies positions, slots and store rows from its arrays into its
-pinned upload buffer, and a table that changed in its last entry goes to the store as one point
+once a pipelined step covers every running group, each with one plain (or masked) sequence, the scheduler keeps
+their rows in a `hf_paged.core.decode_batch.DecodeBatch`. The runner copies positions, slots and store rows from its
+arrays into its pinned upload buffer, and a table that changed in its last entry goes to the store as one point
 (`hf_paged.runner.table_store`); a batch step after rows left takes its sequences' store rows through the step's
 `source` (`model_runner._kept_rows`). The picker keeps the batch's parameter columns in its pinned buffers and on the
 device: a sampled step uploads its seeds and offsets only, with parameters normalised on the host bitwise as the
