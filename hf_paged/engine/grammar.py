@@ -48,6 +48,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from operator import is_
 
 import torch
 
@@ -210,6 +211,15 @@ class StepMasks:
     rows: list[int]
     device: torch.Tensor
     groups: list[SequenceGroup] = field(default_factory=list)
+
+
+def _sampling_rows(sched: SchedulerOutput):
+    """(logits row, item) of each item of `sched` that samples a token."""
+    return enumerate(item for item in sched.scheduled if item.sample)
+
+
+def _seqs(items):
+    return (item.seq for item in items)
 
 
 class _Deferred:
@@ -386,10 +396,9 @@ class StructuredOutputs:
         row whose grammar ended with the token before (its pick is dropped) ends again: its terminated matcher
         refuses the token."""
         rows, seqs, groups, matchers, stops = [], [], [], [], []
-        row = 0
-        for item in sched.scheduled:
-            if not item.sample:
-                continue
+        # a decode step's items are its sampling rows, in order (no `sample` to ask, a property of each row)
+        items = enumerate(sched.scheduled) if sched.decode_step else _sampling_rows(sched)
+        for row, item in items:
             group = item.group
             if group.masked:
                 state = group.data[GRAMMAR]
@@ -398,7 +407,6 @@ class StructuredOutputs:
                 groups.append(group)
                 matchers.append(state.matchers[0])
                 stops.append(state.stop_ids)
-            row += 1
         if not rows:
             return None
         if self._pending is not None:  # (done already unless a step failed before it was collected)
@@ -446,6 +454,12 @@ class StructuredOutputs:
         gathered. A constrained row `job` did not fill (not expected) makes it fill the step in line (`fill`)."""
         ends = self.collect(job)
         start = time.perf_counter()
+        scheduled = sched.scheduled
+        n = len(job.seqs)
+        if not ends and sched.decode_step and len(scheduled) == n and all(map(is_, job.seqs, _seqs(scheduled))):
+            masks = self._upload(list(range(n)), job.host[:n], job.groups)  # the common step: the same rows
+            self.host_seconds["critical"] += time.perf_counter() - start
+            return masks
         mask_rows = job.mask_rows
         rows, source, groups = [], [], []
         row = 0
