@@ -192,6 +192,34 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
             assert text in ("yes", "no", "maybe so")
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch, threads):
+    """A chunk that raises (in a worker thread, or in the engine thread with one thread) fails the requests of the
+    steps in flight, as a failing accept did: no hang, every block back, and the next requests run normally."""
+    from hf_paged.engine import grammar
+
+    real, calls = grammar._advance_chunk, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return real(*args)
+
+    monkeypatch.setattr(grammar, "_advance_chunk", failing)
+    eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=128, block_size=4, max_num_seqs=16)
+    eng.runner.decode_mode = "static"
+    eng.structured.threads = threads
+    params = SamplingParams(max_new_tokens=30, json_schema=SCHEMA, ignore_eos=True)
+    outs = eng.generate([f"f{k}" for k in range(16)], params)
+    assert len(calls) >= 4 and "error" in {o.outputs[0].finish_reason for o in outs}
+    assert eng.kv_stats().used_blocks == 0 and not eng.has_unfinished()
+    monkeypatch.setattr(grammar, "_advance_chunk", real)
+    again = eng.generate(["g1", "g2"], params)
+    assert {o.outputs[0].finish_reason for o in again} <= {"grammar", "length"}
+    eng.close()
+
+
 def test_a_worker_chunk_reports_ends_and_fills_the_masks_of_the_matchers_that_go_on(engine):
     """`_advance_chunk` (the worker side of a pipelined step): a token accepted goes on and gets its next mask (as
     the matcher's own fill gives it); a stop token that completes the grammar ends it ("grammar"), as does any token

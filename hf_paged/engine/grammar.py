@@ -229,12 +229,19 @@ class _Deferred:
     def __init__(self, fn, *args) -> None:
         self._call = (fn, args)
         self._result = None
+        self._error: BaseException | None = None
 
     def result(self):
+        """The chunk's result (run on the first call); its exception on every call, as a `Future` raises it."""
         if self._call is not None:
             fn, args = self._call
             self._call = None
-            self._result = fn(*args)
+            try:
+                self._result = fn(*args)
+            except BaseException as error:
+                self._error = error
+        if self._error is not None:
+            raise self._error
         return self._result
 
 
