@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hf_paged  # noqa: E402
-from hf_paged.engine.grammar import default_threads  # noqa: E402
+from hf_paged.engine.grammar_jobs import default_threads  # noqa: E402
 from hf_paged.testing import byte_tokenizer, load_smollm2  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -198,7 +198,7 @@ def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine,
     steps in flight, as a failing accept did: no hang, every block back, and the next requests run normally."""
     from hf_paged.engine import grammar
 
-    real, calls = grammar._advance_chunk, []
+    real, calls = grammar.advance_chunk, []
 
     def failing(*args):
         calls.append(1)
@@ -206,7 +206,7 @@ def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine,
             raise RuntimeError("boom")
         return real(*args)
 
-    monkeypatch.setattr(grammar, "_advance_chunk", failing)
+    monkeypatch.setattr(grammar, "advance_chunk", failing)
     eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=128, block_size=4, max_num_seqs=16)
     eng.runner.decode_mode = "static"
     eng.structured.threads = threads
@@ -214,20 +214,20 @@ def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine,
     outs = eng.generate([f"f{k}" for k in range(16)], params)
     assert len(calls) >= 4 and "error" in {o.outputs[0].finish_reason for o in outs}
     assert eng.kv_stats().used_blocks == 0 and not eng.has_unfinished()
-    monkeypatch.setattr(grammar, "_advance_chunk", real)
+    monkeypatch.setattr(grammar, "advance_chunk", real)
     again = eng.generate(["g1", "g2"], params)
     assert {o.outputs[0].finish_reason for o in again} <= {"grammar", "length"}
     eng.close()
 
 
 def test_a_worker_chunk_reports_ends_and_fills_the_masks_of_the_matchers_that_go_on(engine):
-    """`_advance_chunk` (the worker side of a pipelined step): a token accepted goes on and gets its next mask (as
+    """`advance_chunk` (the worker side of a pipelined step): a token accepted goes on and gets its next mask (as
     the matcher's own fill gives it); a stop token that completes the grammar ends it ("grammar"), as does any token
     given to a terminated matcher; a token the grammar refuses is "grammar_rejected"; ended rows' masks are left
     alone. Rows are taken from the step's picks by their row in the step, ends keyed from `first`."""
     import xgrammar as xgr
 
-    from hf_paged.engine.grammar import _advance_chunk
+    from hf_paged.engine.grammar_jobs import advance_chunk
 
     compiled = engine.structured.cache().get("regex", "ab")
     a, b = (engine.tokenizer.convert_tokens_to_ids(c) for c in "ab")
@@ -240,7 +240,7 @@ def test_a_worker_chunk_reports_ends_and_fills_the_masks_of_the_matchers_that_go
     host = torch.full((8, width), 7, dtype=torch.int32)
     picks = torch.tensor([a, b, stop, a, b])  # row 1 (a step row that is not in the chunk) is skipped
     stops = [frozenset(m.stop_token_ids) for m in matchers]
-    ends, seconds = _advance_chunk(None, picks, [0, 2, 3, 4], 3, matchers, stops, host, xgr.BatchGrammarMatcher(1))
+    ends, seconds = advance_chunk(None, picks, [0, 2, 3, 4], 3, matchers, stops, host, xgr.BatchGrammarMatcher(1))
     assert ends == {4: "grammar", 5: "grammar", 6: "grammar_rejected"} and seconds >= 0
     expected = torch.empty((1, width), dtype=torch.int32)
     matchers[0].fill_next_token_bitmask(expected, 0)

@@ -17,22 +17,15 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 
 Pipelined decode (`hf_paged.engine.pipelined`): a constrained request with one sequence whose picks stay on the device
 is `masked` (`SequenceGroup.masked`, never `plain`). Its decode steps are pipelined too: the next step's forward is
-launched before the tokens of the step before are on the host, and while it runs the host waits for those tokens,
-advances the matchers with them, fills the next mask and uploads it; the pick is launched after the mask is applied.
-So the fill overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token
-appends and scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched
-scheduling, upload and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with logprobs take normal steps.
-
-A pipelined step's grammar work runs in worker threads (`advance`, `GrammarJob`): when a step's picks are launched,
-its constrained rows are split into chunks of at least `MIN_CHUNK_ROWS`, one per thread (`threads`: half the cores the
-process may use, at most 8); each chunk waits for the picks' event, advances its matchers with one batch accept and
-fills the next step's mask rows with one batch fill (`_advance_chunk`). xgrammar's calls release the GIL (tvm-ffi), so the chunks run in
-parallel, and alongside the engine thread's Python work until it needs the masks (`job_masks`). Accepts cost about as
-much as fills (1.5-6 us a row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on
-one thread, so both go to the chunks. With one thread (under 4 cores) there is no worker: the engine thread runs the
-job when it collects it (a thread's wake-up cost more than it saved on the 2-core CPU machine). `host_seconds` sums
-the engine thread's time in grammar work (`critical`: the fill, waiting for the jobs, the upload and the masking) and
-the chunks' accepts and fills (`workers`, wherever they ran), for `benchmarks/bench_structured.py`.
+launched before the tokens of the step before are on the host; worker threads advance the matchers with those
+tokens as they arrive and fill the next masks (`advance`, `hf_paged.engine.grammar_jobs`) while the engine thread goes
+on; it collects them, uploads the masks and applies them (`job_masks`) before the pick is launched. So the fill
+overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token appends and
+scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched scheduling, upload
+and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with
+logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
+waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
+for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
@@ -41,36 +34,33 @@ past the tokenizer's are never allowed).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from operator import is_
 
 import torch
 
 from ..core import SchedulerOutput, Sequence, SequenceGroup
+from .grammar_jobs import (
+    INSTALL_HINT,
+    MIN_CHUNK_ROWS,
+    Deferred,
+    GrammarJob,
+    advance_chunk,
+    default_threads,
+    import_xgrammar,
+    worker_pool,
+)
 from .params import SamplingParams
 
 __all__ = ["GRAMMAR", "GrammarCache", "GrammarJob", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
-           "default_threads", "grammar_cache", "import_xgrammar"]
+           "grammar_cache", "import_xgrammar"]
 
 GRAMMAR = "grammar"  # key of a group's `RequestGrammar` in `SequenceGroup.data`
-INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer (a JSON schema's is ~10-100 KB)
-MIN_CHUNK_ROWS = 8  # rows a worker chunk takes at least: below, a thread's hand-off costs more than it saves
-
-
-def import_xgrammar():
-    """xgrammar, or an ImportError saying what to install."""
-    try:
-        import xgrammar
-    except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
-    return xgrammar
 
 
 class GrammarCache:
@@ -161,29 +151,6 @@ def grammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gram
         return cache
 
 
-def default_threads() -> int:
-    """Worker threads for the grammar work of a step: half the cores this process may use (the engine thread and the
-    GPU driver keep the rest), 1 to 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores // 2))
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The process's grammar worker threads (shared by its engines: started once, idle between steps)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hf-paged-grammar")
-        return _POOL
-
-
 @dataclass
 class RequestGrammar:
     """The matchers of one request: one per sample (index `Sequence.sample_index`). `stop_ids`: the tokens that
@@ -220,81 +187,6 @@ def _sampling_rows(sched: SchedulerOutput):
 
 def _seqs(items):
     return (item.seq for item in items)
-
-
-class _Deferred:
-    """A chunk run by the engine thread itself when it is collected (one thread: `StructuredOutputs.threads` 1),
-    with a `Future`'s `result()`."""
-
-    def __init__(self, fn, *args) -> None:
-        self._call = (fn, args)
-        self._result = None
-        self._error: BaseException | None = None
-
-    def result(self):
-        """The chunk's result (run on the first call); its exception on every call, as a `Future` raises it."""
-        if self._call is not None:
-            fn, args = self._call
-            self._call = None
-            try:
-                self._result = fn(*args)
-            except BaseException as error:
-                self._error = error
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-@dataclass
-class GrammarJob:
-    """The advance of a launched step's constrained rows through its tokens, in worker chunks (`advance`): row `j`
-    is `seqs[j]` of `groups[j]`; `host` row `j` receives its mask for the next step unless its grammar ended there.
-    `ends` ({id(seq): "grammar" | "grammar_rejected"}) once the chunks are done (`StructuredOutputs.collect`)."""
-
-    seqs: list[Sequence]
-    groups: list[SequenceGroup]
-    host: torch.Tensor
-    futures: list[Future | _Deferred]
-    ends: dict[int, str] | None = None
-    mask_rows: dict[int, int] | None = None  # id(seq) -> `host` row, for the rows whose grammar goes on
-
-    def wait(self) -> None:
-        """Until every worker chunk has returned (or raised): its matchers and `host` are the caller's again (a
-        deferred chunk never runs once its step is dropped)."""
-        wait([f for f in self.futures if isinstance(f, Future)])
-
-
-def _advance_chunk(event, tokens: torch.Tensor, rows: list[int], first: int, matchers: list, stop_ids: list,
-                   host: torch.Tensor, batch) -> tuple[dict[int, str], float]:
-    """One chunk: wait for the picks, accept each row's token (one batch call), fill the next mask of each matcher
-    that goes on into `host[first + j]` (one batch call). Returns the ends ({first + j: end}) and the seconds of work
-    (the wait for the picks left out).
-
-    The accepts go through xgrammar's C++ batch call directly (`_core`): its Python wrapper reads the result back
-    with two FFI calls a row (each dropping and taking the GIL); here one membership test says whether any row was
-    refused (0.75 against 1.1 us a row for the per-row `accept_token` loop, 256 rows, one core), and only then are
-    the rows read."""
-    if event is not None:
-        event.synchronize()
-    start = time.perf_counter()
-    xgr = import_xgrammar()
-    picked = tokens.tolist()
-    chunk = [picked[r] for r in rows]
-    result = xgr.base._core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], chunk, False)
-    ends: dict[int, str] = {}
-    if 0 in result:  # a terminated matcher refuses every token; else nothing allowed it (a bug)
-        for j, ok in enumerate(list(result)):
-            if not ok:
-                ends[first + j] = "grammar" if matchers[j].is_terminated() else "grammar_rejected"
-    for j, (token, stops) in enumerate(zip(chunk, stop_ids)):
-        if token in stops and first + j not in ends and matchers[j].is_terminated():
-            ends[first + j] = "grammar"
-    if not ends:
-        batch.batch_fill_next_token_bitmask(matchers, host, list(range(first, first + len(matchers))))
-    elif len(ends) < len(matchers):
-        live = [j for j in range(len(matchers)) if first + j not in ends]
-        batch.batch_fill_next_token_bitmask([matchers[j] for j in live], host, [first + j for j in live])
-    return ends, time.perf_counter() - start
 
 
 class StructuredOutputs:
@@ -425,13 +317,13 @@ class StructuredOutputs:
         if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
-            futures = [_Deferred(_advance_chunk, event, tokens, rows, 0, matchers, stops, host, self._batch)]
+            futures = [Deferred(advance_chunk, event, tokens, rows, 0, matchers, stops, host, self._batch)]
         else:
             while len(self._chunk_batches) < chunks:
                 self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
             size = -(-n // chunks)
-            pool = _pool()
-            futures = [pool.submit(_advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
+            pool = worker_pool()
+            futures = [pool.submit(advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
                                    stops[a:a + size], host, self._chunk_batches[k])
                        for k, a in enumerate(range(0, n, size))]
         self._pending = GrammarJob(seqs, groups, host, futures)
