@@ -310,3 +310,31 @@ def test_warm_up_builds_the_cache_and_masks(engine):
     assert warm_up_grammars(engine)
     width = engine.logits_width()
     assert width == len(engine.tokenizer) + 20 and engine.structured.cache().vocab_size == width
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_chunks_on_cuda_wait_for_the_picks_and_give_the_tokens_of_the_engine_thread():
+    """On CUDA the worker chunks wait for the launched picks' event themselves (pipelined on CUDA graphs): with three
+    workers a step the tokens and finish reasons equal those of one thread (the engine thread does the work), every
+    output obeys its schema, and the grammar work was counted on both sides."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok) + 20).to("cuda")
+    prompts = [f"c{k}:" for k in range(32)]
+    params = [SamplingParams(max_new_tokens=40 + k, json_schema=SCHEMA) for k in range(32)]
+
+    def run(threads):
+        eng = hf_paged.Engine(model, tok, num_blocks=1024, block_size=16, max_num_seqs=32)
+        eng.structured.threads = threads
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  eng.pipelined_steps, dict(eng.structured.host_seconds))
+        eng.close()
+        return result
+
+    tokens, reasons, pipelined, seconds = run(3)
+    assert (tokens, reasons) == run(1)[:2]
+    assert pipelined > 0 and seconds["workers"] > 0 and seconds["critical"] > 0
+    for completion, reason in zip(tokens, reasons):
+        if reason != "length":
+            _check_person(tok.decode(completion, skip_special_tokens=True))
