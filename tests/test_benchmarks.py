@@ -374,6 +374,29 @@ def test_structured_harness_runs_on_the_cpu_and_reports_the_fraction(tmp_path):
     assert all(r["output_tokens"] == 15 for r in records)
     assert records[0]["masked_rows"] == 0 and records[1]["masked_rows"] == 15
     assert all(len(r["passes_tok_s"]) == 2 for r in records)
+    assert records[0]["grammar_main_ms_step"] == 0 and all(r["grammar_workers_ms_step"] == 0 for r in records)
+
+
+def test_structured_harness_profiles_the_grammar_host_work_per_thread_count(tmp_path):
+    """--decode-mode static pipelines the constrained steps on the CPU, --grammar-threads runs one constrained system
+    per worker-thread count: the chunks' accepts and fills are counted, done by workers (2) or, with one thread, by the
+    engine thread (inside its own time)."""
+    pytest.importorskip("xgrammar")
+    bench_structured = pytest.importorskip("bench_structured")
+    bench_structured.main(["--device", "cpu", "--model", "tiny", "--num-requests", "16", "--new-tokens", "4",
+                           "--prompt-len", "4", "--repeats", "1", "--decode-mode", "static", "--grammar-threads",
+                           "1,2", "--out", str(tmp_path)])
+    import json
+
+    data = json.loads((tmp_path / "structured.json").read_text())
+    records = {r["system"]: r for r in data["records"]}
+    assert list(records) == ["unconstrained", "json_schema@1", "json_schema@2"]
+    assert data["meta"]["grammar_threads"] == [1, 2]
+    for name in ("json_schema@1", "json_schema@2"):
+        assert records[name]["pipelined_steps"] > 0 and records[name]["masked_rows"] == 64
+        assert records[name]["grammar_main_ms_step"] > 0 and records[name]["grammar_workers_ms_step"] > 0
+    inline = records["json_schema@1"]
+    assert inline["grammar_main_ms_step"] >= inline["grammar_workers_ms_step"]
 
 
 # ------------------------------------------------------------------------------------------------ command lines
@@ -443,7 +466,9 @@ COMMAND_LINES = {
     "bench_sharing": [(["--model", "tiny-32k", "--widths", "2,4"], {"model": "tiny-32k", "widths": "2,4"})],
     "bench_structured": [(["--model", "llama-1b", "--tokenizer", "t", "--out", "r"],
                           {"model": "llama-1b", "tokenizer": "t", "num_requests": 64, "new_tokens": 512,
-                           "repeats": 5})],
+                           "repeats": 5, "grammar_threads": None, "decode_mode": None}),
+                         (["--grammar-threads", "1,8", "--decode-mode", "static"],
+                          {"grammar_threads": [1, 8], "decode_mode": "static"})],
     "bench_startup": [(["--models", "llama-1b", "--modes", "compiled", "--warm-runs", "3"],
                        {"models": "llama-1b", "modes": "compiled", "warm_runs": 3, "bytecode": "primed"})],
     "bench_sweeps": [(["--parts", "kernel"], {"parts": "kernel", "block_sizes": "8,16,32,64,128"})],
@@ -466,7 +491,8 @@ BAD_COMMAND_LINES = {
     "bench_lora": [["--lora-kernel", "cuda"], ["--rank", "r"]],
     "bench_kv_groups": [["--contexts", "a"], ["--budget-gib", "x"]],
     "bench_startup": [["--bytecode", "compiled"]],
-    "bench_structured": [["--num-requests", "many"], ["--dtype", "int8"]],
+    "bench_structured": [["--num-requests", "many"], ["--dtype", "int8"], ["--grammar-threads", "0"],
+                         ["--grammar-threads", "a,b"], ["--decode-mode", "cuda"]],
     "probe_compiled": [["--dtype", "float16"]],
     "profile_decode": [["--until-running", "-1"], ["--until-running", "a,b"], ["--model", "gpt5"]],
 }

@@ -135,6 +135,118 @@ def test_constrained_requests_are_pipelined_with_the_tokens_of_normal_steps(engi
             _check_person(texts[k])
 
 
+def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_steps(engine):
+    """A pipelined step's accepts and fills run in several worker chunks (`StructuredOutputs.advance`): 26
+    constrained requests, three chunks a step, between unconstrained ones, requests leaving by length, by grammar end
+    and by EOS while a step is in flight (so the next step's masks are gathered from the chunks' rows), in the
+    scheduler's `DecodeBatch` once the running set settles. Tokens and finish reasons equal those of normal steps;
+    every output obeys its grammar; the workers' time is counted."""
+    prompts, params = [], []
+    for k in range(28):
+        prompts.append(f"p{k}:")
+        if k % 9 == 4:
+            params.append(SamplingParams(max_new_tokens=6 + k, ignore_eos=True))
+        elif k % 3 == 0:
+            params.append(SamplingParams(max_new_tokens=10 + 2 * k, json_schema=SCHEMA))
+        elif k % 3 == 1:
+            params.append(SamplingParams(max_new_tokens=8 + k % 7, regex="(ab)+c", ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_new_tokens=20, choice=["yes", "no", "maybe so"], do_sample=True, seed=k))
+    chunks, batched = [], []
+
+    def run(mode):
+        eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=512, block_size=4, max_num_seqs=32)
+        eng.runner.decode_mode = mode
+        eng.structured.threads = 3
+        advance = eng.structured.advance
+
+        def counted(sched, *args):
+            job = advance(sched, *args)
+            chunks.append(len(job.futures) if job is not None else 0)
+            batched.append(sched.batch is not None and job is not None)
+            return job
+
+        eng.structured.advance = counted
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  eng.pipelined_steps, dict(eng.structured.host_seconds), eng.kv_stats().used_blocks)
+        eng.close()
+        return result
+
+    normal, normal_reasons, _, _, _ = run("eager")
+    assert not chunks  # normal steps fill in line
+    piped, reasons, pipelined, seconds, used = run("static")
+    assert pipelined > 0 and max(chunks) == 3 and seconds["workers"] > 0 and used == 0
+    assert any(batched)  # constrained rows ride in the scheduler's DecodeBatch too
+    assert piped == normal and reasons == normal_reasons
+    assert {"length", "grammar"} <= set(reasons)
+    for k, (tokens, reason) in enumerate(zip(piped, reasons)):
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if k % 9 == 4:
+            assert len(tokens) == params[k].max_new_tokens
+        elif k % 3 == 0 and reason != "length":
+            _check_person(text)
+        elif k % 3 == 1:
+            assert re.fullmatch("(ab)+c", text) or (reason == "length" and re.fullmatch("(ab)*a?", text))
+        elif k % 3 == 2:
+            assert text in ("yes", "no", "maybe so")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch, threads):
+    """A chunk that raises (in a worker thread, or in the engine thread with one thread) fails the requests of the
+    steps in flight, as a failing accept did: no hang, every block back, and the next requests run normally."""
+    from hf_paged.engine import grammar
+
+    real, calls = grammar.advance_chunk, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return real(*args)
+
+    monkeypatch.setattr(grammar, "advance_chunk", failing)
+    eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=128, block_size=4, max_num_seqs=16)
+    eng.runner.decode_mode = "static"
+    eng.structured.threads = threads
+    params = SamplingParams(max_new_tokens=30, json_schema=SCHEMA, ignore_eos=True)
+    outs = eng.generate([f"f{k}" for k in range(16)], params)
+    assert len(calls) >= 4 and "error" in {o.outputs[0].finish_reason for o in outs}
+    assert eng.kv_stats().used_blocks == 0 and not eng.has_unfinished()
+    monkeypatch.setattr(grammar, "advance_chunk", real)
+    again = eng.generate(["g1", "g2"], params)
+    assert {o.outputs[0].finish_reason for o in again} <= {"grammar", "length"}
+    eng.close()
+
+
+def test_a_worker_chunk_reports_ends_and_fills_the_masks_of_the_matchers_that_go_on(engine):
+    """`advance_chunk` (the worker side of a pipelined step): a token accepted goes on and gets its next mask (as
+    the matcher's own fill gives it); a stop token that completes the grammar ends it ("grammar"), as does any token
+    given to a terminated matcher; a token the grammar refuses is "grammar_rejected"; ended rows' masks are left
+    alone. Rows are taken from the step's picks by their row in the step, ends keyed from `first`."""
+    import xgrammar as xgr
+
+    from hf_paged.engine.grammar_jobs import advance_chunk
+
+    compiled = engine.structured.cache().get("regex", "ab")
+    a, b = (engine.tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    stop = engine.tokenizer.eos_token_id
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(4)]
+    for m in matchers[1:3]:
+        assert m.accept_token(a) and m.accept_token(b)
+    assert matchers[2].accept_token(stop) and matchers[2].is_terminated()
+    width = (engine.logits_width() + 31) // 32
+    host = torch.full((8, width), 7, dtype=torch.int32)
+    picks = torch.tensor([a, b, stop, a, b])  # row 1 (a step row that is not in the chunk) is skipped
+    stops = [frozenset(m.stop_token_ids) for m in matchers]
+    ends, seconds = advance_chunk(None, picks, [0, 2, 3, 4], 3, matchers, stops, host, xgr.BatchGrammarMatcher(1))
+    assert ends == {4: "grammar", 5: "grammar", 6: "grammar_rejected"} and seconds >= 0
+    expected = torch.empty((1, width), dtype=torch.int32)
+    matchers[0].fill_next_token_bitmask(expected, 0)
+    assert torch.equal(host[3], expected[0]) and (host[4:] == 7).all() and (host[:3] == 7).all()
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"json_schema": {"type": "objectx"}}, ValueError, "json_schema"),
     ({"regex": "([a-"}, ValueError, "regex"),
@@ -198,3 +310,31 @@ def test_warm_up_builds_the_cache_and_masks(engine):
     assert warm_up_grammars(engine)
     width = engine.logits_width()
     assert width == len(engine.tokenizer) + 20 and engine.structured.cache().vocab_size == width
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_chunks_on_cuda_wait_for_the_picks_and_give_the_tokens_of_the_engine_thread():
+    """On CUDA the worker chunks wait for the launched picks' event themselves (pipelined on CUDA graphs): with three
+    workers a step the tokens and finish reasons equal those of one thread (the engine thread does the work), every
+    output obeys its schema, and the grammar work was counted on both sides."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok) + 20).to("cuda")
+    prompts = [f"c{k}:" for k in range(32)]
+    params = [SamplingParams(max_new_tokens=40 + k, json_schema=SCHEMA) for k in range(32)]
+
+    def run(threads):
+        eng = hf_paged.Engine(model, tok, num_blocks=1024, block_size=16, max_num_seqs=32)
+        eng.structured.threads = threads
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  eng.pipelined_steps, dict(eng.structured.host_seconds))
+        eng.close()
+        return result
+
+    tokens, reasons, pipelined, seconds = run(3)
+    assert (tokens, reasons) == run(1)[:2]
+    assert pipelined > 0 and seconds["workers"] > 0 and seconds["critical"] > 0
+    for completion, reason in zip(tokens, reasons):
+        if reason != "length":
+            _check_person(tok.decode(completion, skip_special_tokens=True))

@@ -14,7 +14,8 @@ A step's items are `BatchRow`s: the `ScheduledSeq` view of one row, reading its 
 arrays. Two sets of items alternate, one per step in flight (the step before last is applied by the time its arrays
 are overwritten), so an advance touches no item.
 
-It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence, and the
+It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence (or
+`masked`: plain but for a grammar's token mask, which the engine keeps), and the
 scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
 preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch; except a stop,
 which only removes the row (`remove`), and a request finishing by length, whose row leaves before the step that
@@ -143,7 +144,7 @@ class DecodeBatch:
     @staticmethod
     def records(groups: list, items: list, block_manager) -> list | None:
         """The block manager's records of `items` if the step can seed a batch: one item per running group, each
-        group one plain running sequence, each last block that a token will go into private and uncached. Else None.
+        group one plain (or masked) running sequence, each last block that a token will go into private and uncached. Else None.
         (A batch reads and advances the block manager's records directly: it is that manager's batched decode
         reservation, kept apart because it lives across steps.) None for a `GroupedBlockManager`, whose records are
         one per layer group: its decode steps take `append_decode_slots`."""
@@ -157,7 +158,8 @@ class DecodeBatch:
         records = []
         for group, item in zip(groups, items):
             seq = item.seq
-            if item.group is not group or len(group.seqs) != 1 or not group.plain or seq.status is not running:
+            if item.group is not group or len(group.seqs) != 1 or not (group.plain or group.masked) \
+                    or seq.status is not running:
                 return None
             record = seqs.get(seq.seq_id)
             if record is None or record.swapped or record.num_tokens != item.start + 1 or record.released:

@@ -9,7 +9,7 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 * `start(group, compiled)`: a `GrammarMatcher` for the request, kept in `group.data[GRAMMAR]`. Parallel samples
   (`num_return_sequences=n`) fork it into one matcher per sample when the samples are drawn (`RequestGrammar`).
 * `fill(sched)`: right after the step's forward is launched (on CUDA the GPU is still computing), the host fills one
-  row of a token bitmask per constrained logits row and starts its copy to the device.
+  row of a token bitmask per constrained logits row and starts its copy to the device (normal steps).
 * `apply(logits, masks)`: before any token is picked, the masked tokens' logits become -inf on the device
   (xgrammar's `apply_token_bitmask_inplace`), for greedy, sampled and parallel-sampled rows alike.
 * `accept(group, seq, token)`: the matcher advances with the token picked; a matcher that terminates (the grammar is
@@ -17,10 +17,15 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 
 Pipelined decode (`hf_paged.engine.pipelined`): a constrained request with one sequence whose picks stay on the device
 is `masked` (`SequenceGroup.masked`, never `plain`). Its decode steps are pipelined too: the next step's forward is
-launched before the tokens of the step before are on the host, and while it runs the host waits for those tokens,
-advances the matchers with them, fills the next mask and uploads it; the pick is launched after the mask is applied.
-So the fill overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token
-appends and scheduling in between. Parallel samples and requests with logprobs take normal steps.
+launched before the tokens of the step before are on the host; worker threads advance the matchers with those
+tokens as they arrive and fill the next masks (`advance`, `hf_paged.engine.grammar_jobs`) while the engine thread goes
+on; it collects them, uploads the masks and applies them (`job_masks`) before the pick is launched. So the fill
+overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token appends and
+scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched scheduling, upload
+and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with
+logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
+waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
+for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
@@ -30,30 +35,32 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from operator import is_
 
 import torch
 
 from ..core import SchedulerOutput, Sequence, SequenceGroup
+from .grammar_jobs import (
+    INSTALL_HINT,
+    MIN_CHUNK_ROWS,
+    Deferred,
+    GrammarJob,
+    advance_chunk,
+    default_threads,
+    import_xgrammar,
+    worker_pool,
+)
 from .params import SamplingParams
 
-__all__ = ["GRAMMAR", "GrammarCache", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
+__all__ = ["GRAMMAR", "GrammarCache", "GrammarJob", "INSTALL_HINT", "RequestGrammar", "StepMasks", "StructuredOutputs",
            "grammar_cache", "import_xgrammar"]
 
 GRAMMAR = "grammar"  # key of a group's `RequestGrammar` in `SequenceGroup.data`
-INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer (a JSON schema's is ~10-100 KB)
-
-
-def import_xgrammar():
-    """xgrammar, or an ImportError saying what to install."""
-    try:
-        import xgrammar
-    except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
-    return xgrammar
 
 
 class GrammarCache:
@@ -146,10 +153,13 @@ def grammar_cache(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Gram
 
 @dataclass
 class RequestGrammar:
-    """The matchers of one request: one per sample (index `Sequence.sample_index`)."""
+    """The matchers of one request: one per sample (index `Sequence.sample_index`). `stop_ids`: the tokens that
+    terminate its matchers (a matcher terminates only by accepting one: the worker chunks ask `is_terminated` only
+    then)."""
 
     matchers: list
     rejected: bool = False
+    stop_ids: frozenset = frozenset()
 
     def for_seq(self, seq: Sequence):
         return self.matchers[seq.sample_index]
@@ -170,6 +180,15 @@ class StepMasks:
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
+def _sampling_rows(sched: SchedulerOutput):
+    """(logits row, item) of each item of `sched` that samples a token."""
+    return enumerate(item for item in sched.scheduled if item.sample)
+
+
+def _seqs(items):
+    return (item.seq for item in items)
+
+
 class StructuredOutputs:
     """The engine's side of structured outputs (see the module docstring)."""
 
@@ -182,7 +201,11 @@ class StructuredOutputs:
         self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
         self._dev: torch.Tensor | None = None
         self._batch = None  # xgrammar's BatchGrammarMatcher (fills many rows in threads)
+        self._chunk_batches: list = []  # one single-threaded BatchGrammarMatcher per worker chunk
+        self._pending: GrammarJob | None = None  # the last job started: waited for before its buffer is reused
+        self.threads = default_threads()  # worker chunks a pipelined step's grammar work is split into, at most
         self.masked_rows = 0  # rows masked so far (tests, stats)
+        self.host_seconds = {"critical": 0.0, "workers": 0.0}  # grammar work: the engine thread's, the workers'
         self._live: weakref.WeakSet = weakref.WeakSet()  # constrained groups not reported finished yet
 
     @property
@@ -214,7 +237,8 @@ class StructuredOutputs:
 
     def start(self, group: SequenceGroup, compiled) -> None:
         xgr = import_xgrammar()
-        group.data[GRAMMAR] = RequestGrammar([xgr.GrammarMatcher(compiled)])
+        matcher = xgr.GrammarMatcher(compiled)
+        group.data[GRAMMAR] = RequestGrammar([matcher], stop_ids=frozenset(matcher.stop_token_ids))
         self._live.add(group)
 
     def finished(self, group: SequenceGroup) -> None:
@@ -239,6 +263,9 @@ class StructuredOutputs:
             row += 1
         if not rows:
             return None
+        start = time.perf_counter()
+        if self._pending is not None:  # a job of a step that failed before it was collected: let it finish first
+            self._pending.wait()
         xgr = import_xgrammar()
         n = len(rows)
         host = self._host_buffer(n)
@@ -248,25 +275,132 @@ class StructuredOutputs:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, host[:n])
+        masks = self._upload(rows, host[:n], groups)
+        self.host_seconds["critical"] += time.perf_counter() - start
+        return masks
+
+    def _upload(self, rows: list[int], host: torch.Tensor, groups: list[SequenceGroup]) -> StepMasks:
+        """Start the copy of `host` (one mask row per entry of `rows`) to the device."""
+        n = len(rows)
         device = self._dev[:n]
-        device.copy_(host[:n], non_blocking=True)
+        device.copy_(host, non_blocking=True)
         self.masked_rows += n
         return StepMasks(rows, device, groups)
+
+    # ------------------------------------------------------------------ pipelined steps (worker chunks)
+    def advance(self, sched: SchedulerOutput, tokens: torch.Tensor, event) -> GrammarJob | None:
+        """Start advancing the matchers of `sched`'s constrained sampling rows through the step's picks (`tokens`,
+        on the host once `event` is done) and filling their next masks, in worker chunks (None if the step has no
+        such row). The caller collects the job (`collect`, `job_masks`) before it touches these matchers again. A
+        row whose grammar ended with the token before (its pick is dropped) ends again: its terminated matcher
+        refuses the token."""
+        rows, seqs, groups, matchers, stops = [], [], [], [], []
+        # a decode step's items are its sampling rows, in order (no `sample` to ask, a property of each row)
+        items = enumerate(sched.scheduled) if sched.decode_step else _sampling_rows(sched)
+        for row, item in items:
+            group = item.group
+            if group.masked:
+                state = group.data[GRAMMAR]
+                rows.append(row)
+                seqs.append(item.seq)
+                groups.append(group)
+                matchers.append(state.matchers[0])
+                stops.append(state.stop_ids)
+        if not rows:
+            return None
+        if self._pending is not None:  # (done already unless a step failed before it was collected)
+            self._pending.wait()
+        xgr = import_xgrammar()
+        n = len(rows)
+        host = self._host_buffer(n)
+        chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
+        if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            futures = [Deferred(advance_chunk, event, tokens, rows, 0, matchers, stops, host, self._batch)]
+        else:
+            while len(self._chunk_batches) < chunks:
+                self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+            size = -(-n // chunks)
+            pool = worker_pool()
+            futures = [pool.submit(advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
+                                   stops[a:a + size], host, self._chunk_batches[k])
+                       for k, a in enumerate(range(0, n, size))]
+        self._pending = GrammarJob(seqs, groups, host, futures)
+        return self._pending
+
+    def collect(self, job: GrammarJob) -> dict[int, str]:
+        """Wait for `job`'s chunks; the ends its tokens brought ({id(seq): end}; a rejected token marks its request
+        `rejected`). A chunk's exception is raised here."""
+        if job.ends is None:
+            start = time.perf_counter()
+            ends: dict[int, str] = {}
+            for future in job.futures:
+                chunk_ends, seconds = future.result()
+                self.host_seconds["workers"] += seconds
+                for j, end in chunk_ends.items():
+                    ends[id(job.seqs[j])] = end
+                    if end == "grammar_rejected":
+                        job.groups[j].data[GRAMMAR].rejected = True
+            job.mask_rows = {id(seq): j for j, seq in enumerate(job.seqs) if id(seq) not in ends}
+            job.ends = ends
+            self.host_seconds["critical"] += time.perf_counter() - start
+        return job.ends
+
+    def job_masks(self, job: GrammarJob, sched: SchedulerOutput) -> StepMasks | None:
+        """The masks of `sched` (the step after `job`'s) from the rows `job` filled, uploaded (None if it has no
+        constrained row). Usually the same sequences in the same order: `job.host` goes as it is; else its rows are
+        gathered. A constrained row `job` did not fill (not expected) makes it fill the step in line (`fill`)."""
+        ends = self.collect(job)
+        start = time.perf_counter()
+        scheduled = sched.scheduled
+        n = len(job.seqs)
+        if not ends and sched.decode_step and len(scheduled) == n and all(map(is_, job.seqs, _seqs(scheduled))):
+            masks = self._upload(list(range(n)), job.host[:n], job.groups)  # the common step: the same rows
+            self.host_seconds["critical"] += time.perf_counter() - start
+            return masks
+        mask_rows = job.mask_rows
+        rows, source, groups = [], [], []
+        row = 0
+        for item in sched.scheduled:
+            if not item.sample:
+                continue
+            seq = item.seq
+            if item.group.masked and id(seq) not in ends:
+                at = mask_rows.get(id(seq))
+                if at is None:
+                    return self.fill(sched, ends)
+                rows.append(row)
+                source.append(at)
+                groups.append(item.group)
+            row += 1
+        if not rows:
+            return None
+        n = len(rows)
+        if source[-1] == n - 1 and source == list(range(n)):
+            host = job.host[:n]
+        else:
+            host = job.host.index_select(0, torch.tensor(source, dtype=torch.long))
+        masks = self._upload(rows, host, groups)
+        self.host_seconds["critical"] += time.perf_counter() - start
+        return masks
 
     def apply(self, logits: torch.Tensor, masks: StepMasks) -> None:
         """Set the logits of every token the grammar forbids to -inf, in place, on the logits' device."""
         width = masks.device.shape[1] * 32
         if logits.shape[1] > width:
             raise RuntimeError(f"logits have {logits.shape[1]} columns but the grammar's bitmask covers {width}")
+        start = time.perf_counter()
         xgr = import_xgrammar()
         n, vocab = len(masks.rows), logits.shape[1]
         if masks.rows[-1] == n - 1:  # the first n rows (every row constrained, say): masked where they are
             xgr.apply_token_bitmask_inplace(logits[:n], masks.device, vocab_size=vocab)
-            return
-        index = torch.tensor(masks.rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        picked = logits.index_select(0, index)
-        xgr.apply_token_bitmask_inplace(picked, masks.device, vocab_size=vocab)
-        logits.index_copy_(0, index, picked)
+        else:
+            index = torch.tensor(masks.rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            picked = logits.index_select(0, index)
+            xgr.apply_token_bitmask_inplace(picked, masks.device, vocab_size=vocab)
+            logits.index_copy_(0, index, picked)
+        self.host_seconds["critical"] += time.perf_counter() - start
 
     def _host_buffer(self, rows: int) -> torch.Tensor:
         """A host bitmask of at least `rows` rows; never the one the previous step's upload may still read."""

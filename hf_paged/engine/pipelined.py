@@ -12,18 +12,20 @@ greedy or sampled on the device, constrained or not, on the static path). A mixi
   string is freed (its token in the step already launched is discarded; the stream runs that step before any later
   use of its blocks); a request aborted while its step was in flight keeps the tokens it had. A token goes in place
   without the stop checks when none can hold (no EOS of the request, under its length, no stop strings or criteria).
-* Constrained requests (structured outputs, `SequenceGroup.masked`): between launching a step's forward and its
-  picks, `_mask_next` waits for the step before's tokens, advances the grammar matchers with them
-  (`_accept_in_flight`, once: `_apply` reads the ends they found) and fills and applies the step's masks, all while
-  the forward runs. A grammar that ends with a token finishes its request in `_apply`, like an EOS.
+* Constrained requests (structured outputs, `SequenceGroup.masked`): when a step's picks are launched, worker
+  threads start advancing its grammar matchers with them (waiting for their event) and filling the next step's masks
+  (`StructuredOutputs.advance`: the engine thread goes on meanwhile). Between launching the next step's forward and
+  its picks, `_mask_next` collects that work (`_accept_in_flight`, once: `_apply` reads the ends it found) and
+  uploads and applies the masks, while the forward runs. A grammar that ends with a token finishes its request in
+  `_apply`, like an EOS.
 * `abort`, `close` and the end of `generate()` / `stream()` drain the step in flight first, so no placeholder is ever
   visible. A failing launch fails its requests; an interrupted launch requeues them (nothing lost); an interrupt while
   waiting for tokens fails the requests of both steps (half applied). `tests/test_pipelined_decode.py`.
 
 Host work, about 0.5-0.9 us a request a step at 256 requests on the CPU sandbox (`benchmarks/bench_host_step.py`):
-once a pipelined step covers every running group, each with one plain sequence, the scheduler keeps their rows in a
-`hf_paged.core.decode_batch.DecodeBatch`. The runner copies positions, slots and store rows from its arrays into its
-pinned upload buffer, and a table that changed in its last entry goes to the store as one point
+once a pipelined step covers every running group, each with one plain (or masked) sequence, the scheduler keeps
+their rows in a `hf_paged.core.decode_batch.DecodeBatch`. The runner copies positions, slots and store rows from its
+arrays into its pinned upload buffer, and a table that changed in its last entry goes to the store as one point
 (`hf_paged.runner.table_store`); a batch step after rows left takes its sequences' store rows through the step's
 `source` (`model_runner._kept_rows`). The picker keeps the batch's parameter columns in its pinned buffers and on the
 device: a sampled step uploads its seeds and offsets only, with parameters normalised on the host bitwise as the
@@ -49,6 +51,7 @@ import torch
 
 from ..core import SchedulerOutput, SequenceGroup
 from .beam import track_sharing
+from .grammar import GrammarJob
 from .updates import unique_groups
 
 __all__ = ["PipelinedDecode"]
@@ -69,6 +72,7 @@ class _InFlight:
     # matchers have accepted them (`_accept_in_flight`); None before
     grammar_ends: dict | None = None
     host_list: list[int] | None = None  # `host` as a list, once read (`_host_tokens`)
+    grammar_job: GrammarJob | None = None  # the worker threads advancing the matchers with `host` (if constrained)
 
 
 class PipelinedDecode:
@@ -89,7 +93,8 @@ class PipelinedDecode:
         )
 
     def _launch(self, sched: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
-        """Pick the step's tokens on the device and start their copy to the host; do not wait for it.
+        """Pick the step's tokens on the device and start their copy to the host; do not wait for it. Constrained
+        rows: worker threads start advancing their matchers with the tokens as soon as they arrive.
 
         Each sequence counts its step as computed and holds `_IN_FLIGHT` where the token will go, so the scheduler
         can plan the next step (one more token for each) before the token is known.
@@ -108,6 +113,9 @@ class PipelinedDecode:
             event.record()
         else:
             host = tokens
+        job = None
+        if self.structured.active:
+            job = self.structured.advance(sched, host, event)  # (its rows: before the placeholders go in)
         if sched.batch is not None:  # one token for each of the batch's sequences, in row order
             for seq in sched.batch.seqs:
                 seq.num_computed += 1
@@ -117,7 +125,7 @@ class PipelinedDecode:
                 seq = item.seq
                 seq.num_computed += item.num_tokens
                 seq.token_ids.append(_IN_FLIGHT)
-        return _InFlight(sched, tokens, host, event)
+        return _InFlight(sched, tokens, host, event, grammar_job=job)
 
     def _schedule_next(self, current: _InFlight) -> SchedulerOutput | None:
         """The next decode step of every running request that `current` does not finish by length, if it fits."""
@@ -160,6 +168,8 @@ class PipelinedDecode:
         try:
             advanced, finished = self._apply(current)
         except BaseException as error:  # tokens half applied: fail both steps' requests (as in _interrupted)
+            if launched is not None and launched.grammar_job is not None:
+                launched.grammar_job.wait()  # its workers hold matchers of the requests failed here
             failed = []
             for step in (sched, current.sched):
                 if step is not None:
@@ -200,7 +210,9 @@ class PipelinedDecode:
             self._accept_in_flight(current)
         batch = current.sched.batch
         # (a batch keeps its last two steps: every step is applied before the one after it is scheduled)
-        rows = batch.rows_of(current.sched.batch_step) if batch is not None and batch.token_stops_only else None
+        # (a step whose tokens ended grammars takes the general path: `_apply_with_stops` finishes those requests)
+        rows = batch.rows_of(current.sched.batch_step) \
+            if batch is not None and batch.token_stops_only and not current.grammar_ends else None
         if rows is not None:
             if batch.eos_ids is not None and batch is self.scheduler.decode_batch \
                     and batch.number - rows.number <= 1 and rows.generation == batch.generation:
@@ -312,9 +324,13 @@ class PipelinedDecode:
         return False
 
     def _accept_in_flight(self, current: _InFlight) -> None:
-        """Advance the grammar matchers of `current`'s constrained rows with their tokens (waiting for them), once;
-        record the ends they bring for `_apply`. Rows of a `DecodeBatch` are never constrained."""
+        """Advance the grammar matchers of `current`'s constrained rows with their tokens (waiting for them), once:
+        collect the worker threads' job (`StructuredOutputs.collect`), or accept here if there is none; record the
+        ends they bring for `_apply`."""
         if current.grammar_ends is not None:
+            return
+        if current.grammar_job is not None:  # advanced in worker threads (`StructuredOutputs.advance`)
+            current.grammar_ends = self.structured.collect(current.grammar_job)
             return
         ends: dict[int, str] = {}
         current.grammar_ends = ends
@@ -331,13 +347,17 @@ class PipelinedDecode:
                     ends[id(seq)] = end
 
     def _mask_next(self, current: _InFlight, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """The grammar masks of `sched`'s constrained rows, whose forward was just launched: wait for `current`'s
-        tokens, advance the matchers with them, fill the masks on the host and apply them on the device, before the
-        picks are launched. A row whose grammar ended with `current`'s token is not masked (its pick is dropped)."""
-        if sched.batch is not None or not any(item.group.masked for item in sched.scheduled):
+        """The grammar masks of `sched`'s constrained rows, whose forward was just launched: wait for the matchers to
+        have taken `current`'s tokens and the workers to have filled the masks (else fill them here), upload them and
+        apply them on the device, before the picks are launched. A row whose grammar ended with `current`'s token is
+        not masked (its pick is dropped)."""
+        if not any(item.group.masked for item in sched.scheduled):
             return
         self._accept_in_flight(current)
-        masks = self.structured.fill(sched, current.grammar_ends)
+        if current.grammar_job is not None:
+            masks = self.structured.job_masks(current.grammar_job, sched)
+        else:
+            masks = self.structured.fill(sched, current.grammar_ends)
         if masks is not None:
             self.structured.apply(logits, masks)
 
