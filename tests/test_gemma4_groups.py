@@ -161,7 +161,7 @@ def test_triton_kernels_write_and_read_a_layers_place_in_the_pages(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     table = torch.tensor([[4, 1, 3], [5, 2, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([19, 11], dtype=torch.int32, device=device)
-    slots = torch.cat([table[b, torch.arange(n) // block].long() * block + torch.arange(n) % block
+    slots = torch.cat([table.cpu()[b, torch.arange(n) // block].long() * block + torch.arange(n) % block
                        for b, n in enumerate(lens.tolist())]).to(device)
     cu = torch.tensor([0, 19, 30], dtype=torch.int32, device=device)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
