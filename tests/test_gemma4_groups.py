@@ -324,6 +324,8 @@ def test_a_small_pool_preempts_and_the_tokens_stay_exact(mode):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU model through the interpreter, which runs without CUDA "
+                                                      "only (test_gemma4_groups_on_cuda runs the kernels there)")
 def test_the_engine_on_the_triton_kernels(monkeypatch):
     """The whole engine on the Triton kernels (the interpreter without CUDA; about 20 s): local layers through the
     standard kernels, global layers of 512 through the wide ones, each on its page views; transformers' tokens."""
