@@ -2,7 +2,7 @@
 `GrammarJob`; `StructuredOutputs.collect` / `job_masks` wait for it).
 
 When a step's picks are launched, its constrained rows are split into chunks of at least `MIN_CHUNK_ROWS`, one per
-thread (`StructuredOutputs.threads`, `default_threads`: half the cores the process may use, at most 8); each chunk
+thread (`StructuredOutputs.threads`; `default_threads`: 1, as measured on an H200 host); each chunk
 (`advance_chunk`) waits for the picks' event, advances its matchers with one batch accept and fills the next step's
 mask rows with one batch fill. xgrammar's calls release the GIL (tvm-ffi), so the chunks run in parallel, and
 alongside the engine thread's Python work until it needs the masks. Accepts cost about as much as fills (1.5-6 us a
@@ -13,7 +13,6 @@ the chunks. With one thread (under 4 cores) there is no worker: the engine threa
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -40,13 +39,14 @@ def import_xgrammar():
 
 
 def default_threads() -> int:
-    """Worker threads for the grammar work of a step: half the cores this process may use (the engine thread and the
-    GPU driver keep the rest), 1 to 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores // 2))
+    """Worker threads for the grammar work of a step: 1, the engine thread itself (no worker).
+
+    Measured on an H200 host (16 cores; llama-1b shape, 64 schema-constrained requests of 512 tokens,
+    `bench_structured.py --grammar-threads 1,8`): one thread ran at 0.86 of unconstrained throughput, eight worker
+    threads at 0.60. The workers' waits and hand-offs cost the engine thread more than the batch fill they take off
+    it (`benchmarks/results/h200_2026-11-29e`). More threads stay available (`StructuredOutputs.threads`) for
+    grammars whose fill dominates."""
+    return 1
 
 
 _POOL: ThreadPoolExecutor | None = None
