@@ -17,9 +17,10 @@ How a step runs with constrained requests (`StructuredOutputs`, owned by the `En
 
 Pipelined decode (`hf_paged.engine.pipelined`): a constrained request with one sequence whose picks stay on the device
 is `masked` (`SequenceGroup.masked`, never `plain`). Its decode steps are pipelined too: the next step's forward is
-launched before the tokens of the step before are on the host; worker threads advance the matchers with those
-tokens as they arrive and fill the next masks (`advance`, `hf_paged.engine.grammar_jobs`) while the engine thread goes
-on; it collects them, uploads the masks and applies them (`job_masks`) before the pick is launched. So the fill
+launched before the tokens of the step before are on the host; a grammar job advances the matchers with those
+tokens and fills the next masks (`advance`, `hf_paged.engine.grammar_jobs`: in the engine thread by default, in
+worker threads when `threads` > 1); the engine thread collects it, uploads the masks and applies them (`job_masks`)
+before the pick is launched. So the fill
 overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token appends and
 scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched scheduling, upload
 and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with
