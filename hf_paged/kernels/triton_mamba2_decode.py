@@ -51,7 +51,7 @@ def _mamba2_decode_kernel(
     # torch's softplus (threshold 20), log1p(e) by Kahan's log(w) * e / (w - 1): exact where 1 + e rounds
     e = tl.exp(tl.minimum(v, 20.0))
     w = 1.0 + e
-    soft = tl.where(v > 20.0, v, tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0)))
+    soft = tl.where(v > 20.0, v, tl.where(w == 1.0, e, tl.log(w) * e / tl.where(w == 1.0, 1.0, w - 1.0)))
     step = _round(soft, low)
     decay = tl.exp(step * tl.load(A + h).to(tl.float32))
     bvec = tl.load(B + r * stride_bb + g * stride_bg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
