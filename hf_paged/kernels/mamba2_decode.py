@@ -9,9 +9,10 @@ model it rounds where transformers' torch code does (`dt`, `dt * B`, `dt * B * x
 with C, that product and the skip `x * D` in the model's dtype; the state and its decay in float32), so the fast
 path's tokens follow the mixer's own decode.
 
-Why a kernel: gathering the states (`index_select`), updating the copy in several full passes and scattering it back
-(`index_copy_`) moved the largest tensor of a decode step about eight times (a Granite-4.0-H-Tiny shape: 400 MB a
-layer at 256 rows); Triton's kernel (`triton_mamba2_decode`, on CUDA) reads each state once and writes it once.
+Why a kernel: gathering the states (`index_select`), updating the copy in torch (`dA`, `dt * B * x`, the products
+and sums each a state-sized tensor) and scattering it back (`index_copy_`) read or wrote some twenty state-sized
+tensors, the largest of a decode step (a Granite-4.0-H-Tiny shape: 400 MB a layer at 256 rows); Triton's kernel
+(`triton_mamba2_decode`, on CUDA) reads each state once and writes it once.
 The reference (elsewhere) gathers and scatters, as transformers' decode does.
 
 Each row has a slot of its own; rows that share one (a CUDA graph bucket's padding rows, all on the pool's scratch

@@ -39,7 +39,7 @@ def _mamba2_decode_kernel(
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
-    low: tl.constexpr = X.dtype.element_ty
+    low = X.dtype.element_ty
     g = h // REPEAT
     offs_p = pb * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
@@ -79,7 +79,8 @@ def mamba2_decode(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.T
     if state.stride(-1) != 1:  # updated in place: a contiguous copy would lose the update
         raise ValueError("mamba2_decode: state must be contiguous in its last dimension")
     bn = triton.next_power_of_2(size)
-    bp = min(triton.next_power_of_2(dim), max(16, 8192 // bn))  # a [BP, BN] fp32 tile: 32 KiB at most
+    # a [BP, BN] fp32 tile of 16 KiB at most (two live: the state and `dt * B * x`), more programs than heads x rows
+    bp = min(triton.next_power_of_2(dim), max(16, 4096 // bn))
     x, dt, b, c = (_last_contig(t) for t in (x, dt, b, c))
     a, d, dt_bias, slots = (t.contiguous() for t in (a, d, dt_bias, slots))
     # transformers' `x * D` stays in the model's dtype when D's dtype promotes to it (else float32)
