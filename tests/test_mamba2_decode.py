@@ -12,6 +12,7 @@ from transformers.models.bamba.modeling_bamba import mamba2_selective_state_upda
 from hf_paged.kernels.mamba2_decode import mamba2_decode, mamba2_decode_reference
 
 triton = pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel under Triton's interpreter without CUDA
 
 
 def inputs(rows: int, heads: int, dim: int, size: int, groups: int, dtype: torch.dtype, num_slots: int,
@@ -43,9 +44,22 @@ def transformers_update(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return y, states
 
 
-def assert_slots_updated(args: dict, before: torch.Tensor, new_states: torch.Tensor, **tolerance) -> None:
+def assert_close_but_flips(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
+    """`actual` within (`rtol`, `atol`) of `expected` but for rare flips: a 16-bit rounding that an ulp of float32
+    (the GPU's `exp`, a fused multiply-add, another summation order) tips the other way moves a value, or a head's
+    whole state, by an ulp of bfloat16. At most one element in a thousand (two in a small tensor) off, none by more
+    than 2 % of the tensor's largest value: a rounding put in the wrong place moves most elements."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    a, e = actual.float(), expected.float()
+    off = ~torch.isclose(a, e, rtol=rtol, atol=atol)
+    assert int(off.sum()) <= max(2, e.numel() // 1000), f"{int(off.sum())} of {e.numel()} differ"
+    assert float((a - e).abs().max()) <= 0.02 * float(e.abs().max())
+
+
+def assert_slots_updated(args: dict, before: torch.Tensor, new_states: torch.Tensor, rtol: float,
+                         atol: float) -> None:
     slots = args["slots"]
-    torch.testing.assert_close(args["state"][slots], new_states, **tolerance)
+    assert_close_but_flips(args["state"][slots], new_states, rtol, atol)
     untouched = [s for s in range(before.shape[0]) if s not in slots.tolist()]
     assert torch.equal(args["state"][untouched], before[untouched])  # other slots are never written
 
@@ -72,14 +86,14 @@ def test_triton_kernel_equals_reference_in_place(dims, dtype, d_dtype, monkeypat
     """Under Triton's interpreter without CUDA: rows in a shuffled slot order, B / C groups repeated to the heads."""
     heads, dim, size, groups = dims
     args = inputs(rows=3, heads=heads, dim=dim, size=size, groups=groups, dtype=dtype, num_slots=7,
-                  d_dtype=d_dtype)
+                  device=DEVICE, d_dtype=d_dtype)
     before = args["state"].clone()
     reference = {**args, "state": args["state"].clone()}
     expected = mamba2_decode_reference(**reference)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     y = mamba2_decode(**args)
     assert y.dtype == dtype and y.shape == args["x"].shape
-    torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    assert_close_but_flips(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
     assert_slots_updated(args, before, reference["state"][args["slots"]], rtol=1e-5, atol=1e-5)
 
 
@@ -107,5 +121,5 @@ def test_triton_kernel_on_cuda_at_a_granite_shape(dtype):
     reference = {**args, "state": args["state"].clone()}
     expected = mamba2_decode_reference(**reference)
     y = mamba2_decode(**args)
-    torch.testing.assert_close(y, expected, rtol=1e-4 if dtype == torch.float32 else 1.6e-2, atol=1e-4)
+    assert_close_but_flips(y, expected, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=1e-4)
     assert_slots_updated(args, before, reference["state"][args["slots"]], rtol=1e-5, atol=1e-4)
