@@ -19,7 +19,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["active_cache", "write_and_decode", "fused_decode_attention", "active_deferred_cache"]
+__all__ = ["active_cache", "write_and_decode", "fused_decode_attention", "active_deferred_cache", "active_state_pool"]
 
 # --------------------------------------------------------------------------- whole decode forward
 # `compile_decode`: Dynamo traces transformers' own modeling code for a decode step and Inductor fuses everything but
@@ -128,3 +128,12 @@ def active_deferred_cache():
     """The cache of the compiled decode step being traced, if it deferred its K/V write to the fused op; else None."""
     active = _ACTIVE[0]
     return active if active is not None and active._defer_write else None
+
+
+def active_state_pool():
+    """The recurrent-state pool of the active cache: what the compiled step's state ops (`recurrent.gather_state`,
+    `commit_states`, `gdn_decode_slots`, `mamba2.mamba2_decode_slots`) read and write, by layer index."""
+    cache = _ACTIVE[0]
+    if cache is None or cache.states is None:
+        raise RuntimeError("hf_paged's recurrent-state ops ran outside hf_paged's compiled step (no active cache)")
+    return cache.states.pool

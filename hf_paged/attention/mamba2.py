@@ -10,8 +10,9 @@ is slow. This path keeps the module's own `in_proj`, convolution weights, `dt_bi
 * the projection (Falcon-H1: its input multiplier and `mup_vector` first), split into gate, conv input and `dt`;
 * the depthwise causal convolution over each sequence's rows from its convolution state, then the activation
   (`varlen.ragged_conv`, shared with `gated_deltanet`); the new convolution states go to the slots;
-* decode rows (one token with a state): transformers' own `mamba2_selective_state_update` over all of them in one
-  call, on their states gathered once and written back once (`dt` not clamped there, as transformers does);
+* decode rows (one token with a state): `kernels.mamba2_decode` over all of them in one call, transformers'
+  `mamba2_selective_state_update` (`dt` not clamped there, as transformers does) on each state in its slot, read
+  once and written once (Triton on CUDA);
 * prefill chunks: the SSD scan over all chunks in one variable-length call, from each chunk's state (its slot's, or
   zeros). Mamba 2 is a scalar-gated linear recurrence per head, so on CUDA it is flash-linear-attention's
   `chunk_simple_gla` with `cu_seqlens`: q = C, k = B (groups repeated to the heads), v = x * dt, g = dt * A,
@@ -21,8 +22,9 @@ is slow. This path keeps the module's own `in_proj`, convolution weights, `dt_bi
 * the gate: the module's gated norm (Falcon-H1 without `mamba_rms_norm`: `silu(gate)`), then `out_proj`.
 
 Decode-only steps over the static buffers (what CUDA graphs record, eager or compiled) run `decode`: the same
-pieces for one token a row, the states gathered and written back by the compiled step's opaque ops when traced
-(`recurrent.gather_state`, `commit_states`). The module's own decode form would do the same work, but Falcon-H1's
+pieces for one token a row; traced in the compiled step, the convolution states go through the opaque ops
+(`recurrent.gather_state`, `commit_states`) and the recurrent update through `mamba2_decode_slots`, so Dynamo never
+sees the pool written in place. The module's own decode form would do the same work, but Falcon-H1's
 gated norm (`mamba_rms_norm`, what its checkpoints use) squeezes a one-token batch `[B, 1, I]` to `[B, I]`, which
 breaks it for more than one row (transformers' own batched generate too); here the norm gets `[B, I]` rows.
 
@@ -50,10 +52,13 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ..kernels.mamba2_decode import mamba2_decode
 from ..kernels.reference_gla import chunk_simple_gla_reference
+from .compiled_op import active_state_pool
 from .varlen import Sequences, enabled, fla_function, ragged_conv, run_packed
 
-__all__ = ["FORCE", "Mamba2Path", "applies", "install", "reference_scan", "uninstall", "warm_up"]
+__all__ = ["FORCE", "Mamba2Path", "applies", "install", "mamba2_decode_slots", "reference_scan", "uninstall",
+           "warm_up"]
 
 FORCE = False  # run the fast path on the CPU too (tests)
 # the mixers whose forward this path reproduces (read in transformers 5.17), by class and modeling module
@@ -76,7 +81,6 @@ class Mamba2Path:
         self.act = ACT2FN[module.activation]
         self.falcon = type(module).__name__ == "FalconH1Mixer"
         self.limit = (float(module.time_step_limit[0]), float(module.time_step_limit[1]))
-        self.state_update = sys.modules[type(module).__module__].mamba2_selective_state_update
 
     @staticmethod
     def supports(module: torch.nn.Module) -> bool:
@@ -126,9 +130,8 @@ class Mamba2Path:
             which = np.flatnonzero(decoding)
             pick = torch.as_tensor(seqs.rows_of(which), device=device)
             slots = state_slots[torch.as_tensor(which, device=device)]
-            state = state_pool.index_select(0, slots)
-            y = self._update(module, x[pick], dt[pick], b[pick], c[pick], state)
-            state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
+            y = mamba2_decode(x[pick], dt[pick], _decay(module), b[pick], c[pick], module.D, module.dt_bias,
+                              state_pool, slots)
             out.index_copy_(0, pick, self._gate(module, y.reshape(len(pick), -1), gate[pick]).to(out.dtype))
         chunks = np.flatnonzero(~decoding)
         if len(chunks):
@@ -144,44 +147,35 @@ class Mamba2Path:
             return y * F.silu(gate)
         return module.norm(y, gate)
 
-    def _update(self, module, x, dt, b, c, state: torch.Tensor) -> torch.Tensor:
-        """One token of each row from its state `state` `[B, heads, head_dim, state]`, updated in place
-        (transformers' own state update, called as its decode form calls it); returns `[B, heads, head_dim]` in the
-        model's dtype."""
-        dim, size = module.head_dim, module.ssm_state_size
-        a = -torch.exp(module.A_log.float())
-        return self.state_update(state, x, dt[:, :, None].expand(-1, -1, dim), a[:, None, None].expand(-1, dim, size),
-                                 b, c, module.D[:, None].expand(-1, dim), z=None,
-                                 dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True)
-
     def decode(self, module, hidden: torch.Tensor, slots: torch.Tensor, pool, compiled: bool) -> torch.Tensor:
         """A decode-only step over the static buffers (what CUDA graphs record): rows `hidden` `[B, H]` each decoding
         one token from its slot's states; returns `[B, H]`. `compiled`: traced in the compiled step, the states go
-        through the opaque ops (`recurrent.gather_state`, `commit_states`) with the layer's state layout
-        (`_hf_paged_state_layout`)."""
+        through the opaque ops (`recurrent.gather_state` with the layer's state layout (`_hf_paged_state_layout`),
+        `mamba2_decode_slots`, `commit_states`)."""
         layer = module.layer_idx
         gate, xbc, dt = self._project(module, hidden)
         if compiled:
-            specs = {kind: (list(shape), dtype) for kind, index, shape, dtype in module._hf_paged_state_layout
-                     if index == 0}
-            conv_state, state = (torch.ops.hf_paged.gather_state(slots, layer, kind, 0, *specs[kind])
-                                 for kind in ("conv", "recurrent"))
+            shape, dtype = next((shape, dtype) for kind, index, shape, dtype in module._hf_paged_state_layout
+                                if kind == "conv" and index == 0)
+            conv_state = torch.ops.hf_paged.gather_state(slots, layer, "conv", 0, list(shape), dtype)
         else:
-            conv_state, state = (pool.tensors[(layer, kind, 0)].index_select(0, slots) for kind in ("conv", "recurrent"))
+            conv_state = pool.tensors[(layer, "conv", 0)].index_select(0, slots)
         window = torch.cat([conv_state[:, :, 1:].to(xbc.dtype), xbc[:, :, None]], dim=-1)  # the last K inputs
         conv = (window.float() * module.conv1d.weight[:, 0].float()).sum(-1)
         if module.conv1d.bias is not None:
             conv = conv + module.conv1d.bias.float()
         rows, heads, groups, size = hidden.shape[0], module.num_heads, module.n_groups, module.ssm_state_size
         x, b, c = self.act(conv.to(xbc.dtype)).split([module.intermediate_size, groups * size, groups * size], -1)
-        y = self._update(module, x.reshape(rows, heads, module.head_dim), dt, b.reshape(rows, groups, size),
-                         c.reshape(rows, groups, size), state)
-        out = module.out_proj(self._gate(module, y.reshape(rows, -1), gate).to(hidden.dtype))
+        args = (x.reshape(rows, heads, module.head_dim), dt, _decay(module), b.reshape(rows, groups, size),
+                c.reshape(rows, groups, size), module.D, module.dt_bias)
         if compiled:
-            return torch.ops.hf_paged.commit_states(out, [window, state], slots, layer, [0, 1], [0, 0])
-        for kind, value in (("conv", window), ("recurrent", state)):
-            pool.tensors[(layer, kind, 0)].index_copy_(0, slots, value.to(pool.tensors[(layer, kind, 0)].dtype))
-        return out
+            y = torch.ops.hf_paged.mamba2_decode_slots(*args, slots, layer)
+            out = module.out_proj(self._gate(module, y.reshape(rows, -1), gate).to(hidden.dtype))
+            return torch.ops.hf_paged.commit_states(out, [window], slots, layer, [0], [0])
+        conv_pool = pool.tensors[(layer, "conv", 0)]
+        conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
+        y = mamba2_decode(*args, pool.tensors[(layer, "recurrent", 0)], slots)
+        return module.out_proj(self._gate(module, y.reshape(rows, -1), gate).to(hidden.dtype))
 
     def _prefill(self, module, x, dt, b, c, chunks, seqs: Sequences, state_slots,
                  state_pool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +202,24 @@ class Mamba2Path:
                           output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
         state_pool.index_copy_(0, slots, final.transpose(-1, -2).to(state_pool.dtype))
         return rows, out[0].float() + module.D.float()[:, None] * xs.float()
+
+
+def _decay(module) -> torch.Tensor:
+    """The heads' `A` = -exp(A_log) in float32, as transformers' decode form computes it."""
+    return -torch.exp(module.A_log.float())
+
+
+@torch.library.custom_op("hf_paged::mamba2_decode_slots", mutates_args=())
+def mamba2_decode_slots(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                        d: torch.Tensor, dt_bias: torch.Tensor, slots: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """`kernels.mamba2_decode` on layer `layer_idx`'s Mamba 2 states in the active cache's pool (updated in place,
+    which the op hides from Dynamo, as `recurrent.gdn_decode_slots` does): the compiled decode step (`decode`)."""
+    return mamba2_decode(x, dt, a, b, c, d, dt_bias, active_state_pool().tensors[(layer_idx, "recurrent", 0)], slots)
+
+
+@mamba2_decode_slots.register_fake
+def _(x, dt, a, b, c, d, dt_bias, slots, layer_idx):
+    return x.new_empty(x.shape)
 
 
 def reference_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,

@@ -46,7 +46,7 @@ import torch
 from ..cache import PagedCache
 from ..kernels.gated_delta import gdn_decode
 from . import gated_deltanet, mamba2, recurrent_families
-from .compiled_op import _ACTIVE
+from .compiled_op import active_state_pool
 
 __all__ = ["install", "uninstall", "mixer_modules", "is_mixer_class", "cache_argument"]
 
@@ -474,7 +474,7 @@ class _StateView:
 def gather_state(slots: torch.Tensor, layer_idx: int, kind: str, index: int, shape: list[int],
                  dtype: torch.dtype) -> torch.Tensor:
     """The states `(layer_idx, kind, index)` of `slots`, read from the active cache's pool (the compiled step)."""
-    return _active_pool().tensors[(layer_idx, kind, index)].index_select(0, slots)
+    return active_state_pool().tensors[(layer_idx, kind, index)].index_select(0, slots)
 
 
 @gather_state.register_fake
@@ -487,7 +487,7 @@ def commit_states(out: torch.Tensor, values: list[torch.Tensor], slots: torch.Te
                   kinds: list[int], indices: list[int]) -> torch.Tensor:
     """Write a layer's new states (`kinds`: indices into `_KINDS`) to `slots` of the active cache's pool; returns a
     copy of `out` (the layer's output, which the rest of the step reads: that keeps this op in the graph, in order)."""
-    pool = _active_pool()
+    pool = active_state_pool()
     for value, kind, index in zip(values, kinds, indices):
         target = pool.tensors[(layer_idx, _KINDS[kind], index)]
         target.index_copy_(0, slots, value.to(target.dtype))
@@ -504,19 +504,12 @@ def gdn_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      slots: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     """`kernels.gated_delta.gdn_decode` on layer `layer_idx`'s delta-rule states in the active cache's pool (updated in place):
     the compiled decode step of a gated DeltaNet layer (`gated_deltanet`)."""
-    return gdn_decode(q, k, v, g, beta, _active_pool().tensors[(layer_idx, "recurrent", 0)], slots, scale)
+    return gdn_decode(q, k, v, g, beta, active_state_pool().tensors[(layer_idx, "recurrent", 0)], slots, scale)
 
 
 @gdn_decode_slots.register_fake
 def _(q, k, v, g, beta, slots, layer_idx, scale):
     return torch.empty_like(v)
-
-
-def _active_pool():
-    cache = _ACTIVE[0]
-    if cache is None or cache.states is None:
-        raise RuntimeError("hf_paged's recurrent-state ops ran outside hf_paged's compiled step (no active cache)")
-    return cache.states.pool
 
 
 def _bound_forward(forward, call: dict, hidden_name: str, cache_arg: str, view: _StateView,
