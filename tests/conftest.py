@@ -8,6 +8,9 @@
   2.5 s that way on a busy machine. Set `HF_PAGED_TEST_THREADS` to override the share.
 * Triton's interpreter skips re-patching `triton.language` on every helper call (tests/interpreter_speedup.py; set
   `HF_PAGED_TEST_INTERPRETER_SPEEDUP=0` to run it unchanged).
+* Without CUDA the compiled step compiles through AOT autograd alone (`HF_PAGED_COMPILE_BACKEND=aot_eager`,
+  `hf_paged.runner.sibling_linears.COMPILE_BACKEND`): the same capture and graph passes without Inductor's C++ code
+  generation, which took minutes of a cold CI run; tests marked `inductor` compile with Inductor.
 * `--module-coverage` (used by `make test-fast`) fails the run when an hf_paged module was not exercised
   (tests/module_coverage.py says how that is measured).
 
@@ -51,6 +54,9 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the compiled step through Dynamo and AOT autograd without Inductor's code generation (a C++ compile of every
+    # tiny graph: minutes of a cold CI run); the tests marked `inductor` run it (`_compile_backend`)
+    os.environ.setdefault("HF_PAGED_COMPILE_BACKEND", "aot_eager")
 
 try:
     from tests import interpreter_speedup, module_coverage
@@ -60,6 +66,15 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
 
 if not _has_cuda and os.environ.get("HF_PAGED_TEST_INTERPRETER_SPEEDUP", "1") != "0":
     interpreter_speedup.install()
+
+
+@pytest.fixture(autouse=True)
+def _compile_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `inductor` compiles with Inductor, whatever `HF_PAGED_COMPILE_BACKEND` says."""
+    if request.node.get_closest_marker("inductor") is not None:
+        from hf_paged.runner import sibling_linears
+
+        monkeypatch.setattr(sibling_linears, "COMPILE_BACKEND", "inductor")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

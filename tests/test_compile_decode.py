@@ -88,6 +88,7 @@ def test_compiled_decode_of_adapted_families_is_one_graph_and_matches_transforme
 
 
 @pytest.mark.slow
+@pytest.mark.inductor  # (Inductor's generated code, not only the capture)
 def test_regional_compilation_compiles_the_layer_code_once_for_every_layer():
     """Six layers cost the compilations of two: the layer code is shared, `layer_idx` and the batch symbolic."""
     model = tiny_model("llama", seed=1, num_hidden_layers=6)
@@ -244,6 +245,7 @@ def test_compiled_layers_route_only_the_owning_thread():
 
 
 @pytest.mark.slow
+@pytest.mark.inductor  # (Inductor's generated code, not only the capture)
 def test_compiled_decode_equals_static_path_under_preemption_forks_and_prefix_hits():
     model = tiny_model("llama", seed=2)
     prompts = random_prompts((30, 9, 25, 14, 33, 6, 21, 18), seed=5)
@@ -319,6 +321,15 @@ def test_a_dropped_model_is_freed_after_a_compiled_engine():
         assert layer_weight() is None and norm_weight() is None
     finally:
         gc.unfreeze()
+
+
+def test_an_unknown_compile_backend_is_refused(monkeypatch):
+    from hf_paged.runner import sibling_linears
+
+    monkeypatch.setattr(sibling_linears, "COMPILE_BACKEND", "tvm")
+    graph = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="HF_PAGED_COMPILE_BACKEND"):
+        sibling_linears.fusing_backend(graph, [torch.randn(1, 2)])
 
 
 def test_compile_decode_arguments():

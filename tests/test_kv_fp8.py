@@ -305,21 +305,23 @@ def test_compiled_decode_reads_fp8(fp8_reference):
 # --------------------------------------------------------------------------- SmolLM2
 @pytest.mark.slow
 def test_smollm2_fp8_greedy_agreement_and_logprobs():
-    """SmolLM2-135M in float32, 8 prompts x 64 greedy tokens: the FP8 cache's calibrated run against the float32
-    cache's (`benchmarks/bench_kv_fp8_accuracy.py` measured the bounds' margins: docs/engine.md)."""
+    """SmolLM2-135M in float32, 6 prompts x 40 greedy tokens: the FP8 cache's calibrated run against the float32
+    cache's (`benchmarks/bench_kv_fp8_accuracy.py` measured the bounds' margins: docs/engine.md). 6 x 40 tokens keep
+    the margins of 8 x 64 (teacher-forced agreement 97.1 %, mean |dlogp| 0.038, against 96.3 % and 0.042) in half
+    the time."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from bench_kv_fp8_accuracy import main
 
-    report = main(["--dtype", "float32", "--prompts", "8", "--new-tokens", "64", "--scales", "calibrate"])
+    report = main(["--dtype", "float32", "--prompts", "6", "--new-tokens", "40", "--scales", "calibrate"])
     figures = report["fp8"]["calibrate"]
     assert figures["teacher_forced_argmax_agreement"] > 0.95
     assert figures["mean_abs_logprob_diff"] < 0.1
-    # The share of the 64 free-running tokens before the first difference is reported, not bounded: one near tie
-    # sends greedy decoding down another continuation, so it measures the prompts more than the cache (18.9 % with
-    # this GGUF-converted SmolLM2, whose teacher-forced agreement is 96 %).
+    # The share of the 40 free-running tokens before the first difference is reported, not bounded: one near tie
+    # sends greedy decoding down another continuation, so it measures the prompts more than the cache (55 % here,
+    # 40 % over 8 x 64 tokens, with this GGUF-converted SmolLM2).
     assert 0.0 <= figures["mean_common_prefix"] <= 1.0
 
 

@@ -29,6 +29,7 @@ and the sampled Qwen3-0.6B workload from 9.27 to 8.97 s.
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 from contextlib import nullcontext
 
@@ -321,16 +322,33 @@ FUSED = {"graphs": 0, "groups": 0, "residual_adds": 0}
 COMBO_KERNELS = True
 
 
+#: what compiles the step's graph after the passes above: "inductor" (code generation: what a deployment runs) or
+#: "aot_eager" (Dynamo and AOT autograd, the graph run by eager kernels: the same capture, graph breaks, custom ops
+#: and passes, no generated code). The environment's ``HF_PAGED_COMPILE_BACKEND`` sets it at import. The test suite
+#: takes "aot_eager" on a CPU-only machine (tests/conftest.py), where Inductor's C++ compilation of every tiny
+#: graph cost minutes of a cold CI run, and runs the tests marked `inductor` with Inductor.
+COMPILE_BACKEND = os.environ.get("HF_PAGED_COMPILE_BACKEND", "inductor")
+_BACKENDS = ("inductor", "aot_eager")
+if COMPILE_BACKEND not in _BACKENDS:
+    raise ValueError(f"HF_PAGED_COMPILE_BACKEND must be one of {_BACKENDS}, got {COMPILE_BACKEND!r}")
+
+
 def fusing_backend(gm: torch.fx.GraphModule, example_inputs):
     """`torch.compile` backend of the compiled step: `fuse_sibling_linears`, `fold_residual_adds`, then Inductor (with
-    `COMBO_KERNELS`)."""
+    `COMBO_KERNELS`), or AOT autograd alone (`COMPILE_BACKEND`)."""
     import torch._inductor.config as inductor_config
+    from torch._dynamo.backends.debugging import aot_eager
     from torch._inductor.compile_fx import compile_fx
 
+    if COMPILE_BACKEND not in _BACKENDS:
+        raise ValueError(f"HF_PAGED_COMPILE_BACKEND / COMPILE_BACKEND must be one of {_BACKENDS}, "
+                         f"got {COMPILE_BACKEND!r}")
     FUSED["graphs"] += 1
     FUSED["groups"] += fuse_sibling_linears(gm, example_inputs)
     if FOLD_RESIDUAL_ADDS:
         FUSED["residual_adds"] += fold_residual_adds(gm)
+    if COMPILE_BACKEND == "aot_eager":
+        return aot_eager(gm, example_inputs)
     combo = COMBO_KERNELS and hasattr(inductor_config, "combo_kernels")
     with inductor_config.patch(combo_kernels=True) if combo else nullcontext():
         return compile_fx(gm, example_inputs)
