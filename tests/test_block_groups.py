@@ -406,10 +406,10 @@ TestGroupedMachine = GroupedMachine.TestCase
 
 
 class _LongRun(GroupedMachine):
-    """The same machine with more runs (``-m slow``): $HF_PAGED_LONG_EXAMPLES of them, 250 by default."""
+    """The same machine with more runs (``-m slow``): $HF_PAGED_LONG_EXAMPLES of them, 150 by default."""
 
 
-_LongRun.TestCase.settings = settings(max_examples=int(os.environ.get("HF_PAGED_LONG_EXAMPLES", "250")),
+_LongRun.TestCase.settings = settings(max_examples=int(os.environ.get("HF_PAGED_LONG_EXAMPLES", "150")),
                                       stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
 TestGroupedMachineLong = pytest.mark.slow(_LongRun.TestCase)

@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir inserti
     from helpers import dense_generate, greedy_reference, restore_generation_config, tiny_word_tokenizer
 
 LONG = os.environ.get("HF_PAGED_SOAK", "").lower() == "long"
-REQUESTS_PER_PHASE = 5000 if LONG else 1000
+REQUESTS_PER_PHASE = 5000 if LONG else 600
 MAX_NEW = 24  # longest greedy request; reference streams have this many tokens
 EOS = 2
 HAS_BEAMS = "num_beams" in hf_paged.SamplingParams.names()
@@ -312,7 +312,7 @@ def test_soak(model, corpus, one_thread):
     print(f"\nsoak ({'long' if LONG else 'CI'}): {dict(sorted(totals.items()))}")
     assert totals["blocks_leaked"] == 0
     assert totals["requests"] == 2 * REQUESTS_PER_PHASE
-    assert totals["preemptions_recompute"] >= 150 and totals["preemptions_swap"] >= 150, totals
+    assert totals["preemptions_recompute"] >= 100 and totals["preemptions_swap"] >= 100, totals
     assert totals["phase2_preemptions_recompute"] >= 1, "no swap fell back to recompute"
     assert totals["requests_aborted"] >= 50 and totals["requests_failed"] >= 10, totals
     assert totals["forward_faults"] >= 5 and totals["keyboard_interrupts"] >= 5, totals
