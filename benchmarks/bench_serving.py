@@ -180,6 +180,7 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
     start = time.perf_counter()
     stamps = []
+    finished = None  # when the choice's finish reason came
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -187,11 +188,17 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return {"ok": False, "error": str(chunk["error"])[:200]}
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         stamps.append(time.perf_counter())
+                    if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
+                        finished = finished or time.perf_counter()
     except httpx.HTTPError as error:
         return {"ok": False, "error": repr(error)}
     end = time.perf_counter()
+    if not stamps and finished is not None:  # served, but every token was a special one (no text): a random-weight
+        stamps = [finished]                  # model can draw only those for a short output
     if not stamps:
         return {"ok": False, "error": "no tokens"}
     return {"ok": True, "sent": start, "ttft": stamps[0] - start, "e2e": end - start, "itl": list(np.diff(stamps)),

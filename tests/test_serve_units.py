@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
-from hf_paged.serve.stops import TextTracker, find_stop, held_back  # noqa: E402
+from hf_paged.serve.stops import TextTracker, fast_decode, find_stop, held_back  # noqa: E402
 from hf_paged.testing import byte_tokenizer, tiny_model  # noqa: E402
 
 
@@ -98,6 +98,31 @@ def test_incremental_text_equals_the_full_decode(make, stops):
             assert expected.startswith(sent), (trial, ids, n)  # nothing sent is ever taken back
         assert sent == expected, (trial, ids)
         assert tracker.stopped == (cut is not None)
+
+
+def test_fast_decode_equals_transformers_decode_or_stands_aside():
+    """The Rust decode the text tracker uses is transformers' `decode(ids, skip_special_tokens=True)`, special ids
+    included; a tokenizer whose decode does more (the clean-up of tokenization spaces, an override) keeps its own."""
+    import random
+
+    for make in (byte_tokenizer, metaspace_tokenizer):
+        tok = make()
+        decode = fast_decode(tok)
+        rng = random.Random(0)
+        for _ in range(20):
+            ids = [rng.randrange(0, len(tok)) for _ in range(rng.randrange(0, 12))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    tok = metaspace_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decode(tok) is None
+
+    class Custom(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return "x"
+
+    custom = Custom(tokenizer_object=metaspace_tokenizer()._tokenizer, pad_token="<pad>")
+    assert fast_decode(custom) is None
+    assert fast_decode(_CharTok()) is None
 
 
 @pytest.mark.parametrize("body, param", [

@@ -109,14 +109,8 @@ def build_app(engine: Engine | ReplicaRouter, tokenizer=None, *, model_name: str
         return JSONResponse(error_body(str(error.detail), "invalid_request_error", None, str(error.status_code)),
                             status_code=error.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                error = ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     def check_model(requested: str | None) -> str | None:
         """The LoRA adapter `requested` names (None: the base model); 404 for a model this server does not serve."""
@@ -273,6 +267,25 @@ async def _run_whole(gen: Generation, request: Request) -> list[tuple[str, list,
             task.cancel()
         gen.abort()
     return list(zip(texts, logprobs, reasons, prompts))
+
+
+class _ApiKeyCheck:
+    """401 for a `/v1` request without `Authorization: Bearer <api_key>`, as a plain ASGI middleware: starlette's
+    `BaseHTTPMiddleware` (`@app.middleware("http")`) relays every response body through a memory stream and task
+    group, which cost the front's event loop about as much as everything else in a streamed token did."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((value for key, value in scope["headers"] if key == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _sse_response(gen: Generation, model: str, include_usage: bool, *, chat: bool,

@@ -196,8 +196,8 @@ class Generation:
         piling up (the stream then carries several tokens per event, as vLLM's does)."""
         latest = {}
         timeout = None if self.ticket is None else self.ticket.remaining()
-        try:
-            out = await asyncio.wait_for(self.queue.get(), timeout)
+        try:  # `wait_for` wraps the get in a task: skipped when there is no deadline (one per streamed event)
+            out = await (self.queue.get() if timeout is None else asyncio.wait_for(self.queue.get(), timeout))
         except asyncio.TimeoutError:
             self.ticket.limits.timed_out += 1
             raise RequestTimedOut(f"the request ran past the server's request timeout ({self.ticket.timeout:g} s) "

@@ -7,7 +7,26 @@ to be the start of a stop string, nor half of a multi-byte character. `TextTrack
 
 from __future__ import annotations
 
-__all__ = ["TextTracker", "find_stop", "held_back"]
+from collections.abc import Callable
+
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+__all__ = ["TextTracker", "fast_decode", "find_stop", "held_back"]
+
+
+def fast_decode(tokenizer) -> Callable[[list[int]], str] | None:
+    """The Rust tokenizer's own `decode(ids, skip_special_tokens=True)` where transformers' `decode` adds nothing to
+    it (a fast tokenizer whose `decode` / `_decode` are not overridden, without the clean-up of tokenization spaces),
+    else None. Three times cheaper a call (about 5 against 16 us on one core): a stream decodes twice a token, and on
+    a busy server the front's event loop, not the GPU, sets the pace (`--data-parallel-size`)."""
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, TokenizersBackend) or backend is None
+            or cls.decode is not TokenizersBackend.decode or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
 
 
 def find_stop(text: str, stops: list[str]) -> int | None:
@@ -50,6 +69,7 @@ class TextTracker:
         self.tokenizer = tokenizer
         self.keep_special = keep_special
         self._special = _special_ids(tokenizer) - keep_special if keep_special else frozenset()
+        self._fast = None if keep_special else fast_decode(tokenizer)
         self.stops = stops
         self._longest_stop = max((len(s) for s in stops), default=0)
         self.text = ""  # the decoded text of the tokens read so far
@@ -63,6 +83,8 @@ class TextTracker:
         if self.keep_special:
             drop = self._special
             return self.tokenizer.decode([t for t in token_ids if t not in drop], skip_special_tokens=False)
+        if self._fast is not None:
+            return self._fast(token_ids)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _advance(self, token_ids: list[int], finished: bool) -> None:
