@@ -28,7 +28,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _cases(dtype: torch.dtype, vocab: int = 1500, seed: int = 0) -> torch.Tensor:
     """Eight rows: distinct values, rounded (ties everywhere, the boundary among them), NaN and infinities, three
-    finite values among -inf (the list ends in -inf ties), one value everywhere, signed zeros at the boundary
+    finite values among -inf (the list ends in -inf ties), one value everywhere but four, signed zeros at the boundary
     (negatives, then 30 zeros of either sign), peaked (six values far above), and the rounded row again."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8, vocab, generator=g) * 3
@@ -39,6 +39,7 @@ def _cases(dtype: torch.dtype, vocab: int = 1500, seed: int = 0) -> torch.Tensor
     x[3] = -float("inf")
     x[3, [3, vocab // 2, vocab - 1]] = torch.tensor([1.0, -2.0, 1.0])
     x[4] = 0.75
+    x[4, 60:64] = 2.0  # (taken late by the list that overflows: the radix passes must rewrite it whole)
     x[5] = -x[5].abs() - 1
     x[5, 100:130] = 0.0
     x[5, 100:130:3] = -0.0
@@ -75,22 +76,34 @@ def test_reference_matches_topk(dtype):
     kth = keys.sort(1, descending=True).values[:, 49]
     assert torch.equal(threshold, kth)
     assert torch.equal(ties, 50 - (keys > kth[:, None]).sum(1))
+    for group in (1, 4, 16, 64):  # the bound from group maxima: never above the count-th key, so the list holds it
+        bound = reference_select.group_bound(keys, 50, group)
+        assert bool((bound <= kth).all()) and bool((reference_select.list_sizes(keys, 50, group) >= 50).all())
+    assert bool((reference_select.list_sizes(keys, 50, 4)[[0, 6]] <= 100).all())  # and near it on random rows
     assert bool((keys == 32767 if dtype != torch.float32 else keys == 2**31 - 1)[2, [5, 350]].all())  # NaN: the top
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_matches_reference(dtype):
-    """The Triton radix select (several programs a row: histograms added with atomics, tied keys taken through a
-    counter) gives the reference's values, its indices distinct positions holding them, the same set of those above
-    the threshold; a list as wide as the row takes all of it."""
+    """The Triton selection (several programs a row) gives the reference's values, its indices distinct positions
+    holding them, with the same set above the threshold; a row whose list did not overflow (the bound's path) exactly
+    the reference's list, indices included; rows of ties and masks overflow and take the radix passes (histograms
+    added with atomics, tied keys through a counter); a list as wide as the row takes all of it."""
     tt = pytest.importorskip("hf_paged.kernels.triton_radix_select")
     logits = _cases(dtype, vocab=1024, seed=1)
     want, want_idx = reference_select.select_top(logits, 48)
-    values, indices = tt.select_top(logits.to(DEVICE), 48, block=256, chunk=512)
+    sizes = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    values, indices = tt.select_top(logits.to(DEVICE), 48, block=256, chunk=512, group=8, cap=128, sizes=sizes)
     values, indices = values.cpu(), indices.cpu()
     _check_selection(logits, values, indices, want)
     keys = reference_select.order_keys(logits)
     threshold, _ = reference_select.radix_threshold(keys, 48, reference_select.key_bits(dtype))
+    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(keys, 48, 8))  # the bound's
+    easy = sizes.cpu() <= 128
+    assert easy[[0, 6]].all() and not easy[[3, 4]].any()  # both paths taken (-inf and equal values overflow)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(values[easy].view(bits), want[easy].view(bits))
+    assert torch.equal(indices[easy].long(), want_idx[easy])
     for row in range(logits.shape[0]):
         above = keys[row, want_idx[row]] > threshold[row]
         assert set(want_idx[row][above].tolist()) == set(indices[row][keys[row, indices[row].long()] > threshold[row]]
@@ -98,6 +111,21 @@ def test_kernel_matches_reference(dtype):
     narrow = logits[:3, :40]
     values, indices = tt.select_top(narrow.to(DEVICE), 64, block=16, chunk=32)
     _check_selection(narrow, values.cpu(), indices.cpu(), narrow.topk(40, dim=1).values)
+
+
+def test_kernel_with_tl_sort():
+    """The GPU's way of ordering the bound's groups and the list (``tl.sort``), at a size the interpreter's sort
+    takes in a second: the reference's list exactly."""
+    tt = pytest.importorskip("hf_paged.kernels.triton_radix_select")
+    logits = _cases(torch.bfloat16, vocab=512, seed=5)[[0, 6]]
+    want, want_idx = reference_select.select_top(logits, 12)
+    sizes = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    values, indices = tt.select_top(logits.to(DEVICE), 12, block=128, chunk=256, group=16, cap=32, sort=True,
+                                    sizes=sizes)
+    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(reference_select.order_keys(logits), 12, 16))
+    assert bool((sizes <= 32).all())
+    assert torch.equal(values.cpu().view(torch.int16), want.view(torch.int16))
+    assert torch.equal(indices.cpu().long(), want_idx)
 
 
 def test_candidates_ignore_the_tie_choice():

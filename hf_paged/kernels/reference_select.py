@@ -1,17 +1,18 @@
-"""Plain-torch reference of the radix select (:mod:`hf_paged.kernels.triton_radix_select`): the same keys, the same
-8-bit passes and the same threshold, so a test can check the kernel step by step and both against ``torch.topk``.
+"""Plain-torch reference of the top-k selection in Triton (:mod:`hf_paged.kernels.triton_radix_select`): the same
+keys, the same bound from group maxima, the same 8-bit radix passes and threshold, so a test can check the kernels
+step by step and both against ``torch.topk``.
 
 Why a reference beside ``torch.topk``: ``torch.topk`` leaves two things open (which of the values tied at the
-``count``-th it returns, and their order), and so does the kernel (its programs reach the tie counter in any order);
-this reference fixes both (the least indices among the tied, equal keys by index), so it is one defined answer the
-tests compare the kernel's and torch's against, on what is defined.
+``count``-th it returns, and their order); this reference fixes both (the least indices among the tied, equal keys
+by index), as the kernels do for every row whose list did not overflow, so it is one defined answer the tests
+compare the kernels' and torch's against.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["order_keys", "key_bits", "radix_threshold", "select_top", "BINS"]
+__all__ = ["order_keys", "key_bits", "group_bound", "list_sizes", "radix_threshold", "select_top", "BINS"]
 
 BINS = 256
 _RAW = {torch.float32: (torch.int32, 32), torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16)}
@@ -31,6 +32,25 @@ def order_keys(logits: torch.Tensor) -> torch.Tensor:
     mag = (1 << (bits - 1)) - 1
     key = torch.where(b < 0, b ^ mag, b)
     return torch.where((b & mag) > _INF_BITS[logits.dtype], torch.full_like(key, mag), key)
+
+
+def group_bound(keys: torch.Tensor, count: int, group: int) -> torch.Tensor:
+    """Per row of ``keys [R, V]``: the ``count``-th largest of the maxima of its groups of ``group`` consecutive keys
+    (the last group shorter), a lower bound of its ``count``-th largest key (``count`` distinct keys reach it); the
+    least int32 where the row has fewer groups than ``count``."""
+    rows, vocab = keys.shape
+    n_groups = -(-vocab // group)
+    if n_groups < count:
+        return torch.full((rows,), -(2**31), dtype=torch.long, device=keys.device)
+    padded = torch.full((rows, n_groups * group), -(2**31), dtype=torch.long, device=keys.device)
+    padded[:, :vocab] = keys
+    return padded.view(rows, n_groups, group).amax(2).topk(count, dim=1).values[:, -1]
+
+
+def list_sizes(keys: torch.Tensor, count: int, group: int) -> torch.Tensor:
+    """How many keys of each row reach its `group_bound`: the length of its list (more than the kernel's ``cap``:
+    the row overflows and takes the radix passes)."""
+    return (keys >= group_bound(keys, count, group)[:, None]).sum(1)
 
 
 def radix_threshold(keys: torch.Tensor, count: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
