@@ -40,6 +40,7 @@ full kernel, and writes ``topk_select.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -244,10 +245,24 @@ def time_top_k(rows_list, shapes, device: str) -> list[dict]:
     return out
 
 
-def time_topk_select(selects, rows_list, shapes, dtypes, bw: float, device: str = "cuda") -> list[dict]:
-    """The fast path with each candidate selection (module docstring): one markdown row per shape, dtype, rows and
-    selection; refuses a selection whose values are not torch.topk's or whose tokens are not the full kernel's. On
-    the CPU (the Triton backend under the interpreter, tiny shapes: the test of this table) host times, no graphs."""
+def select_logits(kind: str, rows: int, vocab: int, k: int, count: int, device: str) -> torch.Tensor:
+    """float32 logits of the selection table: "flat" (`top_k_logits`' flat rows) or "masked" (every token -inf but
+    ``(k + count) // 2``: more than k, fewer than the list, as a grammar's mask may leave; the radix select's bound
+    is then -inf and its list overflows, so every row takes its radix passes: the worst case)."""
+    x = top_k_logits("flat", rows, vocab, device, seed=rows).float()
+    if kind == "masked":
+        g = torch.Generator(device=device).manual_seed(rows + 1)
+        keep = torch.rand(rows, vocab, generator=g, device=device).argsort(1)[:, : (k + count) // 2]
+        x = torch.full_like(x, -float("inf")).scatter_(1, keep, x.gather(1, keep))
+    return x
+
+
+def time_topk_select(selects, rows_list, shapes, dtypes, bw: float, device: str = "cuda",
+                     kinds=("flat", "masked")) -> list[dict]:
+    """The fast path with each candidate selection (module docstring): one markdown row per shape, logits kind, dtype,
+    rows and selection; refuses a selection whose values are not torch.topk's or whose tokens are not the full
+    kernel's. On the CPU (the Triton backend under the interpreter, tiny shapes: the test of this table) host times,
+    no graphs."""
     cuda = device == "cuda"
     if cuda:
         import triton.testing
@@ -267,52 +282,60 @@ def time_topk_select(selects, rows_list, shapes, dtypes, bw: float, device: str 
     saved = tt.TOPK_SELECT
     out = []
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; bound: one read of the logits at that rate")
-    print("\n| top-k selection | shape | dtype | rows | select | fallback rows | select µs | select graph µs | "
-          "fast µs | fast graph µs | kernel graph µs | bound µs | bound/select graph | bound/fast graph |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| top-k selection | shape | logits | dtype | rows | select | fallback rows | overflow rows | select µs | "
+          "select graph µs | fast µs | fast graph µs | kernel graph µs | bound µs | bound/select graph | "
+          "bound/fast graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    radix = _triton_module("triton_radix_select")
     try:
-        for name, (vocab, temperature, k, p) in shapes.items():
-            for dtype in dtypes:
-                for rows in rows_list:
-                    logits = top_k_logits("flat", rows, vocab, device, seed=rows).to(dtype)
-                    inv_t = torch.from_numpy(inverse_temperature([temperature] * rows)).to(device)
-                    args = (inv_t, torch.full((rows,), k, dtype=torch.int32, device=device),
-                            torch.full((rows,), p, device=device), torch.full((rows,), -float("inf"), device=device),
-                            torch.arange(rows, device=device) * 1000 + 7, torch.full((rows,), 100, device=device))
-                    count = candidate_count(k, vocab)
-                    bound_us = rows * vocab * logits.element_size() / bw * 1e6
-                    want_values = torch.topk(logits, count, dim=1).values
-                    full = sample_normalised(logits, *args)
-                    kernel_graph_us = graph(lambda x=logits, a=args: sample_normalised(x, *a)) * 1e3
-                    for select in selects:
-                        tt.TOPK_SELECT = select
-                        values, indices = tt.select_candidates(logits, count)
-                        same = (values == want_values) | (values.isnan() & want_values.isnan())
-                        if not (bool(same.all()) and torch.equal(logits.gather(1, indices.long()), values)):
-                            raise SystemExit(f"{select}: not torch.topk's values at {name} {dtype} {rows} rows")
+        for (name, (vocab, temperature, k, p)), kind, dtype, rows in itertools.product(shapes.items(), kinds, dtypes,
+                                                                                       rows_list):
+            logits = select_logits(kind, rows, vocab, k, candidate_count(k, vocab), device).to(dtype)
+            inv_t = torch.from_numpy(inverse_temperature([temperature] * rows)).to(device)
+            args = (inv_t, torch.full((rows,), k, dtype=torch.int32, device=device),
+                    torch.full((rows,), p, device=device), torch.full((rows,), -float("inf"), device=device),
+                    torch.arange(rows, device=device) * 1000 + 7, torch.full((rows,), 100, device=device))
+            count = candidate_count(k, vocab)
+            bound_us = rows * vocab * logits.element_size() / bw * 1e6
+            want_values = torch.topk(logits, count, dim=1).values
+            full = sample_normalised(logits, *args)
+            kernel_graph_us = graph(lambda x=logits, a=args: sample_normalised(x, *a)) * 1e3
+            for select in selects:
+                tt.TOPK_SELECT = select
+                values, indices = tt.select_candidates(logits, count)
+                same = (values == want_values) | (values.isnan() & want_values.isnan())
+                if not (bool(same.all()) and torch.equal(logits.gather(1, indices.long()), values)):
+                    raise SystemExit(f"{select}: not torch.topk's values at {name} {dtype} {rows} rows")
 
-                        def fast(x=logits, a=args, k=k):
-                            return sample_normalised(x, *a, top_k_bound=k)
+                def fast(x=logits, a=args, k=k):
+                    return sample_normalised(x, *a, top_k_bound=k)
 
-                        def select_only(x=logits, c=count):
-                            return tt.select_candidates(x, c)
+                def select_only(x=logits, c=count):
+                    return tt.select_candidates(x, c)
 
-                        if not torch.equal(fast(), full):
-                            raise SystemExit(f"{select}: the fast path's tokens differ at {name} {dtype} {rows} rows")
-                        decided = tt.candidate_tokens(values, indices, vocab, *args)
-                        row = dict(shape=name, dtype=str(dtype).replace("torch.", ""), rows=rows, vocab=vocab,
-                                   top_k=k, top_p=p, candidates=count, select=select,
-                                   fallback_rows=int((decided < 0).sum()), select_us=timer(select_only) * 1e3,
-                                   select_graph_us=graph(select_only) * 1e3, fast_us=timer(fast) * 1e3,
-                                   fast_graph_us=graph(fast) * 1e3, kernel_graph_us=kernel_graph_us,
-                                   bound_us=bound_us)
-                        out.append(row)
-                        print(f"| | {name} | {row['dtype']} | {rows} | {select} | {row['fallback_rows']} | "
-                              f"{row['select_us']:.1f} | {row['select_graph_us']:.1f} | {row['fast_us']:.1f} | "
-                              f"{row['fast_graph_us']:.1f} | {kernel_graph_us:.1f} | {bound_us:.1f} | "
-                              f"{bound_us / row['select_graph_us']:.0%} | {bound_us / row['fast_graph_us']:.0%} |",
-                              flush=True)
-                    del logits, want_values
+                if not torch.equal(fast(), full):
+                    raise SystemExit(f"{select}: the fast path's tokens differ at {name} {dtype} {rows} rows")
+                decided = tt.candidate_tokens(values, indices, vocab, *args)
+                overflow = -1  # (torch.topk has no list)
+                if select == "radix":
+                    sizes = torch.zeros(rows, dtype=torch.int32, device=device)
+                    radix.select_top(logits, count, sizes=sizes)
+                    overflow = int((sizes > radix.list_cap(count)).sum())
+                row = dict(shape=name, logits=kind, dtype=str(dtype).replace("torch.", ""), rows=rows,
+                           vocab=vocab, top_k=k, top_p=p, candidates=count, select=select,
+                           fallback_rows=int((decided < 0).sum()), overflow_rows=overflow,
+                           select_us=timer(select_only) * 1e3,
+                           select_graph_us=graph(select_only) * 1e3, fast_us=timer(fast) * 1e3,
+                           fast_graph_us=graph(fast) * 1e3, kernel_graph_us=kernel_graph_us,
+                           bound_us=bound_us)
+                out.append(row)
+                print(f"| | {name} | {kind} | {row['dtype']} | {rows} | {select} | {row['fallback_rows']} | "
+                      f"{overflow} | "
+                      f"{row['select_us']:.1f} | {row['select_graph_us']:.1f} | {row['fast_us']:.1f} | "
+                      f"{row['fast_graph_us']:.1f} | {kernel_graph_us:.1f} | {bound_us:.1f} | "
+                      f"{bound_us / row['select_graph_us']:.0%} | {bound_us / row['fast_graph_us']:.0%} |",
+                      flush=True)
+            del logits, want_values
     finally:
         tt.TOPK_SELECT = saved
     return out

@@ -637,10 +637,12 @@ def test_sampling_bench_times_the_candidate_selections_on_the_cpu(monkeypatch, c
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the real table")
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
-    rows = bench_sampling.time_topk_select(["torch", "radix"], [2], {"tiny": (512, 0.8, 8, 0.9)}, [torch.bfloat16],
+    rows = bench_sampling.time_topk_select(["torch", "radix"], [2], {"tiny": (256, 0.8, 8, 0.9)}, [torch.bfloat16],
                                            1e11, device="cpu")
-    assert [(r["select"], r["rows"], r["candidates"]) for r in rows] == [("torch", 2, 40), ("radix", 2, 40)]
+    assert [(r["logits"], r["select"], r["rows"], r["candidates"]) for r in rows] == [
+        ("flat", "torch", 2, 40), ("flat", "radix", 2, 40), ("masked", "torch", 2, 40), ("masked", "radix", 2, 40)]
     assert all(r["select_us"] > 0 and r["bound_us"] > 0 and 0 <= r["fallback_rows"] <= 2 for r in rows)
+    assert [r["overflow_rows"] for r in rows][::2] == [-1, -1]
     assert "| top-k selection |" in capsys.readouterr().out
 
 

@@ -9,9 +9,10 @@ every token the draw can take is among the row's k largest (ties at the boundary
    margin, so that a tie at the k-th value usually ends inside the list). It takes most of the path's time on long
    rows (H200, 240 bf16 rows of 262,144, count 128: 547 of 557 us); a topk in two rounds (the rows cut in pieces of
    8,192, the largest of each, then of those) was slower at every row count (684 us at 240 rows, 78 against 60 us at
-   one; `benchmarks/results/h200_2026-11-29d/`). `TOPK_SELECT` = ``"radix"`` takes the same list from a radix
-   select instead (:mod:`hf_paged.kernels.triton_radix_select`: a pass over the row per 8-bit digit of the key, one
-   to gather, a sort of the list), which reads a bf16 row three times and a float32 row five;
+   one; `benchmarks/results/h200_2026-11-29d/`). `TOPK_SELECT` = ``"radix"`` takes the same list from Triton
+   instead (:mod:`hf_paged.kernels.triton_radix_select`: a bound on the ``count``-th value from group maxima, one
+   pass collecting the few values above it, a sort of those; rows with too many, from ties or masks, take an exact
+   8-bit radix select), which reads most rows twice;
 2. `_candidate_kernel`, one program per row on its ``count`` candidates: the decisions of
    `reference_sampling.candidate_tokens` (top-k set with its boundary ties, top-p on the running mass, min-p, the
    Gumbel-max draw with the full kernel's noise and float operations), or -1 where the list cannot decide the row
