@@ -59,7 +59,6 @@ MAX_CAP = 4096
 _SCRATCH_TAIL = 4  # after a row's histograms: the gather's two counters, the list's counter, the bound
 _RAW = {torch.float32: (torch.int32, 32, 0x7F800000), torch.bfloat16: (torch.int16, 16, 0x7F80),
         torch.float16: (torch.int16, 16, 0x7C00)}  # dtype -> (bits' dtype, key bits, the bits of +inf)
-_INT32_MIN = -(2**31)
 
 
 @triton.jit
