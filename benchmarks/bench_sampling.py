@@ -30,11 +30,12 @@ tokens. ``--top-k-only`` runs only that table; ``--tiny`` runs it at small shape
 Qwen shapes, 1 / 8 / 64 / 240 flat rows of bf16 and float32 logits: the selection alone and the whole fast path,
 each with ``do_bench`` and replayed from a CUDA graph, against the bytes bound (one read of the logits at the copy
 bandwidth) and the full kernel. It checks that every selection gives torch.topk's values and the same tokens as the
-full kernel, and writes ``topk_select.json``.
+full kernel, and writes ``topk_select.json``; with ``--radix-sweep``, then the radix select alone for each value of
+each of its knobs (`SWEEP`, one at a time) at the Gemma shape.
 
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench [--quick]
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --top-k-only
-    PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --topk-select torch,radix
+    PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --topk-select torch,radix [--radix-sweep]
 """
 
 from __future__ import annotations
@@ -341,6 +342,47 @@ def time_topk_select(selects, rows_list, shapes, dtypes, bw: float, device: str 
     return out
 
 
+SWEEP = {  # knob of `triton_radix_select` -> values the sweep tries, one knob at a time (the others at their default)
+    "BLOCK": (1024, 2048, 4096),
+    "NUM_WARPS": (4, 8, 16),
+    "PROGRAMS_PER_SM": (2, 4, 8),
+    "CAP_PER_COUNT": (4, 8),
+    "GROUPS_PER_COUNT": (2, 4, 8),
+}
+
+
+def time_radix_sweep(bw: float, shape: str = "gemma3-t1.0-k64-p0.95", rows_list=(1, 240)) -> list[dict]:
+    """The radix select alone (GPU time replayed from a CUDA graph) for each value of each of its knobs (`SWEEP`),
+    flat bf16 and float32 rows of one shape; it checks each setting gives torch.topk's values."""
+    radix = _triton_module("triton_radix_select")
+    vocab, _, k, _ = TOP_K_SHAPES[shape]
+    count = candidate_count(k, vocab)
+    out = []
+    print(f"\n| radix sweep ({shape}, count {count}) | knob | value | dtype | rows | select graph µs | bound µs | "
+          "bound/select |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype, rows in itertools.product(SELECT_DTYPES, rows_list):
+        logits = top_k_logits("flat", rows, vocab, "cuda", seed=rows).to(dtype)
+        want = torch.topk(logits, count, dim=1).values
+        bound_us = rows * vocab * logits.element_size() / bw * 1e6
+        for knob, values in SWEEP.items():
+            default = getattr(radix, knob)
+            try:
+                for value in values:
+                    setattr(radix, knob, value)
+                    if not torch.equal(radix.select_top(logits, count)[0], want):
+                        raise SystemExit(f"radix select with {knob}={value}: not torch.topk's values")
+                    us = graph_ms(lambda x=logits: radix.select_top(x, count)) * 1e3
+                    out.append(dict(knob=knob, value=value, dtype=str(dtype).replace("torch.", ""), rows=rows,
+                                    select_graph_us=us, bound_us=bound_us))
+                    print(f"| | {knob} | {value} | {out[-1]['dtype']} | {rows} | {us:.1f} | {bound_us:.1f} | "
+                          f"{bound_us / us:.0%} |", flush=True)
+            finally:
+                setattr(radix, knob, default)
+        del logits, want
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
@@ -350,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="the top-k table at small shapes on the CPU")
     ap.add_argument("--topk-select", default=None, type=lambda v: [x for x in v.split(",") if x],
                     help="only the candidate-selection table, for these selections (e.g. torch,radix)")
+    ap.add_argument("--radix-sweep", action="store_true",
+                    help="with --topk-select: then the radix select's knobs, one at a time (Gemma shape)")
     return ap
 
 
@@ -374,8 +418,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--topk-select: unknown selection(s) {sorted(unknown)}")
         bw = copy_bandwidth()
         results = time_topk_select(args.topk_select, SELECT_ROWS, TOP_K_SHAPES, SELECT_DTYPES, bw)
+        sweep = time_radix_sweep(bw) if args.radix_sweep else []
         with open(os.path.join(args.out, "topk_select.json"), "w") as f:
-            json.dump(dict(meta=dict(meta, copy_bandwidth_bytes_per_s=bw), topk_select=results), f, indent=1)
+            json.dump(dict(meta=dict(meta, copy_bandwidth_bytes_per_s=bw), topk_select=results, radix_sweep=sweep),
+                      f, indent=1)
         return
     if args.top_k_only:
         results = time_top_k(TOP_K_ROWS, TOP_K_SHAPES, "cuda")

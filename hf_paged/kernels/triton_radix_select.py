@@ -236,7 +236,7 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def chunk_size(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
+def chunk_size(rows: int, vocab: int, device: torch.device, block: int) -> int:
     """Elements a program reads (a power-of-two multiple of ``block``): about `PROGRAMS_PER_SM` programs per SM over
     all rows, at most `MAX_CHUNK`; on the CPU (interpreter) chunks of at most 4 tiles."""
     if device.type != "cuda":
@@ -246,7 +246,7 @@ def chunk_size(rows: int, vocab: int, device: torch.device, block: int = BLOCK) 
     return max(block, min(max(MAX_CHUNK, block), triton.next_power_of_2(want)))
 
 
-def group_size(vocab: int, count: int, block: int = BLOCK) -> int:
+def group_size(vocab: int, count: int, block: int) -> int:
     """Elements a group of the bound (a power of two up to ``block``): about `GROUPS_PER_COUNT` groups per
     candidate (Gemma's 262,144 at count 128: 512 groups of 512)."""
     g = max(1, vocab // (GROUPS_PER_COUNT * count))
@@ -258,13 +258,14 @@ def list_cap(count: int) -> int:
     return min(MAX_CAP, max(MIN_CAP, triton.next_power_of_2(CAP_PER_COUNT * count)))
 
 
-def select_top(logits: torch.Tensor, count: int, *, block: int = BLOCK, chunk: int | None = None,
-               group: int | None = None, cap: int | None = None, num_warps: int = NUM_WARPS,
+def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, chunk: int | None = None,
+               group: int | None = None, cap: int | None = None, num_warps: int | None = None,
                sort: bool | None = None, sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(logits, min(count, V), dim=1)``'s values (the logits' dtype) and indices (int32), sorted from the
     largest, equal values by index, of ``logits [R, V]`` (float32 / bf16 / fp16); module docstring. ``block``,
     ``chunk``, ``group``, ``cap``: a tile, a program's part of a row, a group of the bound and a row's list (powers
-    of two; ``chunk`` a multiple of ``block`` and ``block`` of ``group``; ``cap >= count``), chosen when None.
+    of two; ``chunk`` a multiple of ``block`` and ``block`` of ``group``; ``cap >= count``), chosen when None (from
+    the module's knobs as they are at the call: a sweep may set them).
     ``sort``: order the bound's groups and the list with ``tl.sort`` (by default unless interpreting: the
     interpreter's sort takes a second a row; the other way counts, for each entry, the entries above it).
     ``sizes`` (``[R]`` int32, optional): receives each row's list length, the keys that reached its bound (above
@@ -281,6 +282,8 @@ def select_top(logits: torch.Tensor, count: int, *, block: int = BLOCK, chunk: i
     out_bits = torch.empty(rows, count, dtype=raw_dtype, device=dev)
     out_idx = torch.empty(rows, count, dtype=torch.int32, device=dev)
     if rows and count:
+        block = block or BLOCK
+        num_warps = num_warps or NUM_WARPS
         chunk = chunk or chunk_size(rows, vocab, dev, block)
         group = group or group_size(vocab, count, block)
         cap = cap or list_cap(count)
