@@ -19,8 +19,9 @@ more than the reads; so the radix passes only take the rows a cheap bound leaves
    select, the other rows' programs return at once: ``KEY_BITS / 8`` histogram passes (`_hist_kernel`, 8-bit
    digits from the top; every program re-reads its row's earlier histograms, `_walk`, for the prefix found so far)
    and a gather (`_gather_kernel`) of the keys above the ``count``-th and enough equal to it into the list;
-5. `_final_kernel`, one program a row: sorts the list (key, then index, packed in int64) and writes its first
-   ``count``: indices (int32) and the values read back at them (the logits' dtype, their own bits).
+5. `_final_kernel`, one program a row: sorts the list (key, then index, packed in int64; in a quarter of the list's
+   tile when it fits, as it usually does) and writes its first ``count``: indices (int32) and the values read back
+   at them (the logits' dtype, their own bits).
 
 The rows are cut into chunks of ``chunk`` elements, one program each (grid ``rows x chunks``), so one row or 240 fill
 the SMs alike (`chunk_size`). The output is torch.topk's, up to what torch.topk leaves open: equal values come by
@@ -210,25 +211,37 @@ def _gather_kernel(bits_ptr, row_stride, vocab, count, chunk, scratch_ptr, list_
                     tl.store(out + above + slot, _pack(key, idx), mask=eq & (slot < ties))
 
 
-@triton.jit(do_not_specialize=["count"])
-def _final_kernel(list_ptr, count, scratch_ptr, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr,
-                  SCRATCH: tl.constexpr, BOUND_AT: tl.constexpr, CAP: tl.constexpr, SORT: tl.constexpr):
-    row = tl.program_id(0)
-    n = tl.load(scratch_ptr + row * SCRATCH + BOUND_AT - 1)
-    n = tl.where(n > CAP, count, n)  # an overflowed row: the gather wrote its `count`
-    pos = tl.arange(0, CAP)
+@triton.jit
+def _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr, TILE: tl.constexpr,
+                  CAP: tl.constexpr, SORT: tl.constexpr):
+    """The row's list (its first ``n <= TILE`` entries) sorted from the largest; its first ``count`` written."""
+    pos = tl.arange(0, TILE)
     packed = tl.load(list_ptr + row.to(tl.int64) * CAP + pos, mask=pos < n, other=-9223372036854775808)
     if SORT:
         packed = tl.sort(packed, descending=True)
     else:  # (the interpreter) each entry to its rank: the packed values are distinct, but for the padding past `n`
         rank = tl.sum((packed[None, :] > packed[:, None]).to(tl.int32), axis=1)
-        pos = tl.where(pos < n, rank, CAP)
+        pos = tl.where(pos < n, rank, TILE)
     idx = 2147483647 - (packed & 0xFFFFFFFF).to(tl.int32)
     keep = pos < count
     # the values read back from the row by index: its own bits (NaN payloads, signed zeros), not rebuilt from keys
     value = tl.load(bits_ptr + row.to(tl.int64) * row_stride + idx, mask=keep, other=0)
     tl.store(out_bits_ptr + row.to(tl.int64) * count + pos, value, mask=keep)
     tl.store(out_idx_ptr + row.to(tl.int64) * count + pos, idx, mask=keep)
+
+
+@triton.jit(do_not_specialize=["count"])
+def _final_kernel(list_ptr, count, scratch_ptr, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr,
+                  SCRATCH: tl.constexpr, BOUND_AT: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                  SORT: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.load(scratch_ptr + row * SCRATCH + BOUND_AT - 1)
+    n = tl.where(n > CAP, count, n)  # an overflowed row: the gather wrote its `count`
+    # a list usually holds little more than `count` (the module docstring): a tile of SMALL sorts it faster
+    if n <= SMALL:
+        _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr, SMALL, CAP, SORT)
+    else:
+        _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr, CAP, CAP, SORT)
 
 
 @functools.cache
@@ -309,8 +322,9 @@ def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, ch
                                BINS=BINS, num_warps=num_warps)
         _gather_kernel[grid](bits, bits.stride(0), vocab, count, chunk, scratch, lists, PASSES=passes, **keys,
                              **layout, BINS=BINS, num_warps=num_warps)
+        small = min(cap, max(triton.next_power_of_2(count), cap // 4))
         _final_kernel[(rows,)](lists, count, scratch, bits, bits.stride(0), out_bits, out_idx, SCRATCH=scratch_width,
-                               BOUND_AT=bound_at, CAP=cap, SORT=sort, num_warps=num_warps)
+                               BOUND_AT=bound_at, CAP=cap, SMALL=small, SORT=sort, num_warps=num_warps)
         if sizes is not None:
             sizes.copy_(scratch[:, bound_at - 1])
     return out_bits.view(logits.dtype), out_idx
