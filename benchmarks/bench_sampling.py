@@ -25,13 +25,23 @@ time replayed from a CUDA graph (`graph_ms`: what the engine's pick costs behind
 ``torch.topk`` alone, and how many rows fell back to the full kernel. It checks that both paths give the same
 tokens. ``--top-k-only`` runs only that table; ``--tiny`` runs it at small shapes on the CPU (torch backend).
 
+``--topk-select torch,radix`` runs only a fourth table: the fast path with each way of selecting the candidate list
+(``triton_topk_sampling.TOPK_SELECT``: ``torch.topk``, or the radix select of `triton_radix_select`) at the Gemma and
+Qwen shapes, 1 / 8 / 64 / 240 flat rows of bf16 and float32 logits: the selection alone and the whole fast path,
+each with ``do_bench`` and replayed from a CUDA graph, against the bytes bound (one read of the logits at the copy
+bandwidth) and the full kernel. It checks that every selection gives torch.topk's values and the same tokens as the
+full kernel, and writes ``topk_select.json``; with ``--radix-sweep``, then the radix select alone for each value of
+each of its knobs (`SWEEP`, one at a time) at the Gemma shape.
+
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench [--quick]
     PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --top-k-only
+    PYTHONPATH=. python benchmarks/bench_sampling.py --out /tmp/bench --topk-select torch,radix [--radix-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -42,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from hf_paged.kernels import get_backend, reference_sampling  # noqa: E402
+from hf_paged.kernels import _triton_module, get_backend, reference_sampling  # noqa: E402
 from hf_paged.kernels.sampling import (  # noqa: E402
     candidate_count,
     greedy_picker,
@@ -63,6 +73,8 @@ TOP_K_SHAPES = {  # name -> (vocab, temperature, top_k, top_p): the top-k fast p
 }
 TOP_K_ROWS = [1, 64, 240]
 TINY_SHAPES = {"tiny-t1.0-k64-p0.95": (1024, 1.0, 64, 0.95), "tiny-t0.7-k20-p0.95": (800, 0.7, 20, 0.95)}
+SELECT_ROWS = [1, 8, 64, 240]  # the selection table's (`time_topk_select`)
+SELECT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def torch_sort_sampler(logits, temperature, top_k, top_p, min_p, generator):
@@ -234,6 +246,143 @@ def time_top_k(rows_list, shapes, device: str) -> list[dict]:
     return out
 
 
+def select_logits(kind: str, rows: int, vocab: int, k: int, count: int, device: str) -> torch.Tensor:
+    """float32 logits of the selection table: "flat" (`top_k_logits`' flat rows) or "masked" (every token -inf but
+    ``(k + count) // 2``: more than k, fewer than the list, as a grammar's mask may leave; the radix select's bound
+    is then -inf and its list overflows, so every row takes its radix passes: the worst case)."""
+    x = top_k_logits("flat", rows, vocab, device, seed=rows).float()
+    if kind == "masked":
+        g = torch.Generator(device=device).manual_seed(rows + 1)
+        keep = torch.rand(rows, vocab, generator=g, device=device).argsort(1)[:, : (k + count) // 2]
+        x = torch.full_like(x, -float("inf")).scatter_(1, keep, x.gather(1, keep))
+    return x
+
+
+def time_topk_select(selects, rows_list, shapes, dtypes, bw: float, device: str = "cuda",
+                     kinds=("flat", "masked")) -> list[dict]:
+    """The fast path with each candidate selection (module docstring): one markdown row per shape, logits kind, dtype,
+    rows and selection; refuses a selection whose values are not torch.topk's or whose tokens are not the full
+    kernel's. On the CPU (the Triton backend under the interpreter, tiny shapes: the test of this table) host times,
+    no graphs."""
+    cuda = device == "cuda"
+    if cuda:
+        import triton.testing
+
+        def timer(fn):
+            return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+        graph = graph_ms
+    else:
+
+        def timer(fn):
+            return _host_ms(fn, reps=1)
+
+        def graph(fn):
+            return float("nan")
+    tt = _triton_module("triton_topk_sampling")
+    saved = tt.TOPK_SELECT
+    out = []
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; bound: one read of the logits at that rate")
+    print("\n| top-k selection | shape | logits | dtype | rows | select | fallback rows | overflow rows | select µs | "
+          "select graph µs | fast µs | fast graph µs | kernel graph µs | bound µs | bound/select graph | "
+          "bound/fast graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    radix = _triton_module("triton_radix_select")
+    try:
+        for (name, (vocab, temperature, k, p)), kind, dtype, rows in itertools.product(shapes.items(), kinds, dtypes,
+                                                                                       rows_list):
+            logits = select_logits(kind, rows, vocab, k, candidate_count(k, vocab), device).to(dtype)
+            inv_t = torch.from_numpy(inverse_temperature([temperature] * rows)).to(device)
+            args = (inv_t, torch.full((rows,), k, dtype=torch.int32, device=device),
+                    torch.full((rows,), p, device=device), torch.full((rows,), -float("inf"), device=device),
+                    torch.arange(rows, device=device) * 1000 + 7, torch.full((rows,), 100, device=device))
+            count = candidate_count(k, vocab)
+            bound_us = rows * vocab * logits.element_size() / bw * 1e6
+            want_values = torch.topk(logits, count, dim=1).values
+            full = sample_normalised(logits, *args)
+            kernel_graph_us = graph(lambda x=logits, a=args: sample_normalised(x, *a)) * 1e3
+            for select in selects:
+                tt.TOPK_SELECT = select
+                values, indices = tt.select_candidates(logits, count)
+                same = (values == want_values) | (values.isnan() & want_values.isnan())
+                if not (bool(same.all()) and torch.equal(logits.gather(1, indices.long()), values)):
+                    raise SystemExit(f"{select}: not torch.topk's values at {name} {dtype} {rows} rows")
+
+                def fast(x=logits, a=args, k=k):
+                    return sample_normalised(x, *a, top_k_bound=k)
+
+                def select_only(x=logits, c=count):
+                    return tt.select_candidates(x, c)
+
+                if not torch.equal(fast(), full):
+                    raise SystemExit(f"{select}: the fast path's tokens differ at {name} {dtype} {rows} rows")
+                decided = tt.candidate_tokens(values, indices, vocab, *args)
+                overflow = -1  # (torch.topk has no list)
+                if select == "radix":
+                    sizes = torch.zeros(rows, dtype=torch.int32, device=device)
+                    radix.select_top(logits, count, sizes=sizes)
+                    overflow = int((sizes > radix.list_cap(count)).sum())
+                row = dict(shape=name, logits=kind, dtype=str(dtype).replace("torch.", ""), rows=rows,
+                           vocab=vocab, top_k=k, top_p=p, candidates=count, select=select,
+                           fallback_rows=int((decided < 0).sum()), overflow_rows=overflow,
+                           select_us=timer(select_only) * 1e3,
+                           select_graph_us=graph(select_only) * 1e3, fast_us=timer(fast) * 1e3,
+                           fast_graph_us=graph(fast) * 1e3, kernel_graph_us=kernel_graph_us,
+                           bound_us=bound_us)
+                out.append(row)
+                print(f"| | {name} | {kind} | {row['dtype']} | {rows} | {select} | {row['fallback_rows']} | "
+                      f"{overflow} | "
+                      f"{row['select_us']:.1f} | {row['select_graph_us']:.1f} | {row['fast_us']:.1f} | "
+                      f"{row['fast_graph_us']:.1f} | {kernel_graph_us:.1f} | {bound_us:.1f} | "
+                      f"{bound_us / row['select_graph_us']:.0%} | {bound_us / row['fast_graph_us']:.0%} |",
+                      flush=True)
+            del logits, want_values
+    finally:
+        tt.TOPK_SELECT = saved
+    return out
+
+
+SWEEP = {  # knob of `triton_radix_select` -> values the sweep tries, one knob at a time (the others at their default)
+    "BLOCK": (1024, 2048, 4096),
+    "NUM_WARPS": (4, 8, 16),
+    "PROGRAMS_PER_SM": (2, 4, 8),
+    "CAP_PER_COUNT": (4, 8),
+    "GROUPS_PER_COUNT": (2, 4, 8),
+}
+
+
+def time_radix_sweep(bw: float, shape: str = "gemma3-t1.0-k64-p0.95", rows_list=(1, 240)) -> list[dict]:
+    """The radix select alone (GPU time replayed from a CUDA graph) for each value of each of its knobs (`SWEEP`),
+    flat bf16 and float32 rows of one shape; it checks each setting gives torch.topk's values."""
+    radix = _triton_module("triton_radix_select")
+    vocab, _, k, _ = TOP_K_SHAPES[shape]
+    count = candidate_count(k, vocab)
+    out = []
+    print(f"\n| radix sweep ({shape}, count {count}) | knob | value | dtype | rows | select graph µs | bound µs | "
+          "bound/select |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype, rows in itertools.product(SELECT_DTYPES, rows_list):
+        logits = top_k_logits("flat", rows, vocab, "cuda", seed=rows).to(dtype)
+        want = torch.topk(logits, count, dim=1).values
+        bound_us = rows * vocab * logits.element_size() / bw * 1e6
+        for knob, values in SWEEP.items():
+            default = getattr(radix, knob)
+            try:
+                for value in values:
+                    setattr(radix, knob, value)
+                    if not torch.equal(radix.select_top(logits, count)[0], want):
+                        raise SystemExit(f"radix select with {knob}={value}: not torch.topk's values")
+                    us = graph_ms(lambda x=logits: radix.select_top(x, count)) * 1e3
+                    out.append(dict(knob=knob, value=value, dtype=str(dtype).replace("torch.", ""), rows=rows,
+                                    select_graph_us=us, bound_us=bound_us))
+                    print(f"| | {knob} | {value} | {out[-1]['dtype']} | {rows} | {us:.1f} | {bound_us:.1f} | "
+                          f"{bound_us / us:.0%} |", flush=True)
+            finally:
+                setattr(radix, knob, default)
+        del logits, want
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out")
@@ -241,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--greedy-only", action="store_true", help="only the greedy-pick table")
     ap.add_argument("--top-k-only", action="store_true", help="only the top-k fast path's table")
     ap.add_argument("--tiny", action="store_true", help="the top-k table at small shapes on the CPU")
+    ap.add_argument("--topk-select", default=None, type=lambda v: [x for x in v.split(",") if x],
+                    help="only the candidate-selection table, for these selections (e.g. torch,radix)")
+    ap.add_argument("--radix-sweep", action="store_true",
+                    help="with --topk-select: then the radix select's knobs, one at a time (Gemma shape)")
     return ap
 
 
@@ -259,6 +412,17 @@ def main(argv: list[str] | None = None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if args.topk_select:
+        unknown = set(args.topk_select) - set(_triton_module("triton_topk_sampling").SELECTS)
+        if unknown:
+            sys.exit(f"--topk-select: unknown selection(s) {sorted(unknown)}")
+        bw = copy_bandwidth()
+        results = time_topk_select(args.topk_select, SELECT_ROWS, TOP_K_SHAPES, SELECT_DTYPES, bw)
+        sweep = time_radix_sweep(bw) if args.radix_sweep else []
+        with open(os.path.join(args.out, "topk_select.json"), "w") as f:
+            json.dump(dict(meta=dict(meta, copy_bandwidth_bytes_per_s=bw), topk_select=results, radix_sweep=sweep),
+                      f, indent=1)
+        return
     if args.top_k_only:
         results = time_top_k(TOP_K_ROWS, TOP_K_SHAPES, "cuda")
         with open(os.path.join(args.out, "top_k.json"), "w") as f:

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 stamp() { echo "== $(date +%T) $*"; }
 stamp tests
-timeout 420 python3 -m pytest -q -rs tests/test_kernel_sampling.py tests/test_sampling_top_k.py > "$OUT/sampler_tests.log" 2>&1
+timeout 420 python3 -m pytest -q -rs tests/test_kernel_sampling.py tests/test_sampling_top_k.py tests/test_radix_select.py > "$OUT/sampler_tests.log" 2>&1
 echo "tests rc=$?"; tail -n 15 "$OUT/sampler_tests.log"
 stamp bench
 timeout 420 python3 benchmarks/bench_sampling.py --out "$OUT" "$@" > "$OUT/bench_sampling.log" 2>&1

@@ -458,7 +458,10 @@ COMMAND_LINES = {
     "bench_prefix": [(["--task-len", "4", "8"], {"task_len": [4, 8], "output_len": (8, 32), "device": "cpu"})],
     "bench_sampling": [(["--out", "o", "--greedy-only"], {"greedy_only": True, "quick": False}),
                        (["--out", "o", "--top-k-only"], {"top_k_only": True, "tiny": False}),
-                       (["--tiny"], {"tiny": True, "top_k_only": False})],
+                       (["--tiny"], {"tiny": True, "top_k_only": False, "topk_select": None}),
+                       (["--out", "o", "--topk-select", "torch,radix"],
+                        {"topk_select": ["torch", "radix"], "top_k_only": False, "radix_sweep": False}),
+                       (["--topk-select", "radix", "--radix-sweep"], {"topk_select": ["radix"], "radix_sweep": True})],
     "bench_serving": [(["--model", "llama-1b", "--model-dir", "/tmp/m", "--tokenizer", "t", "--systems", "hf_paged",
                         "--append", "--rates", "1,2,4", "--num-requests", "60", "--rate-timeout", "150", "--out", "o"],
                        {"append": True, "rates": "1,2,4", "num_requests": 60, "rate_timeout": 150.0, "trace": False}),
@@ -627,6 +630,23 @@ def test_kv_groups_bench_arguments_and_tiny_run(capsys, tmp_path):
     rows = bench_kv_groups.main(["--tiny", "--family", "gemma4"])  # layers of two shapes: pages
     assert all(r["grouped"]["bytes_per_seq"] < r["today"]["bytes_per_seq"] for r in rows)
     assert rows[-1]["saving"] > 0.6
+
+
+def test_sampling_bench_times_the_candidate_selections_on_the_cpu(monkeypatch, capsys):
+    """bench_sampling's selection table (`--topk-select`) at a tiny shape, the Triton backend under the interpreter:
+    both selections give torch.topk's values and the full kernel's tokens (the table refuses otherwise)."""
+    bench_sampling = pytest.importorskip("bench_sampling")
+    pytest.importorskip("hf_paged.kernels.triton_topk_sampling")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs the real table")
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    rows = bench_sampling.time_topk_select(["torch", "radix"], [2], {"tiny": (256, 0.8, 8, 0.9)}, [torch.bfloat16],
+                                           1e11, device="cpu")
+    assert [(r["logits"], r["select"], r["rows"], r["candidates"]) for r in rows] == [
+        ("flat", "torch", 2, 40), ("flat", "radix", 2, 40), ("masked", "torch", 2, 40), ("masked", "radix", 2, 40)]
+    assert all(r["select_us"] > 0 and r["bound_us"] > 0 and 0 <= r["fallback_rows"] <= 2 for r in rows)
+    assert [r["overflow_rows"] for r in rows][::2] == [-1, -1]
+    assert "| top-k selection |" in capsys.readouterr().out
 
 
 def test_sampling_bench_times_the_top_k_fast_path_on_the_cpu(capsys):

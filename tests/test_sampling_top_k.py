@@ -303,10 +303,13 @@ def test_engine_tokens_are_the_same_with_the_fast_path(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("vocab,k,temperature", [(262144, 64, 1.0), (151936, 20, 0.7), (32000, 256, 0.8)])
-def test_gpu_fast_path_matches_the_full_kernel(monkeypatch, vocab, k, temperature):
-    """Real shapes on the GPU: the fast path's tokens are the full kernel's for 240 bf16 rows (flat, peaked, greedy
-    rows, a tie at the k-th value past the list, a NaN row), and the reference's for a greedy, a flat and a peaked row."""
+@pytest.mark.parametrize("select", ["torch", "radix"])
+def test_gpu_fast_path_matches_the_full_kernel(monkeypatch, vocab, k, temperature, select):
+    """Real shapes on the GPU: the fast path's tokens (its list from torch.topk or the radix select) are the full
+    kernel's for 240 bf16 rows (flat, peaked, greedy rows, a tie at the k-th value past the list, a NaN row), and the
+    reference's for a greedy, a flat and a peaked row."""
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    monkeypatch.setattr(pytest.importorskip("hf_paged.kernels.triton_topk_sampling"), "TOPK_SELECT", select)
     rows = 240
     g = torch.Generator(device="cuda").manual_seed(vocab)
     logits = torch.randn(rows, vocab, generator=g, device="cuda")

@@ -49,7 +49,7 @@ The contract (each function's docstring has its details):
 * Per-call attention options on both attention kernels: ``sliding_window``, ``softcap``, ``sinks``, ``chunk_size``,
   ``alibi_slopes``.
 * :mod:`hf_paged.kernels.sampling`: ``sample_tokens`` (the device sampler; ``top_k_bound``: its top-k fast path,
-  :mod:`~.triton_topk_sampling`) and ``argmax_rows`` (torch's
+  :mod:`~.triton_topk_sampling`, its candidate lists from ``torch.topk`` or :mod:`~.triton_radix_select`) and ``argmax_rows`` (torch's
   ``argmax(dim=-1)``, bit for bit; a Triton kernel on CUDA while the rows are no more than the SMs);
   ``greedy_picker(device)`` resolves backend, SM count and scratch once, for the engine's picker, which calls it
   every all-greedy step.

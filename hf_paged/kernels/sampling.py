@@ -12,8 +12,9 @@ only on the row's (seed, offset), never on its batch. The preparation here is a 
 
 Top-k fast path (``top_k_bound``): a caller that knows on the host that every sampled row has top-k on with
 ``k <= top_k_bound <= TOP_K_MAX`` (the engine's picker does: `top_k_bound` of its host columns) passes it, and the
-call samples from each row's `candidate_count` largest logits (one ``torch.topk``, one small kernel:
-:mod:`hf_paged.kernels.triton_topk_sampling`; `reference_sampling.sample_top_k` on the CPU), the full sampler taking
+call samples from each row's `candidate_count` largest logits (one selection, ``torch.topk`` or Triton's in
+:mod:`hf_paged.kernels.triton_radix_select`, then one small kernel: :mod:`hf_paged.kernels.triton_topk_sampling`;
+`reference_sampling.sample_top_k` on the CPU), the full sampler taking
 only the rows those cannot decide. Same tokens. The bound only chooses the path: a row it does not hold for (or one
 whose tie at the k-th value reaches past the list) is sampled by the full sampler, which the device decides (no sync:
 the fast path's launches are the same whatever the logits, so it is as safe under CUDA-graph capture; the engine's

@@ -9,7 +9,10 @@ every token the draw can take is among the row's k largest (ties at the boundary
    margin, so that a tie at the k-th value usually ends inside the list). It takes most of the path's time on long
    rows (H200, 240 bf16 rows of 262,144, count 128: 547 of 557 us); a topk in two rounds (the rows cut in pieces of
    8,192, the largest of each, then of those) was slower at every row count (684 us at 240 rows, 78 against 60 us at
-   one; `benchmarks/results/h200_2026-11-29d/`);
+   one; `benchmarks/results/h200_2026-11-29d/`). `TOPK_SELECT` = ``"radix"`` takes the same list from Triton
+   instead (:mod:`hf_paged.kernels.triton_radix_select`: a bound on the ``count``-th value from group maxima, one
+   pass collecting the few values above it, a sort of those; rows with too many, from ties or masks, take an exact
+   8-bit radix select), which reads most rows twice;
 2. `_candidate_kernel`, one program per row on its ``count`` candidates: the decisions of
    `reference_sampling.candidate_tokens` (top-k set with its boundary ties, top-p on the running mass, min-p, the
    Gumbel-max draw with the full kernel's noise and float operations), or -1 where the list cannot decide the row
@@ -28,12 +31,21 @@ Imported lazily by :mod:`hf_paged.kernels.sampling` (needs triton).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from . import triton_sampling
+from . import triton_radix_select, triton_sampling
 from .triton_sampling import _h, _pick
+
+# how the fast path selects each row's largest logits: "torch" (torch.topk) or "radix" (`triton_radix_select`), both
+# the same list up to what the candidate kernel ignores (which keys tied at the list's end, the order of equal
+# values), so the same tokens. Read at every call (a benchmark sets it to compare); HF_PAGED_TOPK_SELECT sets it at
+# import. "torch" until the radix select is measured on a GPU.
+TOPK_SELECT = os.environ.get("HF_PAGED_TOPK_SELECT", "torch")
+SELECTS = ("torch", "radix")
 
 # the candidate tile: one compiled variant for every candidate count up to `BLOCK` (`candidate_count` of k <= 256)
 BLOCK = 512
@@ -103,12 +115,24 @@ def candidate_tokens(values: torch.Tensor, indices: torch.Tensor, vocab: int, in
     return out
 
 
+def select_candidates(logits: torch.Tensor, count: int, select: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``min(count, V)`` largest logits and their indices, sorted from the largest, by ``select``
+    (`TOPK_SELECT` when None): ``torch.topk``'s, or the radix select's (int32 indices)."""
+    select = TOPK_SELECT if select is None else select
+    if select == "radix":
+        return triton_radix_select.select_top(logits, count)
+    if select == "torch":
+        return torch.topk(logits, min(count, logits.shape[1]), dim=1)
+    raise ValueError(f"unknown top-k selection {select!r} (HF_PAGED_TOPK_SELECT): one of {SELECTS}")
+
+
 def sample_top_k(logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  log_min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, count: int, *,
-                 candidate_block: int = BLOCK, **full_kernel) -> torch.Tensor:
+                 candidate_block: int = BLOCK, select: str | None = None, **full_kernel) -> torch.Tensor:
     """`triton_sampling.sample_tokens`' tokens through the fast path (module docstring): ``count`` candidates a row
-    (``2 <= count <= candidate_block``); ``full_kernel``: that function's tuning knobs, for the rows that fall back."""
-    values, indices = torch.topk(logits, min(count, logits.shape[1]), dim=1)
+    (``2 <= count <= candidate_block``) chosen by ``select`` (`select_candidates`); ``full_kernel``: that function's
+    tuning knobs, for the rows that fall back."""
+    values, indices = select_candidates(logits, count, select)
     decided = candidate_tokens(values, indices, logits.shape[1], inv_t, top_k, top_p, log_min_p, seed, offset,
                                candidate_block=candidate_block)
     return triton_sampling.sample_tokens(logits, inv_t, top_k, top_p, log_min_p, seed, offset, decided=decided,
