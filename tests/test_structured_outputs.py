@@ -338,3 +338,30 @@ def test_worker_chunks_on_cuda_wait_for_the_picks_and_give_the_tokens_of_the_eng
     for completion, reason in zip(tokens, reasons):
         if reason != "length":
             _check_person(tok.decode(completion, skip_special_tokens=True))
+
+
+def test_fill_threads_knob_checks_its_values_and_sets_xgrammars_batch(engine, monkeypatch):
+    """`StructuredOutputs.fill_threads` (xgrammar's batch fill threads in the engine thread; default 1, or
+    HF_PAGED_GRAMMAR_FILL_THREADS): a bad value is a ValueError naming the attribute or the variable; a good one
+    builds the engine thread's `BatchGrammarMatcher` again with that count; masks fill as before."""
+    from hf_paged.engine.grammar_jobs import FILL_THREADS_ENV, default_fill_threads
+
+    structured = engine.structured
+    assert structured.fill_threads == 1
+    for bad in (0, -2, 1.5, True, "two", None, 1000):
+        with pytest.raises(ValueError, match="fill_threads"):
+            structured.fill_threads = bad
+    assert structured.fill_threads == 1
+    batch = structured._engine_batch()
+    structured.fill_threads = 2
+    assert structured._engine_batch() is not batch and structured.fill_threads == 2
+    monkeypatch.setenv(FILL_THREADS_ENV, "3")
+    assert default_fill_threads() == 3
+    for bad in ("0", "x", "2.5"):
+        monkeypatch.setenv(FILL_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=FILL_THREADS_ENV):
+            default_fill_threads()
+    monkeypatch.delenv(FILL_THREADS_ENV)
+    out = engine.generate(["n", "m"], SamplingParams(max_new_tokens=12, regex="[0-9]{3}-[a-z]{2}"))
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", _text(engine, o.outputs[0])) for o in out)
+    structured.fill_threads = 1

@@ -9,10 +9,17 @@ alongside the engine thread's Python work until it needs the masks. Accepts cost
 row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch accepts on one thread, so both go to
 the chunks. With one thread (under 4 cores) there is no worker: the engine thread runs the job when it collects it
 (`Deferred`; a thread's wake-up cost more than it saved on the 2-core CPU machine).
+
+The engine thread's batch fill (one thread: the deferred job, and normal steps) goes through xgrammar's
+`BatchGrammarMatcher` with `StructuredOutputs.fill_threads` threads (`default_fill_threads`: 1, or
+``HF_PAGED_GRAMMAR_FILL_THREADS``). xgrammar 0.2.9 starts that many OS threads on every batch fill call and joins
+them before it returns (strace: two `clone3` a call at two threads); its default ("auto") is half the host's cores, 8
+threads a step on a 16-core H200 host, for 64 rows of 1.5-6 us each.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -22,11 +29,13 @@ import torch
 
 from ..core import Sequence, SequenceGroup
 
-__all__ = ["Deferred", "GrammarJob", "INSTALL_HINT", "MIN_CHUNK_ROWS", "advance_chunk", "default_threads",
-           "import_xgrammar", "worker_pool"]
+__all__ = ["Deferred", "FILL_THREADS_ENV", "GrammarJob", "INSTALL_HINT", "MIN_CHUNK_ROWS", "advance_chunk",
+           "check_fill_threads", "default_fill_threads", "default_threads", "import_xgrammar", "worker_pool"]
 
 INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
 MIN_CHUNK_ROWS = 8  # rows a worker chunk takes at least: below, a thread's hand-off costs more than it saves
+FILL_THREADS_ENV = "HF_PAGED_GRAMMAR_FILL_THREADS"  # the default of `StructuredOutputs.fill_threads`
+MAX_FILL_THREADS = 256
 
 
 def import_xgrammar():
@@ -47,6 +56,30 @@ def default_threads() -> int:
     it (`benchmarks/results/h200_2026-11-29e`). More threads stay available (`StructuredOutputs.threads`) for
     grammars whose fill dominates."""
     return 1
+
+
+def check_fill_threads(value, name: str = "fill_threads") -> int:
+    """`value` as a thread count for xgrammar's batch fill (an int from 1 to `MAX_FILL_THREADS`); else a ValueError
+    naming `name` (the attribute, or the environment variable it came from)."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be an integer from 1 to {MAX_FILL_THREADS}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_FILL_THREADS:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_FILL_THREADS}, got {value!r}")
+    return value
+
+
+def default_fill_threads() -> int:
+    """Threads of the engine thread's batch fill: ``HF_PAGED_GRAMMAR_FILL_THREADS`` if set, else 1.
+
+    Why 1: xgrammar 0.2.9 starts and joins its threads inside every batch fill call (see the module docstring), so
+    each step would pay their creation and a cold cache on each core for a fill of 64 rows that one thread does in
+    0.08 ms (2-core CPU sandbox, SmolLM2 vocabulary, `bench_serving.BENCH_SCHEMA`; 0.18 ms at two threads).
+    `bench_structured.py --fill-threads 1,2,4,8` compares them on a GPU host."""
+    text = os.environ.get(FILL_THREADS_ENV, "").strip()
+    return check_fill_threads(text, FILL_THREADS_ENV) if text else 1
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -96,41 +129,52 @@ class GrammarJob:
     host: torch.Tensor
     futures: list[Future | Deferred]
     ends: dict[int, str] | None = None
-    mask_rows: dict[int, int] | None = None  # id(seq) -> `host` row, for the rows whose grammar goes on
+    mask_rows: dict[int, int] | None = None  # id(seq) -> `host` row, for the rows whose grammar goes on (built once
+    # a step needs it: `StructuredOutputs.job_masks`)
+    key: list | None = None  # the `DecodeBatch` row list of the step (`StepRows.seqs`) when every row is constrained
 
     def wait(self) -> None:
         """Until every worker chunk has returned (or raised): its matchers and `host` are the caller's again (a
         deferred chunk never runs once its step is dropped)."""
-        wait([f for f in self.futures if isinstance(f, Future)])
+        threaded = [f for f in self.futures if isinstance(f, Future)]
+        if threaded:
+            wait(threaded)
 
 
-def advance_chunk(event, tokens: torch.Tensor, rows: list[int], first: int, matchers: list, stop_ids: list,
-                   host: torch.Tensor, batch) -> tuple[dict[int, str], float]:
+def advance_chunk(event, tokens: torch.Tensor, rows: list[int] | None, first: int, matchers: list, stop_ids: list,
+                  host: torch.Tensor, batch, handles: list | None = None,
+                  stop_union: frozenset | None = None) -> tuple[dict[int, str], float]:
     """One chunk: wait for the picks, accept each row's token (one batch call), fill the next mask of each matcher
     that goes on into `host[first + j]` (one batch call). Returns the ends ({first + j: end}) and the seconds of work
-    (the wait for the picks left out).
+    (the wait for the picks left out). `rows` None: every row of `tokens`, in order.
 
     The accepts go through xgrammar's C++ batch call directly (`_core`): its Python wrapper reads the result back
     with two FFI calls a row (each dropping and taking the GIL); here one membership test says whether any row was
     refused (0.75 against 1.1 us a row for the per-row `accept_token` loop, 256 rows, one core), and only then are
-    the rows read."""
+    the rows read. `handles` (the matchers' `_handle`s) and `stop_union` (every row's stop ids) may come from the
+    caller, kept from a step before (`StructuredOutputs.advance`): then a step with no stop id among its tokens asks
+    no row, and the fill, from row 0, goes to xgrammar's C++ call without an index list."""
     if event is not None:
         event.synchronize()
     start = time.perf_counter()
     xgr = import_xgrammar()
     picked = tokens.tolist()
-    chunk = [picked[r] for r in rows]
-    result = xgr.base._core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], chunk, False)
+    chunk = picked if rows is None else [picked[r] for r in rows]
+    if handles is None:
+        handles = [m._handle for m in matchers]
+    result = xgr.base._core.BatchGrammarMatcher.batch_accept_token(handles, chunk, False)
     ends: dict[int, str] = {}
     if 0 in result:  # a terminated matcher refuses every token; else nothing allowed it (a bug)
         for j, ok in enumerate(list(result)):
             if not ok:
                 ends[first + j] = "grammar" if matchers[j].is_terminated() else "grammar_rejected"
-    for j, (token, stops) in enumerate(zip(chunk, stop_ids)):
-        if token in stops and first + j not in ends and matchers[j].is_terminated():
-            ends[first + j] = "grammar"
+    if stop_union is None or not stop_union.isdisjoint(chunk):
+        for j, (token, stops) in enumerate(zip(chunk, stop_ids)):
+            if token in stops and first + j not in ends and matchers[j].is_terminated():
+                ends[first + j] = "grammar"
     if not ends:
-        batch.batch_fill_next_token_bitmask(matchers, host, list(range(first, first + len(matchers))))
+        indices = None if first == 0 else list(range(first, first + len(matchers)))
+        batch._handle.batch_fill_next_token_bitmask(handles, host, indices, False)
     elif len(ends) < len(matchers):
         live = [j for j in range(len(matchers)) if first + j not in ends]
         batch.batch_fill_next_token_bitmask([matchers[j] for j in live], host, [first + j for j in live])
