@@ -17,8 +17,8 @@ The host's grammar work per pipelined step is reported next to the throughput (`
 critical path), ``workers ms/step`` the chunks' accepts and fills summed over threads (with one thread the engine
 thread's own, inside ``main``). ``--grammar-threads 1,8`` runs the constrained system once per worker-thread count
 (1: no worker, the engine thread does it), named ``json_schema@1``, ``json_schema@8``. ``--fill-threads 1,2,4,8`` runs
-it once per thread count of xgrammar's batch fill in the engine thread (`StructuredOutputs.fill_threads`; xgrammar
-starts and joins that many threads on every fill), named ``json_schema/fill1`` ... (``json_schema@1/fill2`` with both
+it once per thread count sharing the engine thread's batch fill (`StructuredOutputs.fill_threads`: the engine thread
+and persistent workers, a slice of the rows each), named ``json_schema/fill1`` ... (``json_schema@1/fill2`` with both
 lists: one system per pair). ``--model tiny --tokenizer DIR
 --decode-mode static`` profiles the host side on the CPU with a real vocabulary, pipelined as on a GPU (the CPU's
 masking, ~0.5 ms a row, is in ``main``).

@@ -340,21 +340,24 @@ def test_worker_chunks_on_cuda_wait_for_the_picks_and_give_the_tokens_of_the_eng
             _check_person(tok.decode(completion, skip_special_tokens=True))
 
 
-def test_fill_threads_knob_checks_its_values_and_sets_xgrammars_batch(engine, monkeypatch):
-    """`StructuredOutputs.fill_threads` (xgrammar's batch fill threads in the engine thread; default 1, or
+def test_fill_threads_knob_checks_its_values_and_splits_the_fill(engine, monkeypatch):
+    """`StructuredOutputs.fill_threads` (threads sharing the engine thread's batch fill; default 1, or
     HF_PAGED_GRAMMAR_FILL_THREADS): a bad value is a ValueError naming the attribute or the variable; a good one
-    builds the engine thread's `BatchGrammarMatcher` again with that count; masks fill as before."""
-    from hf_paged.engine.grammar_jobs import FILL_THREADS_ENV, default_fill_threads
+    gives that many single-threaded xgrammar batches. `fill_rows` of 20 rows over three of them (two slices of at
+    least 8 rows: the caller's and a worker's) writes the masks each matcher's own fill gives, at the rows asked (in
+    any order), and no other row."""
+    import xgrammar as xgr
+
+    from hf_paged.engine.grammar_jobs import FILL_THREADS_ENV, default_fill_threads, fill_rows
 
     structured = engine.structured
-    assert structured.fill_threads == 1
+    assert structured.fill_threads == 1 and len(structured._batches()) == 1
     for bad in (0, -2, 1.5, True, "two", None, 1000):
         with pytest.raises(ValueError, match="fill_threads"):
             structured.fill_threads = bad
     assert structured.fill_threads == 1
-    batch = structured._engine_batch()
-    structured.fill_threads = 2
-    assert structured._engine_batch() is not batch and structured.fill_threads == 2
+    structured.fill_threads = 3
+    assert len(structured._batches()) == 3
     monkeypatch.setenv(FILL_THREADS_ENV, "3")
     assert default_fill_threads() == 3
     for bad in ("0", "x", "2.5"):
@@ -365,3 +368,22 @@ def test_fill_threads_knob_checks_its_values_and_sets_xgrammars_batch(engine, mo
     out = engine.generate(["n", "m"], SamplingParams(max_new_tokens=12, regex="[0-9]{3}-[a-z]{2}"))
     assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", _text(engine, o.outputs[0])) for o in out)
     structured.fill_threads = 1
+    assert len(structured._batches()) == 1
+
+    compiled = engine.structured.cache().get("regex", "[0-9]{3}-[a-z]{2}")
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(20)]
+    for k, m in enumerate(matchers):
+        assert m.accept_string(str(k % 10) * (k % 4))
+    width = (engine.logits_width() + 31) // 32
+    expected = torch.empty((20, width), dtype=torch.int32)
+    for k, m in enumerate(matchers):
+        m.fill_next_token_bitmask(expected, k)
+    batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(3)]
+    handles = [m._handle for m in matchers]
+    host = torch.full((24, width), 7, dtype=torch.int32)
+    fill_rows(batches, handles, host)
+    assert torch.equal(host[:20], expected) and (host[20:] == 7).all()
+    host.fill_(7)
+    rows = [k + 4 for k in range(20)]
+    fill_rows(batches, handles[::-1], host, rows[::-1])
+    assert torch.equal(host[4:], expected) and (host[:4] == 7).all()

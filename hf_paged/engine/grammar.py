@@ -54,6 +54,7 @@ from .grammar_jobs import (
     check_fill_threads,
     default_fill_threads,
     default_threads,
+    fill_rows,
     import_xgrammar,
     worker_pool,
 )
@@ -221,7 +222,7 @@ class StructuredOutputs:
         self._engine = weakref.ref(engine)
         self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
         self._dev: torch.Tensor | None = None
-        self._batch = None  # xgrammar's BatchGrammarMatcher of the engine thread (`fill_threads` threads)
+        self._fill_batches: list = []  # single-threaded BatchGrammarMatchers, one per fill thread (`fill_rows`)
         self._chunk_batches: list = []  # one single-threaded BatchGrammarMatcher per worker chunk
         self._pending: GrammarJob | None = None  # the last job started: waited for before its buffer is reused
         self._step_rows: _StepRows | None = None  # the constrained rows of the last batch step advanced
@@ -234,20 +235,21 @@ class StructuredOutputs:
 
     @property
     def fill_threads(self) -> int:
-        """Threads of xgrammar's batch fill in the engine thread (`grammar_jobs.default_fill_threads`); a
-        ValueError naming ``fill_threads`` unless an int from 1 to 256."""
+        """Threads sharing the engine thread's batch fill, the engine thread included (`grammar_jobs.fill_rows`,
+        `default_fill_threads`); a ValueError naming ``fill_threads`` unless an int from 1 to `MAX_FILL_THREADS`."""
         return self._fill_threads
 
     @fill_threads.setter
     def fill_threads(self, value: int) -> None:
         self._fill_threads = check_fill_threads(value)
-        self._batch = None  # built again with the new count on the next fill
 
-    def _engine_batch(self):
-        """xgrammar's `BatchGrammarMatcher` of the engine thread, with `fill_threads` threads."""
-        if self._batch is None:
-            self._batch = import_xgrammar().BatchGrammarMatcher(max_threads=self._fill_threads)
-        return self._batch
+    def _batches(self) -> list:
+        """One single-threaded xgrammar `BatchGrammarMatcher` per fill thread (built once, kept for every step)."""
+        batches = self._fill_batches
+        if len(batches) < self._fill_threads:
+            xgr = import_xgrammar()
+            batches += [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self._fill_threads - len(batches))]
+        return batches[:self._fill_threads] if len(batches) > self._fill_threads else batches
 
     @property
     def active(self) -> bool:
@@ -314,7 +316,7 @@ class StructuredOutputs:
         if n == 1:
             matchers[0].fill_next_token_bitmask(host, 0)
         else:
-            self._engine_batch().batch_fill_next_token_bitmask(matchers, host[:n])
+            fill_rows(self._batches(), [m._handle for m in matchers], host)
         masks = self._upload(rows, host[:n], groups)
         self.host_seconds["critical"] += time.perf_counter() - start
         return masks
@@ -353,7 +355,7 @@ class StructuredOutputs:
         chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
         if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
             futures = [Deferred(advance_chunk, event, tokens, None if plan.every_row else rows, 0, matchers, stops,
-                                host, self._engine_batch(), plan.handles, plan.stop_union)]
+                                host, self._batches(), plan.handles, plan.stop_union)]
         else:
             while len(self._chunk_batches) < chunks:
                 self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))

@@ -10,11 +10,13 @@ row each for `bench_serving.BENCH_SCHEMA` on one core) and xgrammar runs batch a
 the chunks. With one thread (under 4 cores) there is no worker: the engine thread runs the job when it collects it
 (`Deferred`; a thread's wake-up cost more than it saved on the 2-core CPU machine).
 
-The engine thread's batch fill (one thread: the deferred job, and normal steps) goes through xgrammar's
-`BatchGrammarMatcher` with `StructuredOutputs.fill_threads` threads (`default_fill_threads`: 1, or
-``HF_PAGED_GRAMMAR_FILL_THREADS``). xgrammar 0.2.9 starts that many OS threads on every batch fill call and joins
-them before it returns (strace: two `clone3` a call at two threads); its default ("auto") is half the host's cores, 8
-threads a step on a 16-core H200 host, for 64 rows of 1.5-6 us each.
+The engine thread's batch fill (one thread: the deferred job, and normal steps) is split over
+`StructuredOutputs.fill_threads` threads (`default_fill_threads`: 1, or ``HF_PAGED_GRAMMAR_FILL_THREADS``): the
+engine thread fills the first slice of the rows, workers of `worker_pool` the others (`fill_rows`; slices of at least
+`MIN_CHUNK_ROWS`), each through a single-threaded xgrammar `BatchGrammarMatcher`. Not xgrammar's own threads:
+xgrammar 0.2.9 starts `max_threads` OS threads on every batch fill call and joins them before it returns (strace: two
+`clone3` a call at two threads), and its default ("auto", what the engine used) is half the host's cores: 8 thread
+starts a step on a 16-core H200 host, for 64 rows of 1.5-6 us each. The pool's threads are started once.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import torch
 
 from ..core import Sequence, SequenceGroup
 
-__all__ = ["Deferred", "FILL_THREADS_ENV", "GrammarJob", "INSTALL_HINT", "MIN_CHUNK_ROWS", "advance_chunk",
-           "check_fill_threads", "default_fill_threads", "default_threads", "import_xgrammar", "worker_pool"]
+__all__ = ["Deferred", "FILL_THREADS_ENV", "GrammarJob", "INSTALL_HINT", "MAX_FILL_THREADS", "MIN_CHUNK_ROWS",
+           "advance_chunk", "check_fill_threads", "default_fill_threads", "default_threads", "fill_rows",
+           "import_xgrammar", "worker_pool"]
 
 INSTALL_HINT = 'structured outputs need the xgrammar package: pip install "hf-paged[structured]"'
 MIN_CHUNK_ROWS = 8  # rows a worker chunk takes at least: below, a thread's hand-off costs more than it saves
 FILL_THREADS_ENV = "HF_PAGED_GRAMMAR_FILL_THREADS"  # the default of `StructuredOutputs.fill_threads`
-MAX_FILL_THREADS = 256
+MAX_FILL_THREADS = 16  # (the worker pool's size)
 
 
 def import_xgrammar():
@@ -74,10 +77,10 @@ def check_fill_threads(value, name: str = "fill_threads") -> int:
 def default_fill_threads() -> int:
     """Threads of the engine thread's batch fill: ``HF_PAGED_GRAMMAR_FILL_THREADS`` if set, else 1.
 
-    Why 1: xgrammar 0.2.9 starts and joins its threads inside every batch fill call (see the module docstring), so
-    each step would pay their creation and a cold cache on each core for a fill of 64 rows that one thread does in
-    0.08 ms (2-core CPU sandbox, SmolLM2 vocabulary, `bench_serving.BENCH_SCHEMA`; 0.18 ms at two threads).
-    `bench_structured.py --fill-threads 1,2,4,8` compares them on a GPU host."""
+    Why 1: one thread fills the 64 rows of `bench_serving.BENCH_SCHEMA` (SmolLM2 vocabulary) in 0.08 ms on the 2-core
+    CPU sandbox, about what handing a slice to a worker and waiting for it costs; xgrammar's own two threads took
+    0.18 ms (started on every call). `bench_structured.py --fill-threads 1,2,4,8` compares the counts on a GPU
+    host."""
     text = os.environ.get(FILL_THREADS_ENV, "").strip()
     return check_fill_threads(text, FILL_THREADS_ENV) if text else 1
 
@@ -91,7 +94,7 @@ def worker_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hf-paged-grammar")
+            _POOL = ThreadPoolExecutor(max_workers=MAX_FILL_THREADS, thread_name_prefix="hf-paged-grammar")
         return _POOL
 
 
@@ -141,6 +144,34 @@ class GrammarJob:
             wait(threaded)
 
 
+def _fill_slice(batch, handles: list, host: torch.Tensor, indices: list[int] | None) -> None:
+    batch._handle.batch_fill_next_token_bitmask(handles, host, indices, False)
+
+
+def fill_rows(batches: list, handles: list, host: torch.Tensor, indices: list[int] | None = None) -> None:
+    """Fill the next mask of each matcher (`handles`: their xgrammar handles) into its row of `host` (`indices`,
+    None: rows 0..), split over `batches` (single-threaded `BatchGrammarMatcher`s, one per thread) in slices of at
+    least `MIN_CHUNK_ROWS`: the calling thread fills the first slice, `worker_pool` workers the others (xgrammar's
+    calls release the GIL). Returns once every slice is filled, raising the first slice's error."""
+    n = len(handles)
+    parts = max(1, min(len(batches), n // MIN_CHUNK_ROWS))
+    if parts == 1:
+        _fill_slice(batches[0], handles, host, indices)
+        return
+    if indices is None:
+        indices = list(range(n))
+    size = -(-n // parts)
+    pool = worker_pool()
+    futures = [pool.submit(_fill_slice, batches[k], handles[a:a + size], host, indices[a:a + size])
+               for k, a in enumerate(range(size, n, size), 1)]
+    try:
+        _fill_slice(batches[0], handles[:size], host, indices[:size])
+    finally:
+        wait(futures)  # the workers write `host` and read the matchers: never leave them running
+    for future in futures:
+        future.result()
+
+
 def advance_chunk(event, tokens: torch.Tensor, rows: list[int] | None, first: int, matchers: list, stop_ids: list,
                   host: torch.Tensor, batch, handles: list | None = None,
                   stop_union: frozenset | None = None) -> tuple[dict[int, str], float]:
@@ -153,7 +184,8 @@ def advance_chunk(event, tokens: torch.Tensor, rows: list[int] | None, first: in
     refused (0.75 against 1.1 us a row for the per-row `accept_token` loop, 256 rows, one core), and only then are
     the rows read. `handles` (the matchers' `_handle`s) and `stop_union` (every row's stop ids) may come from the
     caller, kept from a step before (`StructuredOutputs.advance`): then a step with no stop id among its tokens asks
-    no row, and the fill, from row 0, goes to xgrammar's C++ call without an index list."""
+    no row, and the fill, from row 0, goes to xgrammar's C++ call without an index list. `batch`: one
+    `BatchGrammarMatcher`, or a list of single-threaded ones that share the fill (`fill_rows`)."""
     if event is not None:
         event.synchronize()
     start = time.perf_counter()
@@ -172,10 +204,10 @@ def advance_chunk(event, tokens: torch.Tensor, rows: list[int] | None, first: in
         for j, (token, stops) in enumerate(zip(chunk, stop_ids)):
             if token in stops and first + j not in ends and matchers[j].is_terminated():
                 ends[first + j] = "grammar"
+    batches = batch if isinstance(batch, list) else [batch]
     if not ends:
-        indices = None if first == 0 else list(range(first, first + len(matchers)))
-        batch._handle.batch_fill_next_token_bitmask(handles, host, indices, False)
+        fill_rows(batches, handles, host, None if first == 0 else list(range(first, first + len(matchers))))
     elif len(ends) < len(matchers):
         live = [j for j in range(len(matchers)) if first + j not in ends]
-        batch.batch_fill_next_token_bitmask([matchers[j] for j in live], host, [first + j for j in live])
+        fill_rows(batches, [handles[j] for j in live], host, [first + j for j in live])
     return ends, time.perf_counter() - start
