@@ -23,10 +23,12 @@ worker threads when `threads` > 1); the engine thread collects it, uploads the m
 before the pick is launched. So the fill
 overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token appends and
 scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched scheduling, upload
-and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with
-logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
-waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
-for `benchmarks/bench_structured.py`.
+and token apply); a step whose tokens ended grammars is applied row by row. A `DecodeBatch` step whose row list
+is the one of the step before reuses that step's constrained rows, matchers and their handles (`_StepRows`), and the
+engine thread's fill may be shared with workers (`fill_threads`, `grammar_jobs.fill_rows`). Parallel samples and
+requests with logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`:
+the fill, waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever
+they ran), for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
