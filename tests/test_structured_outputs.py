@@ -192,6 +192,31 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
             assert text in ("yes", "no", "maybe so")
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pipelined_constrained_requests_under_preemption_give_the_tokens_of_normal_steps(engine, mode):
+    """A pool too small for 12 constrained requests preempts them (recompute or swap) while their steps are
+    pipelined: the batch rows and matchers a pipelined step keeps from the step before (`_StepRows`) are looked up
+    again whenever the rows change, so tokens and finish reasons equal those of normal steps."""
+    prompts = [f"r{k}: " * (1 + k % 3) for k in range(12)]
+    params = [SamplingParams(max_new_tokens=40 + k, json_schema=SCHEMA, ignore_eos=True, do_sample=k % 2 == 1, seed=k)
+              for k in range(12)]
+
+    def run(decode_mode):
+        eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=40, block_size=4, max_num_seqs=12,
+                              preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0)
+        eng.runner.decode_mode = decode_mode
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  sum(o.num_preemptions for o in outs), eng.pipelined_steps, eng.kv_stats().used_blocks)
+        eng.close()
+        return result
+
+    normal, normal_reasons, _, _, _ = run("eager")
+    piped, reasons, preemptions, pipelined, used = run("static")
+    assert preemptions > 0 and pipelined > 0 and used == 0
+    assert piped == normal and reasons == normal_reasons and "grammar" in reasons
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch, threads):
     """A chunk that raises (in a worker thread, or in the engine thread with one thread) fails the requests of the
