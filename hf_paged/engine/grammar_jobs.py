@@ -62,8 +62,9 @@ def default_threads() -> int:
 
 
 def check_fill_threads(value, name: str = "fill_threads") -> int:
-    """`value` as a thread count for xgrammar's batch fill (an int from 1 to `MAX_FILL_THREADS`); else a ValueError
-    naming `name` (the attribute, or the environment variable it came from)."""
+    """`value` as the count of threads sharing the engine thread's batch fill (an int from 1 to `MAX_FILL_THREADS`,
+    the worker pool's size); else a ValueError naming `name` (the attribute, or the environment variable it came
+    from), so a typo in the variable fails the engine's start rather than silently filling on one thread."""
     if isinstance(value, str):
         try:
             value = int(value.strip())
@@ -145,6 +146,8 @@ class GrammarJob:
 
 
 def _fill_slice(batch, handles: list, host: torch.Tensor, indices: list[int] | None) -> None:
+    """One slice of `fill_rows`, through xgrammar's C++ call directly: its Python wrapper would build the handle
+    list again from the matchers."""
     batch._handle.batch_fill_next_token_bitmask(handles, host, indices, False)
 
 
