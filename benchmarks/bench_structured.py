@@ -16,7 +16,10 @@ The host's grammar work per pipelined step is reported next to the throughput (`
 ``main ms/step`` is the engine thread's (waiting for the worker chunks, uploading and applying the masks: on the
 critical path), ``workers ms/step`` the chunks' accepts and fills summed over threads (with one thread the engine
 thread's own, inside ``main``). ``--grammar-threads 1,8`` runs the constrained system once per worker-thread count
-(1: no worker, the engine thread does it), named ``json_schema@1``, ``json_schema@8``. ``--model tiny --tokenizer DIR
+(1: no worker, the engine thread does it), named ``json_schema@1``, ``json_schema@8``. ``--fill-threads 1,2,4,8`` runs
+it once per thread count sharing the engine thread's batch fill (`StructuredOutputs.fill_threads`: the engine thread
+and persistent workers, a slice of the rows each), named ``json_schema/fill1`` ... (``json_schema@1/fill2`` with both
+lists: one system per pair). ``--model tiny --tokenizer DIR
 --decode-mode static`` profiles the host side on the CPU with a real vocabulary, pipelined as on a GPU (the CPU's
 masking, ~0.5 ms a row, is in ``main``).
 
@@ -44,7 +47,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hf_paged  # noqa: E402
-from hf_paged.engine.grammar_jobs import default_threads  # noqa: E402
+from hf_paged.engine.grammar_jobs import MAX_FILL_THREADS, default_fill_threads, default_threads  # noqa: E402
 from hf_paged.testing import byte_tokenizer, load_smollm2  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -66,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grammar-threads", type=_counts, default=None,
                    help="comma-separated worker-thread counts, one constrained system each (default: the engine's)")
+    p.add_argument("--fill-threads", type=_counts, default=None,
+                   help="comma-separated thread counts of the engine thread's batch fill, one constrained system each "
+                        "(default: the engine's, HF_PAGED_GRAMMAR_FILL_THREADS or 1)")
     p.add_argument("--decode-mode", choices=("graph", "static", "eager"), default=None,
                    help="the runner's decode path (default: the engine's; static pipelines on the CPU too)")
     p.add_argument("--out", default=None, help="directory for structured.json and structured.png")
@@ -78,8 +84,8 @@ def _counts(text: str) -> list[int]:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of ints: {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be >= 1: {text!r}")
+    if not counts or min(counts) < 1 or max(counts) > MAX_FILL_THREADS:
+        raise argparse.ArgumentTypeError(f"thread counts must be from 1 to {MAX_FILL_THREADS}: {text!r}")
     return counts
 
 
@@ -100,13 +106,13 @@ def load(args, dtype: torch.dtype):
 
 
 def timed_pass(engine, prompts: list[list[int]], system: tuple, name: str) -> dict:
-    """One pass of every request under `system` ((params, grammar worker threads or None)); its record (every
-    request must come back full length)."""
-    params, threads = system
+    """One pass of every request under `system` ((params, grammar worker threads or None, batch fill threads or
+    None); None: the engine's default); its record (every request must come back full length)."""
+    params, threads, fill = system
     cuda = engine.device.type == "cuda"
     structured = engine.structured
-    if threads is not None:
-        structured.threads = threads
+    structured.threads = threads if threads is not None else default_threads()
+    structured.fill_threads = fill if fill is not None else default_fill_threads()
     steps, masked = engine.pipelined_steps, structured.masked_rows
     host = dict(structured.host_seconds)
     if cuda:
@@ -123,6 +129,7 @@ def timed_pass(engine, prompts: list[list[int]], system: tuple, name: str) -> di
     main, workers = (structured.host_seconds[key] - host[key] for key in ("critical", "workers"))
     return {"system": name, "seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
             "pipelined_steps": piped, "masked_rows": structured.masked_rows - masked,
+            "grammar_threads": structured.threads, "fill_threads": structured.fill_threads,
             "grammar_main_ms_step": 1e3 * main / max(piped, 1),
             "grammar_workers_ms_step": 1e3 * workers / max(piped, 1)}
 
@@ -163,11 +170,11 @@ def main(argv=None) -> int:
         if engine.device.type == "cuda":
             engine.warm_up()
         constrained = hf_paged.SamplingParams(**common, json_schema=BENCH_SCHEMA)
-        systems = {"unconstrained": (hf_paged.SamplingParams(**common), None)}
-        if args.grammar_threads is None:
-            systems["json_schema"] = (constrained, None)
-        for threads in args.grammar_threads or ():
-            systems[f"json_schema@{threads}"] = (constrained, threads)
+        systems = {"unconstrained": (hf_paged.SamplingParams(**common), None, None)}
+        for threads in args.grammar_threads or (None,):
+            for fill in args.fill_threads or (None,):
+                name = "json_schema" + (f"@{threads}" if threads else "") + (f"/fill{fill}" if fill else "")
+                systems[name] = (constrained, threads, fill)
         records = run(engine, prompts, systems, args.repeats)
     finally:
         engine.close()
@@ -182,8 +189,9 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {key: getattr(args, key) for key in ("model", "num_requests", "new_tokens", "prompt_len", "repeats",
-                                                    "device", "grammar_threads", "decode_mode")}
+                                                    "device", "grammar_threads", "fill_threads", "decode_mode")}
         meta["default_grammar_threads"] = default_threads()
+        meta["default_fill_threads"] = default_fill_threads()
         meta.update(dtype=str(dtype), torch=torch.__version__, gpu=torch.cuda.get_device_name()
                     if args.device.startswith("cuda") else None)
         (out / "structured.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

@@ -192,6 +192,31 @@ def test_pipelined_grammar_work_in_worker_chunks_gives_the_tokens_of_normal_step
             assert text in ("yes", "no", "maybe so")
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pipelined_constrained_requests_under_preemption_give_the_tokens_of_normal_steps(engine, mode):
+    """A pool too small for 12 constrained requests preempts them (recompute or swap) while their steps are
+    pipelined: the batch rows and matchers a pipelined step keeps from the step before (`_StepRows`) are looked up
+    again whenever the rows change, so tokens and finish reasons equal those of normal steps."""
+    prompts = [f"r{k}: " * (1 + k % 3) for k in range(12)]
+    params = [SamplingParams(max_new_tokens=40 + k, json_schema=SCHEMA, ignore_eos=True, do_sample=k % 2 == 1, seed=k)
+              for k in range(12)]
+
+    def run(decode_mode):
+        eng = hf_paged.Engine(engine.model, engine.tokenizer, num_blocks=40, block_size=4, max_num_seqs=12,
+                              preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0)
+        eng.runner.decode_mode = decode_mode
+        outs = eng.generate(prompts, params)
+        result = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs],
+                  sum(o.num_preemptions for o in outs), eng.pipelined_steps, eng.kv_stats().used_blocks)
+        eng.close()
+        return result
+
+    normal, normal_reasons, _, _, _ = run("eager")
+    piped, reasons, preemptions, pipelined, used = run("static")
+    assert preemptions > 0 and pipelined > 0 and used == 0
+    assert piped == normal and reasons == normal_reasons and "grammar" in reasons
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_failing_grammar_job_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch, threads):
     """A chunk that raises (in a worker thread, or in the engine thread with one thread) fails the requests of the
@@ -338,3 +363,52 @@ def test_worker_chunks_on_cuda_wait_for_the_picks_and_give_the_tokens_of_the_eng
     for completion, reason in zip(tokens, reasons):
         if reason != "length":
             _check_person(tok.decode(completion, skip_special_tokens=True))
+
+
+def test_fill_threads_knob_checks_its_values_and_splits_the_fill(engine, monkeypatch):
+    """`StructuredOutputs.fill_threads` (threads sharing the engine thread's batch fill; default 1, or
+    HF_PAGED_GRAMMAR_FILL_THREADS): a bad value is a ValueError naming the attribute or the variable; a good one
+    gives that many single-threaded xgrammar batches. `fill_rows` of 20 rows over three of them (two slices of at
+    least 8 rows: the caller's and a worker's) writes the masks each matcher's own fill gives, at the rows asked (in
+    any order), and no other row."""
+    import xgrammar as xgr
+
+    from hf_paged.engine.grammar_jobs import FILL_THREADS_ENV, default_fill_threads, fill_rows
+
+    structured = engine.structured
+    assert structured.fill_threads == 1 and len(structured._batches()) == 1
+    for bad in (0, -2, 1.5, True, "two", None, 1000):
+        with pytest.raises(ValueError, match="fill_threads"):
+            structured.fill_threads = bad
+    assert structured.fill_threads == 1
+    structured.fill_threads = 3
+    assert len(structured._batches()) == 3
+    monkeypatch.setenv(FILL_THREADS_ENV, "3")
+    assert default_fill_threads() == 3
+    for bad in ("0", "x", "2.5"):
+        monkeypatch.setenv(FILL_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=FILL_THREADS_ENV):
+            default_fill_threads()
+    monkeypatch.delenv(FILL_THREADS_ENV)
+    out = engine.generate(["n", "m"], SamplingParams(max_new_tokens=12, regex="[0-9]{3}-[a-z]{2}"))
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", _text(engine, o.outputs[0])) for o in out)
+    structured.fill_threads = 1
+    assert len(structured._batches()) == 1
+
+    compiled = engine.structured.cache().get("regex", "[0-9]{3}-[a-z]{2}")
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(20)]
+    for k, m in enumerate(matchers):
+        assert m.accept_string(str(k % 10) * (k % 4))
+    width = (engine.logits_width() + 31) // 32
+    expected = torch.empty((20, width), dtype=torch.int32)
+    for k, m in enumerate(matchers):
+        m.fill_next_token_bitmask(expected, k)
+    batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(3)]
+    handles = [m._handle for m in matchers]
+    host = torch.full((24, width), 7, dtype=torch.int32)
+    fill_rows(batches, handles, host)
+    assert torch.equal(host[:20], expected) and (host[20:] == 7).all()
+    host.fill_(7)
+    rows = [k + 4 for k in range(20)]
+    fill_rows(batches, handles[::-1], host, rows[::-1])
+    assert torch.equal(host[4:], expected) and (host[:4] == 7).all()

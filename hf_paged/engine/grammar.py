@@ -23,10 +23,12 @@ worker threads when `threads` > 1); the engine thread collects it, uploads the m
 before the pick is launched. So the fill
 overlaps the forward, as in a normal step, and the GPU does not wait for the host's stop checks, token appends and
 scheduling in between. Their rows ride in the scheduler's `DecodeBatch` like plain ones (batched scheduling, upload
-and token apply); a step whose tokens ended grammars is applied row by row. Parallel samples and requests with
-logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`: the fill,
-waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever they ran),
-for `benchmarks/bench_structured.py`.
+and token apply); a step whose tokens ended grammars is applied row by row. A `DecodeBatch` step whose row list
+is the one of the step before reuses that step's constrained rows, matchers and their handles (`_StepRows`), and the
+engine thread's fill may be shared with workers (`fill_threads`, `grammar_jobs.fill_rows`). Parallel samples and
+requests with logprobs take normal steps. `host_seconds` sums the engine thread's time in grammar work (`critical`:
+the fill, waiting for the jobs, the upload and the masking) and the chunks' accepts and fills (`workers`, wherever
+they ran), for `benchmarks/bench_structured.py`.
 
 The bitmask is as wide as the logits (the model's `lm_head` may have more rows than the tokenizer has tokens; the ids
 past the tokenizer's are never allowed).
@@ -51,7 +53,10 @@ from .grammar_jobs import (
     Deferred,
     GrammarJob,
     advance_chunk,
+    check_fill_threads,
+    default_fill_threads,
     default_threads,
+    fill_rows,
     import_xgrammar,
     worker_pool,
 )
@@ -181,6 +186,24 @@ class StepMasks:
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
+@dataclass
+class _StepRows:
+    """The constrained rows of a `DecodeBatch` step (`advance`), kept for the steps after it while the batch's row
+    list is the same object (`StepRows.seqs`: a removal replaces it, never changes it), so a step of the same rows
+    looks at none of them again. `key` is that list, held, so its `id` cannot be reused meanwhile; `every_row`: every
+    row of the step is constrained (the step's tokens are the rows' as they are)."""
+
+    key: list
+    rows: list[int]
+    seqs: list[Sequence]
+    groups: list[SequenceGroup]
+    matchers: list
+    stops: list[frozenset]
+    handles: list  # the matchers' xgrammar handles, as the C++ batch calls take them
+    stop_union: frozenset
+    every_row: bool
+
+
 def _sampling_rows(sched: SchedulerOutput):
     """(logits row, item) of each item of `sched` that samples a token."""
     return enumerate(item for item in sched.scheduled if item.sample)
@@ -201,13 +224,34 @@ class StructuredOutputs:
         self._engine = weakref.ref(engine)
         self._host: list[torch.Tensor] = []  # two host bitmasks (pinned on CUDA), alternated
         self._dev: torch.Tensor | None = None
-        self._batch = None  # xgrammar's BatchGrammarMatcher (fills many rows in threads)
+        self._fill_batches: list = []  # single-threaded BatchGrammarMatchers, one per fill thread (`fill_rows`)
         self._chunk_batches: list = []  # one single-threaded BatchGrammarMatcher per worker chunk
         self._pending: GrammarJob | None = None  # the last job started: waited for before its buffer is reused
+        self._step_rows: _StepRows | None = None  # the constrained rows of the last batch step advanced
+        self._ranges: dict[int, list[int]] = {}  # list(range(n)) per n: the rows of a step constrained throughout
         self.threads = default_threads()  # worker chunks a pipelined step's grammar work is split into, at most
+        self._fill_threads = default_fill_threads()
         self.masked_rows = 0  # rows masked so far (tests, stats)
         self.host_seconds = {"critical": 0.0, "workers": 0.0}  # grammar work: the engine thread's, the workers'
         self._live: weakref.WeakSet = weakref.WeakSet()  # constrained groups not reported finished yet
+
+    @property
+    def fill_threads(self) -> int:
+        """Threads sharing the engine thread's batch fill, the engine thread included (`grammar_jobs.fill_rows`,
+        `default_fill_threads`); a ValueError naming ``fill_threads`` unless an int from 1 to `MAX_FILL_THREADS`."""
+        return self._fill_threads
+
+    @fill_threads.setter
+    def fill_threads(self, value: int) -> None:
+        self._fill_threads = check_fill_threads(value)
+
+    def _batches(self) -> list:
+        """One single-threaded xgrammar `BatchGrammarMatcher` per fill thread (built once, kept for every step)."""
+        batches = self._fill_batches
+        if len(batches) < self._fill_threads:
+            xgr = import_xgrammar()
+            batches += [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self._fill_threads - len(batches))]
+        return batches[:self._fill_threads] if len(batches) > self._fill_threads else batches
 
     @property
     def active(self) -> bool:
@@ -244,6 +288,8 @@ class StructuredOutputs:
 
     def finished(self, group: SequenceGroup) -> None:
         self._live.discard(group)
+        if not self._live:
+            self._step_rows = None  # (it holds the rows' groups and matchers)
 
     # ------------------------------------------------------------------ steps
     def fill(self, sched: SchedulerOutput, ended: dict | None = None) -> StepMasks | None:
@@ -267,18 +313,22 @@ class StructuredOutputs:
         start = time.perf_counter()
         if self._pending is not None:  # a job of a step that failed before it was collected: let it finish first
             self._pending.wait()
-        xgr = import_xgrammar()
         n = len(rows)
         host = self._host_buffer(n)
         if n == 1:
             matchers[0].fill_next_token_bitmask(host, 0)
         else:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(matchers, host[:n])
+            fill_rows(self._batches(), [m._handle for m in matchers], host)
         masks = self._upload(rows, host[:n], groups)
         self.host_seconds["critical"] += time.perf_counter() - start
         return masks
+
+    def _range(self, n: int) -> list[int]:
+        """list(range(n)), one list per n (never changed by its users)."""
+        rows = self._ranges.get(n)
+        if rows is None:
+            rows = self._ranges[n] = list(range(n))
+        return rows
 
     def _upload(self, rows: list[int], host: torch.Tensor, groups: list[SequenceGroup]) -> StepMasks:
         """Start the copy of `host` (one mask row per entry of `rows`) to the device."""
@@ -295,6 +345,40 @@ class StructuredOutputs:
         such row). The caller collects the job (`collect`, `job_masks`) before it touches these matchers again. A
         row whose grammar ended with the token before (its pick is dropped) ends again: its terminated matcher
         refuses the token."""
+        plan = self._rows_of(sched)
+        if plan is None:
+            return None
+        rows, seqs, groups, matchers, stops = plan.rows, plan.seqs, plan.groups, plan.matchers, plan.stops
+        if self._pending is not None:  # (done already unless a step failed before it was collected)
+            self._pending.wait()
+        xgr = import_xgrammar()
+        n = len(rows)
+        host = self._host_buffer(n)
+        chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
+        if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
+            futures = [Deferred(advance_chunk, event, tokens, None if plan.every_row else rows, 0, matchers, stops,
+                                host, self._batches(), plan.handles, plan.stop_union)]
+        else:
+            while len(self._chunk_batches) < chunks:
+                self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+            size = -(-n // chunks)
+            pool = worker_pool()
+            futures = [pool.submit(advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
+                                   stops[a:a + size], host, self._chunk_batches[k], plan.handles[a:a + size],
+                                   plan.stop_union)
+                       for k, a in enumerate(range(0, n, size))]
+        self._pending = GrammarJob(seqs, groups, host, futures, key=plan.key if plan.every_row else None)
+        return self._pending
+
+    def _rows_of(self, sched: SchedulerOutput) -> _StepRows | None:
+        """The constrained sampling rows of `sched` (None if it has none): those of the last batch step advanced when
+        `sched` is a step of the same batch rows, else looked up row by row (and kept, for a batch step)."""
+        batch = sched.batch
+        step = batch.rows_of(sched.batch_step) if batch is not None else None
+        key = step.seqs if step is not None else None
+        kept = self._step_rows
+        if key is not None and kept is not None and kept.key is key:
+            return kept
         rows, seqs, groups, matchers, stops = [], [], [], [], []
         # a decode step's items are its sampling rows, in order (no `sample` to ask, a property of each row)
         items = enumerate(sched.scheduled) if sched.decode_step else _sampling_rows(sched)
@@ -309,26 +393,11 @@ class StructuredOutputs:
                 stops.append(state.stop_ids)
         if not rows:
             return None
-        if self._pending is not None:  # (done already unless a step failed before it was collected)
-            self._pending.wait()
-        xgr = import_xgrammar()
-        n = len(rows)
-        host = self._host_buffer(n)
-        chunks = max(1, min(self.threads, n // MIN_CHUNK_ROWS))
-        if self.threads <= 1:  # no worker: the engine thread does it when it collects the job
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
-            futures = [Deferred(advance_chunk, event, tokens, rows, 0, matchers, stops, host, self._batch)]
-        else:
-            while len(self._chunk_batches) < chunks:
-                self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
-            size = -(-n // chunks)
-            pool = worker_pool()
-            futures = [pool.submit(advance_chunk, event, tokens, rows[a:a + size], a, matchers[a:a + size],
-                                   stops[a:a + size], host, self._chunk_batches[k])
-                       for k, a in enumerate(range(0, n, size))]
-        self._pending = GrammarJob(seqs, groups, host, futures)
-        return self._pending
+        plan = _StepRows(key, rows, seqs, groups, matchers, stops, [m._handle for m in matchers],
+                         frozenset().union(*stops), key is not None and len(rows) == len(key))
+        if key is not None:
+            self._step_rows = plan
+        return plan
 
     def collect(self, job: GrammarJob) -> dict[int, str]:
         """Wait for `job`'s chunks; the ends its tokens brought ({id(seq): end}; a rejected token marks its request
@@ -343,7 +412,6 @@ class StructuredOutputs:
                     ends[id(job.seqs[j])] = end
                     if end == "grammar_rejected":
                         job.groups[j].data[GRAMMAR].rejected = True
-            job.mask_rows = {id(seq): j for j, seq in enumerate(job.seqs) if id(seq) not in ends}
             job.ends = ends
             self.host_seconds["critical"] += time.perf_counter() - start
         return job.ends
@@ -356,10 +424,12 @@ class StructuredOutputs:
         start = time.perf_counter()
         scheduled = sched.scheduled
         n = len(job.seqs)
-        if not ends and sched.decode_step and len(scheduled) == n and all(map(is_, job.seqs, _seqs(scheduled))):
-            masks = self._upload(list(range(n)), job.host[:n], job.groups)  # the common step: the same rows
+        if not ends and sched.decode_step and len(scheduled) == n and self._same_rows(job, sched):
+            masks = self._upload(self._range(n), job.host[:n], job.groups)  # the common step: the same rows
             self.host_seconds["critical"] += time.perf_counter() - start
             return masks
+        if job.mask_rows is None:
+            job.mask_rows = {id(seq): j for j, seq in enumerate(job.seqs) if id(seq) not in ends}
         mask_rows = job.mask_rows
         rows, source, groups = [], [], []
         row = 0
@@ -378,13 +448,23 @@ class StructuredOutputs:
         if not rows:
             return None
         n = len(rows)
-        if source[-1] == n - 1 and source == list(range(n)):
+        if source[-1] == n - 1 and source == self._range(n):
             host = job.host[:n]
         else:
             host = job.host.index_select(0, torch.tensor(source, dtype=torch.long))
         masks = self._upload(rows, host, groups)
         self.host_seconds["critical"] += time.perf_counter() - start
         return masks
+
+    @staticmethod
+    def _same_rows(job: GrammarJob, sched: SchedulerOutput) -> bool:
+        """Whether `sched`'s rows are `job`'s sequences, in order (of the same length): known without a look when
+        both are steps of one `DecodeBatch` row list with every row constrained."""
+        if job.key is not None and sched.batch is not None:
+            step = sched.batch.rows_of(sched.batch_step)
+            if step is not None and step.seqs is job.key:
+                return True
+        return all(map(is_, job.seqs, _seqs(sched.scheduled)))
 
     def apply(self, logits: torch.Tensor, masks: StepMasks) -> None:
         """Set the logits of every token the grammar forbids to -inf, in place, on the logits' device."""
