@@ -19,7 +19,8 @@ blocks of 32 heads per program.
 ``--fp8-read-modes cast,fp16,bits`` times the FP8 cache once per way of reading its tiles (`triton_fp8.READ_MODE`, a
 compile-time choice: "cast" converts a tile to bf16, "fp16" to fp16 with both dots in fp16, "bits" moves the e4m3 bits
 into bf16 ones with integer ops), each with its µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA,
-so that one GPU call picks the fastest. ``--shapes llama8b`` runs the llama-8b-like shapes alone (32 query heads, 8 KV
+so that one GPU call picks the fastest; with ``--fp8-sweep`` each mode sweeps the tiles (within ``--budget-s``).
+``--shapes llama8b`` runs the llama-8b-like shapes alone (32 query heads, 8 KV
 heads, head dim 128, contexts 1k-3k, batches 64-320: issue 55's KV-bound FP8 workload).
 
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
@@ -204,21 +205,30 @@ def run_shape(shape, args, bench, t_start, budget_s):
     tiles = WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP
     if args.sweep or args.fp8_sweep:
         # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
-        fp8_sweep = []
-        for bn, nw, ns in tiles:
-            sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
+        # with --fp8-read-modes, every tile in each mode (`triton_fp8.READ_MODE`, restored after)
+        from hf_paged.kernels import triton_fp8
 
-            def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
-                return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
-                                       num_stages=ns, k_scale=k_scale, v_scale=v_scale)
+        fp8_sweep, saved = [], triton_fp8.READ_MODE
+        for mode in (args.fp8_read_modes.split(",") if args.fp8_read_modes else [saved]):
+            triton_fp8.READ_MODE = mode
+            for bn, nw, ns in tiles:
+                if args.fp8_read_modes and time.time() - t_start > budget_s:
+                    print("  (FP8 sweep budget exhausted)")
+                    break
+                sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
 
-            try:
-                us = bench(fn8)
-            except Exception as exc:  # out of shared memory / registers
-                print(f"  FP8 tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
-                continue
-            fp8_sweep.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
-            print(f"  FP8 tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+                def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
+                    return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
+                                           num_stages=ns, k_scale=k_scale, v_scale=v_scale)
+
+                try:
+                    us = bench(fn8)
+                except Exception as exc:  # out of shared memory / registers
+                    print(f"  FP8 {mode} tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
+                    continue
+                fp8_sweep.append(dict(mode=mode, block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
+                print(f"  FP8 {mode} tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+        triton_fp8.READ_MODE = saved
         if fp8_sweep:
             r["fp8_sweep"] = fp8_sweep
             r["fp8_best"] = min(fp8_sweep, key=lambda x: x["us"])
