@@ -16,7 +16,11 @@ take the short path already, float32 ones keep "cast", their dots IEEE float32).
 H200 the decode kernel took as long over an FP8 cache as over a bf16 one (1.5-2.0 TB/s of its bytes), bound by the
 per-element work, not the bytes. Compiled for sm90 (Triton 3.9, on the CPU), a 64-key tile of the d-128 GQA-4 loop
 is, per thread, 553 SASS instructions over a bf16 cache, 907 "cast", 715 "fp16", 686 "fp16t", 940 "bits", 870
-"bits_asm" (the GPU benchmark, ``bench_decode_kernel.py --fp8-read-modes``, decides). The modes:
+"bits_asm"; of these, conversions (F2F / F2FP: 16 a clock per SM by the CUDA guide's throughput table, against
+64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16" / "fp16t", none for "bits" /
+"bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
+cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate; the GPU benchmark,
+``bench_decode_kernel.py --fp8-read-modes``, decides). The modes:
 
 * ``"cast"``: the tile converted to the query's dtype (exact: every e4m3 value is a bf16, an fp16 and a float32). On
   sm90 that is ``cvt.rn.f16x2.e4m3x2`` per pair, then an fp16 -> bf16 conversion per element.
