@@ -18,7 +18,7 @@ blocks of 32 heads per program.
 
 ``--fp8-read-modes cast,fp16,bits`` times the FP8 cache once per way of reading its tiles (`triton_fp8.READ_MODE`, a
 compile-time choice: "cast" converts a tile to bf16, "fp16" to fp16 with both dots in fp16, "bits" moves the e4m3 bits
-into bf16 ones with integer ops), each with its µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA,
+into bf16 ones with integer ops, "bits_asm" likewise in inline PTX; "_t" loads the value tile transposed), each with its µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA,
 so that one GPU call picks the fastest; with ``--fp8-sweep`` each mode sweeps the tiles (within ``--budget-s``).
 ``--shapes llama8b`` runs the llama-8b-like shapes alone (32 query heads, 8 KV
 heads, head dim 128, contexts 1k-3k, batches 64-320: issue 55's KV-bound FP8 workload).
@@ -69,7 +69,8 @@ SHAPES = [
 WIDE_SHAPES = [s["name"] for s in SHAPES if s["D"] > 256]
 LLAMA8B_SHAPES = [s["name"] for s in SHAPES
                   if (s["Hq"], s["Hkv"], s["D"]) == (32, 8, 128) and s["B"] >= 64 and 1024 <= s["L"] <= 3072]
-FP8_READ_MODES = ("cast", "fp16", "fp16t", "bits", "bits_asm")  # triton_fp8.READ_MODES (checked in main: the parser needs no triton)
+# triton_fp8.READ_MODES (checked in main: the parser needs no triton)
+FP8_READ_MODES = ("cast", "fp16", "bits", "bits_asm", "cast_t", "fp16_t", "bits_t", "bits_asm_t")
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 

@@ -180,7 +180,7 @@ def _paged_decode_kernel(
         HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
         MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr,
         FUSE_REDUCE: tl.constexpr, PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr,
-        READ: tl.constexpr):
+        READ: tl.constexpr, V_TRANS: tl.constexpr):
     sp = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -225,7 +225,7 @@ def _paged_decode_kernel(
                         stride_pmh, stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi,
                         parts, G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP,
                         HAS_SINKS, HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE, QUANT, SOFT_FP8,
-                        READ)
+                        READ, V_TRANS)
 
 
 @triton.jit
@@ -237,9 +237,10 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
                     IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-                    PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, READ: tl.constexpr):
+                    PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, READ: tl.constexpr,
+                    V_TRANS: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`; `ks` / `vs`
-    the KV head's scales of an FP8 cache (`QUANT`), its tiles read as `READ` says (`triton_fp8.READ_MODE`)."""
+    the KV head's scales of an FP8 cache (`QUANT`), its tiles read as `READ` / `V_TRANS` say (`triton_fp8.read_mode`)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
     offs_dv = tl.arange(0, DV_PAD)
@@ -322,10 +323,11 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
         p = _fp8_probs(s, m_use, READ)  # exp2(s - m), scaled for a "bits" read
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if READ == "fp16t":  # loaded [DV_PAD, BLOCK_N] and transposed: converted before shared memory (`triton_fp8`)
+        if V_TRANS:  # loaded [DV_PAD, BLOCK_N] and transposed: converted before shared memory (`triton_fp8`)
             v = tl.trans(_fp8_tile(tl.load(
                 v_base + blk[None, :] * stride_vb + off[None, :] * stride_vt + offs_dv[:, None],
-                mask=_dim_mask(valid[None, :], offs_dv[:, None], HEAD_DIM_V, DV_PAD), other=0.0), READ, tl.float16))
+                mask=_dim_mask(valid[None, :], offs_dv[:, None], HEAD_DIM_V, DV_PAD), other=0.0), READ,
+                Q.dtype.element_ty))
         else:
             v = _fp8_tile(tl.load(
                 v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
@@ -441,6 +443,7 @@ def paged_decode(
         pacc = pm = pl = out  # unused
         pstrides = (0, 0, 0, 0, 0)
 
+    read, v_trans = read_mode(query.dtype, k_scale is not None, query.is_cuda)
     _paged_decode_kernel[(num_splits, B, Hkv)](
         query, key_cache, value_cache, block_tables, seq_lens, kvs, out, pacc, pm, pl,
         sinks if sinks is not None else out, alibi_slopes if alibi_slopes is not None else out,
@@ -473,7 +476,8 @@ def paged_decode(
         PREFETCH_TABLE=prefetches_table(B, Hkv, D),
         QUANT=k_scale is not None,
         SOFT_FP8=k_scale is not None and not query.is_cuda,
-        READ=read_mode(query.dtype, k_scale is not None, query.is_cuda),
+        READ=read,
+        V_TRANS=v_trans,
         num_warps=num_warps,
         num_stages=num_stages,
     )

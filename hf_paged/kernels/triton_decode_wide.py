@@ -8,8 +8,8 @@ kernel as in `triton_decode`; with several, a separate combine kernel runs (the 
 (sequence, KV head)), and the counters are left untouched at zero. Every head-block program that reads the step's
 own position writes the step's K/V (the same bytes), so none reads the slot before its own write.
 
-Options: kv_start, sliding window, chunked attention, softcap, sinks, ALiBi, an FP8 cache (read as
-`triton_fp8.READ_MODE` says), the fused K/V write.
+Options: kv_start, sliding window, chunked attention, softcap, sinks, ALiBi, an FP8 cache (converted as
+`triton_fp8.READ_MODE` says; its "_t" variants are read as the plain ones), the fused K/V write.
 Launch tiles (`_config`): BLOCK_H 16 query heads, BLOCK_N 32 keys, 2 stages (vLLM's grouped MLA decode tile): a
 ``[512, 32]`` key tile, the 64-wide rest and a ``[32, 512]`` value tile, double-buffered, take about 140 KB of shared
 memory in 16-bit types, inside an H100/H200's 227 KB. 8 warps, not vLLM's 4: the ``16 x 512`` float32 accumulator,
@@ -274,7 +274,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
         SPLIT=num_splits > 1, MIN_SPLIT=min_split, IEEE=query.dtype == torch.float32, DOT_F32=not query.is_cuda,
         WRITE=new_kv is not None, FUSE_REDUCE=fuse_reduce, QUANT=k_scale is not None,
-        SOFT_FP8=k_scale is not None and not query.is_cuda, READ=read_mode(query.dtype, k_scale is not None, query.is_cuda),
+        SOFT_FP8=k_scale is not None and not query.is_cuda, READ=read_mode(query.dtype, k_scale is not None, query.is_cuda)[0],
         num_warps=num_warps or cfg_w, num_stages=num_stages or cfg_s,
     )
     if num_splits > 1 and not fuse_reduce:

@@ -15,10 +15,9 @@ is `READ_MODE` (env ``HF_PAGED_FP8_READ``), a compile-time choice for bfloat16 q
 take the short path already, float32 ones keep "cast", their dots IEEE float32). Why: replayed from CUDA graphs on an
 H200 the decode kernel took as long over an FP8 cache as over a bf16 one (1.5-2.0 TB/s of its bytes), bound by the
 per-element work, not the bytes. Compiled for sm90 (Triton 3.9, on the CPU), a 64-key tile of the d-128 GQA-4 loop
-is, per thread, 553 SASS instructions over a bf16 cache, 907 "cast", 715 "fp16", 686 "fp16t", 940 "bits", 870
-"bits_asm"; of these, conversions (F2F / F2FP: 16 a clock per SM by the CUDA guide's throughput table, against
-64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16" / "fp16t", none for "bits" /
-"bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
+is, per thread, 553 SASS instructions over a bf16 cache, 907 "cast", 715 "fp16", 940 "bits", 870 "bits_asm" (881,
+686, 1065, 869 with "_t"); of these, conversions (F2F / F2FP: 16 a clock per SM by the CUDA guide's throughput table, against
+64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16", none for "bits" / "bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
 cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate; the GPU benchmark,
 ``bench_decode_kernel.py --fp8-read-modes``, decides). The modes:
 
@@ -30,11 +29,12 @@ cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate
   that brings its largest magnitude (over the program's rows) into [2^14, 2^15) (`_query_scale`), and the logit
   scale divided by it: no value overflows (fp16's largest is 65,504), and an element is rounded only if it is below
   2^-29 of that largest (fp16's subnormals), a part of the logits under float32's own rounding.
-* ``"fp16t"``: "fp16" with the value tile loaded ``[D, BLOCK_N]`` and transposed (`tl.trans`). Loaded as
-  ``[BLOCK_N, D]``, Triton keeps it fp8 in shared memory and converts it in the dot's operand layout, which it reads
-  one byte at a time (the operand runs along the keys, the bytes along D: no ``ldmatrix`` for 8-bit transposes);
-  transposed, it is converted in registers and goes through shared memory as fp16 (``ldmatrix.trans``). The wide
-  kernel reads it as "fp16".
+* ``"cast_t"``, ``"fp16_t"``, ``"bits_t"``, ``"bits_asm_t"``: the same conversion with the value tile loaded
+  ``[D, BLOCK_N]`` and transposed (`tl.trans`). Loaded as ``[BLOCK_N, D]``, Triton keeps it fp8 in shared memory and
+  converts it in the dot's operand layout, which it reads one byte a load (64 ``LDS.U8`` a thread a tile: the operand
+  runs along the keys, the bytes along D, and ``ldmatrix`` transposes only 16-bit elements); transposed, it is
+  converted in registers and goes through shared memory in 16 bits (``ldmatrix.trans``), fewer shared-memory
+  instructions for more register shuffles. The wide kernel ignores "_t".
 * ``"bits"``: the e4m3 byte ``x`` becomes bf16 bits ``(sign_extend(x) << 4) & 0x87F0`` (sign to bit 15, exponent
   and mantissa moved up 4 bits): exactly ``value * 2^-120``, subnormals included (e4m3's map onto bf16's; checked
   over all 256 bytes in `tests/test_kv_fp8_read.py`), integer ops instead of conversions. The factors stay out of
@@ -60,7 +60,8 @@ __all__ = ["FP8_MAX", "READ_MODE", "READ_MODES", "_fp8_end", "_fp8_probs", "_fp8
            "read_mode"]
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-READ_MODES = ("cast", "fp16", "fp16t", "bits", "bits_asm")
+_CONVERSIONS = ("cast", "fp16", "bits", "bits_asm")
+READ_MODES = _CONVERSIONS + tuple(f"{m}_t" for m in _CONVERSIONS)  # "_t": the value tile loaded transposed
 #: how the decode kernels read an fp8 tile (see the module docstring); "cast" until a GPU measurement picks another
 READ_MODE = os.environ.get("HF_PAGED_FP8_READ", "").strip().lower() or "cast"
 _BITS_Q = tl.constexpr(2.0**64)  # "bits": the query's and p's multiplier
@@ -79,15 +80,17 @@ _BITS_ASM = tl.constexpr(
     "}")
 
 
-def read_mode(query_dtype: torch.dtype, quantized: bool, cuda: bool = True) -> str:
-    """The `READ_MODE` a decode launch compiles: "cast" for a cache of the query's own type and for queries other
-    than bfloat16 (see the module docstring); "bits_asm" is "bits" off CUDA (the interpreter runs no inline PTX). A
-    ValueError names an unknown mode."""
+def read_mode(query_dtype: torch.dtype, quantized: bool, cuda: bool = True) -> tuple[str, bool]:
+    """What a decode launch compiles of `READ_MODE`: the conversion (the kernels' ``READ``) and whether the value
+    tile is loaded transposed (``V_TRANS``). "cast" and untransposed for a cache of the query's own type and for
+    queries other than bfloat16 (see the module docstring); "bits_asm" is "bits" off CUDA (the interpreter runs no
+    PTX). A ValueError names an unknown mode."""
     if READ_MODE not in READ_MODES:
         raise ValueError(f"triton_fp8.READ_MODE (HF_PAGED_FP8_READ) must be one of {READ_MODES}, not {READ_MODE!r}")
     if not quantized or query_dtype != torch.bfloat16:
-        return "cast"
-    return "bits" if READ_MODE == "bits_asm" and not cuda else READ_MODE
+        return "cast", False
+    conversion = READ_MODE.removesuffix("_t")
+    return "bits" if conversion == "bits_asm" and not cuda else conversion, READ_MODE.endswith("_t")
 
 
 @triton.jit
@@ -131,7 +134,7 @@ def _query_scale(qmax, READ: tl.constexpr):
     """(query multiplier, logit factor) of a read mode, float32 powers of two: the query is multiplied by the first
     before its dots, the logit scale by the second (for "fp16", `qmax` = the query's largest magnitude brought into
     [2^14, 2^15); the exponent clamped so both stay normal floats: an all-zero query gets 2^124)."""
-    if READ == "fp16" or READ == "fp16t":
+    if READ == "fp16":
         e = ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(qmax)) for a normal qmax
         e = tl.minimum(tl.maximum(e, -110), 127)
         return ((141 - e) << 23).to(tl.float32, bitcast=True), ((113 + e) << 23).to(tl.float32, bitcast=True)
@@ -145,7 +148,7 @@ def _query_scale(qmax, READ: tl.constexpr):
 def _fp8_query(q, mul, READ: tl.constexpr):
     """The query tile as the dots' operand: times `mul` (`_query_scale`; exact) in float16 ("fp16") or bfloat16
     ("bits"); as it is for "cast"."""
-    if READ == "fp16" or READ == "fp16t":
+    if READ == "fp16":
         return (q.to(tl.float32) * mul).to(tl.float16)
     elif READ == "bits" or READ == "bits_asm":
         return (q.to(tl.float32) * mul).to(tl.bfloat16)
@@ -157,7 +160,7 @@ def _fp8_query(q, mul, READ: tl.constexpr):
 def _fp8_tile(x, READ: tl.constexpr, TY: tl.constexpr):
     """A loaded cache tile as a dot operand: converted to `TY` (the query's dtype: "cast", or a cache of that type
     already), to float16 ("fp16"), or its e4m3 bits moved into bfloat16 ones, ``value * 2^-120`` ("bits")."""
-    if READ == "fp16" or READ == "fp16t":
+    if READ == "fp16":
         return x.to(tl.float16)
     elif READ == "bits":
         bits = (x.to(tl.int8, bitcast=True).to(tl.int32) << 4) & 0x87F0  # sign extended: bit 15 kept, 11-14 cleared
