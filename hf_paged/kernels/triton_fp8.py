@@ -16,8 +16,9 @@ take the short path already, float32 ones keep "cast", their dots IEEE float32).
 H200 the decode kernel took as long over an FP8 cache as over a bf16 one (1.5-2.0 TB/s of its bytes), bound by the
 per-element work, not the bytes. Compiled for sm90 (Triton 3.9, on the CPU), a 64-key tile of the d-128 GQA-4 loop
 is, per thread, 553 SASS instructions over a bf16 cache, 907 "cast", 715 "fp16", 940 "bits", 870 "bits_asm" (881,
-686, 1065, 869 with "_t"); of these, conversions (F2F / F2FP: 16 a clock per SM by the CUDA guide's throughput table, against
-64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16", none for "bits" / "bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
+686, 1065, 869 with "_t"); of these, conversions (F2F / F2FP: 16 a clock per SM by the CUDA guide's throughput
+table, against 64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16", none for "bits" /
+"bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
 cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate; the GPU benchmark,
 ``bench_decode_kernel.py --fp8-read-modes``, decides). The modes:
 
