@@ -18,10 +18,10 @@ blocks of 32 heads per program.
 
 ``--fp8-read-modes cast,fp16,bits`` times the FP8 cache once per way of reading its tiles (`triton_fp8.READ_MODE`, a
 compile-time choice: "cast" converts a tile to bf16, "fp16" to fp16 with both dots in fp16, "bits" moves the e4m3 bits
-into bf16 ones with integer ops, "bits_asm" likewise in inline PTX; "_t" loads the value tile transposed), each with its µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA,
-so that one GPU call picks the fastest; with ``--fp8-sweep`` each mode sweeps the tiles (within ``--budget-s``).
-``--shapes llama8b`` runs the llama-8b-like shapes alone (32 query heads, 8 KV
-heads, head dim 128, contexts 1k-3k, batches 64-320: issue 55's KV-bound FP8 workload).
+into bf16 ones with integer ops, "bits_asm" likewise in inline PTX; "_t" loads the value tile transposed), each with its
+µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA, so that one GPU call picks the fastest; with
+``--fp8-sweep`` each mode sweeps the tiles (within ``--budget-s``). ``--shapes llama8b`` runs the llama-8b-like shapes
+alone (32 query heads, 8 KV heads, head dim 128, contexts 1k-3k, batches 64-320: issue 55's KV-bound FP8 workload).
 
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
 also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode

@@ -2,10 +2,10 @@
 also with the value tile loaded transposed: "_t"), a compile-time choice the GPU benchmark compares
 (`benchmarks/bench_decode_kernel.py --fp8-read-modes`).
 
-What must hold: the "bits" read (e4m3 byte to bf16 bits with integer ops) is exactly ``value * 2^-120`` for every
-byte but the two NaNs, in torch and in the Triton helper (its inline-PTX form on CUDA), and the "fp16" read is
-exact; every mode's decode, narrow and wide kernels, gives the float64 reference's result within the bf16 tolerance
-(the interpreter on the CPU, where "bits_asm" would run as "bits" and is left out); the "fp16" read keeps queries beyond float16's range
+What must hold: the "bits" read (e4m3 byte to bf16 bits with integer ops) is exactly ``value * 2^-120`` for every byte
+but the two NaNs, in torch and in the Triton helper (its inline-PTX form on CUDA), and the "fp16" read is exact; every
+mode's decode, narrow and wide kernels, gives the float64 reference's result within the bf16 tolerance (the interpreter
+on the CPU, where "bits_asm" would run as "bits" and is left out); the "fp16" read keeps queries beyond float16's range
 (|q| > 65,504, or tiny) exact; float32 and float16 queries read "cast"; an unknown mode is a ValueError naming the
 setting.
 """

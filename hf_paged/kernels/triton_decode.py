@@ -240,7 +240,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
                     PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, READ: tl.constexpr,
                     V_TRANS: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`; `ks` / `vs`
-    the KV head's scales of an FP8 cache (`QUANT`), its tiles read as `READ` / `V_TRANS` say (`triton_fp8.read_mode`)."""
+    the KV head's scales of an FP8 cache (`QUANT`), its tiles read as `READ` / `V_TRANS` say
+    (`triton_fp8.read_mode`)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
     offs_dv = tl.arange(0, DV_PAD)

@@ -274,7 +274,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
         SPLIT=num_splits > 1, MIN_SPLIT=min_split, IEEE=query.dtype == torch.float32, DOT_F32=not query.is_cuda,
         WRITE=new_kv is not None, FUSE_REDUCE=fuse_reduce, QUANT=k_scale is not None,
-        SOFT_FP8=k_scale is not None and not query.is_cuda, READ=read_mode(query.dtype, k_scale is not None, query.is_cuda)[0],
+        SOFT_FP8=k_scale is not None and not query.is_cuda,
+        READ=read_mode(query.dtype, k_scale is not None, query.is_cuda)[0],
         num_warps=num_warps or cfg_w, num_stages=num_stages or cfg_s,
     )
     if num_splits > 1 and not fuse_reduce:
