@@ -16,6 +16,13 @@ alone, which is the GPU check of the wide kernel: every line must print (no comp
 registers) with a small max|err|; ``--sweep`` adds the wide tiles and, with more than 16 query heads per KV head,
 blocks of 32 heads per program.
 
+``--fp8-read-modes cast,fp16,bits`` times the FP8 cache once per way of reading its tiles (`triton_fp8.READ_MODE`, a
+compile-time choice: "cast" converts a tile to bf16, "fp16" to fp16 with both dots in fp16, "bits" moves the e4m3 bits
+into bf16 ones with integer ops, "bits_asm" likewise in inline PTX; "_t" loads the value tile transposed), each with its
+µs, TB/s of its bytes, speed-up over bf16 and max|err| against SDPA, so that one GPU call picks the fastest; with
+``--fp8-sweep`` each mode sweeps the tiles (within ``--budget-s``). ``--shapes llama8b`` runs the llama-8b-like shapes
+alone (32 query heads, 8 KV heads, head dim 128, contexts 1k-3k, batches 64-320: issue 55's KV-bound FP8 workload).
+
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
 also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode
 kernel's launch configuration (BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
@@ -48,6 +55,10 @@ SHAPES = [
     # a KV-bound llama-8b step (issue 55's FP8 workload) and a Gemma-3-1B global layer (head dim 256, one KV head)
     dict(name="B256-L2048-h32/8-d128", B=256, L=2048, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
     dict(name="B240-L1024-h4/1-d256", B=240, L=1024, Hq=4, Hkv=1, D=256, sdpa_anchor_us=None),
+    # more of issue 55's llama-8b steps (`--shapes llama8b`): the FP8 pool runs 1.5x the bf16 pool's batch
+    dict(name="B320-L1024-h32/8-d128", B=320, L=1024, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
+    dict(name="B128-L3072-h32/8-d128", B=128, L=3072, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
+    dict(name="B320-L3072-h32/8-d128", B=320, L=3072, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
     # wide heads: DeepSeek-V2-Lite's latent (values = the keys' first 512 columns) and a Gemma 4 global layer
     dict(name="B64-L2048-h16/1-d576/512", B=64, L=2048, Hq=16, Hkv=1, D=576, Dv=512, latent=True, sdpa_anchor_us=None),
     dict(name="B64-L4096-h16/2-d512", B=64, L=4096, Hq=16, Hkv=2, D=512, sdpa_anchor_us=None),
@@ -56,6 +67,10 @@ SHAPES = [
          sdpa_anchor_us=None),
 ]
 WIDE_SHAPES = [s["name"] for s in SHAPES if s["D"] > 256]
+LLAMA8B_SHAPES = [s["name"] for s in SHAPES
+                  if (s["Hq"], s["Hkv"], s["D"]) == (32, 8, 128) and s["B"] >= 64 and 1024 <= s["L"] <= 3072]
+# triton_fp8.READ_MODES (checked in main: the parser needs no triton)
+FP8_READ_MODES = ("cast", "fp16", "bits", "bits_asm", "cast_t", "fp16_t", "bits_t", "bits_asm_t")
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
@@ -185,24 +200,36 @@ def run_shape(shape, args, bench, t_start, budget_s):
         flush=True,
     )
 
+    if args.fp8_read_modes:
+        r["fp8_read_modes"] = time_read_modes(args.fp8_read_modes.split(","), paged_fp8, ref, bench, nbytes / 2,
+                                              r["paged_us"])
     tiles = WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP
     if args.sweep or args.fp8_sweep:
         # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
-        fp8_sweep = []
-        for bn, nw, ns in tiles:
-            sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
+        # with --fp8-read-modes, every tile in each mode (`triton_fp8.READ_MODE`, restored after)
+        from hf_paged.kernels import triton_fp8
 
-            def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
-                return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
-                                       num_stages=ns, k_scale=k_scale, v_scale=v_scale)
+        fp8_sweep, saved = [], triton_fp8.READ_MODE
+        for mode in (args.fp8_read_modes.split(",") if args.fp8_read_modes else [saved]):
+            triton_fp8.READ_MODE = mode
+            for bn, nw, ns in tiles:
+                if args.fp8_read_modes and time.time() - t_start > budget_s:
+                    print("  (FP8 sweep budget exhausted)")
+                    break
+                sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
 
-            try:
-                us = bench(fn8)
-            except Exception as exc:  # out of shared memory / registers
-                print(f"  FP8 tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
-                continue
-            fp8_sweep.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
-            print(f"  FP8 tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+                def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
+                    return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
+                                           num_stages=ns, k_scale=k_scale, v_scale=v_scale)
+
+                try:
+                    us = bench(fn8)
+                except Exception as exc:  # out of shared memory / registers
+                    print(f"  FP8 {mode} tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
+                    continue
+                fp8_sweep.append(dict(mode=mode, block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
+                print(f"  FP8 {mode} tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+        triton_fp8.READ_MODE = saved
         if fp8_sweep:
             r["fp8_sweep"] = fp8_sweep
             r["fp8_best"] = min(fp8_sweep, key=lambda x: x["us"])
@@ -272,6 +299,30 @@ def run_shape(shape, args, bench, t_start, budget_s):
     return r
 
 
+def time_read_modes(modes: list[str], fn, ref: torch.Tensor, bench, nbytes: float, bf16_us: float) -> dict:
+    """The FP8 decode `fn` timed with each of `modes` as `triton_fp8.READ_MODE` (each compiles its own kernel): per
+    mode µs, TB/s of its `nbytes`, speed-up over the bf16 cache's `bf16_us`, max|err| against `ref` (SDPA). A mode
+    that fails to compile is printed and left out; the setting is restored after."""
+    from hf_paged.kernels import triton_fp8
+
+    saved, out = triton_fp8.READ_MODE, {}
+    try:
+        for mode in modes:
+            triton_fp8.READ_MODE = mode
+            try:
+                err = (fn().float() - ref).abs().max().item()
+                us = bench(fn)
+            except Exception as exc:  # a compile error (shared memory, registers, an unsupported conversion)
+                print(f"  FP8 read {mode}: failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+                continue
+            out[mode] = dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12, speedup=bf16_us / us, err=err)
+            print(f"  FP8 read {mode}: {us:.1f} us ({out[mode]['tbps']:.2f} TB/s of its bytes, x{bf16_us / us:.2f} "
+                  f"over bf16, max|err| {err:.2e})", flush=True)
+    finally:
+        triton_fp8.READ_MODE = saved
+    return out
+
+
 def sweep_head_blocks(shape, mod, tile, bench, ref, call) -> list[dict]:
     """The wide kernel's best tile with 32 and 64 query heads per program (16 by default): fewer programs read each
     latent tile, but each holds a wider accumulator (registers)."""
@@ -319,6 +370,22 @@ def render(results, meta, out_dir) -> int:
             f"{r['default_splits']} | {r['max_abs_err_vs_sdpa']:.1e} | {r['paged_fp8_us']:.1f} | "
             f"{r['paged_fp8_tbps']:.2f} | {r['fp8_speedup']:.2f}x |"
         )
+    modes = list(dict.fromkeys(m for r in results for m in r.get("fp8_read_modes", {})))
+    if modes:
+        lines += [
+            "",
+            "FP8 cache by read mode (`triton_fp8.READ_MODE`): µs, TB/s of its bytes, speed-up over bf16, max abs err "
+            "vs SDPA",
+            "",
+            "| shape | bf16 paged µs | " + " | ".join(modes) + " |",
+            "|---|---|" + "---|" * len(modes),
+        ]
+        for r in results:
+            cells = []
+            for m in modes:
+                x = r.get("fp8_read_modes", {}).get(m)
+                cells.append(f"{x['us']:.1f} / {x['tbps']:.2f} / {x['speedup']:.2f}x / {x['err']:.1e}" if x else "-")
+            lines.append(f"| {r['name']} | {r['paged_us']:.1f} | " + " | ".join(cells) + " |")
     if any("best" in r for r in results):
         lines += [
             "",
@@ -370,6 +437,14 @@ def render(results, meta, out_dir) -> int:
     return 0
 
 
+def _read_modes(text: str) -> str:
+    """`--fp8-read-modes`: a comma-separated list of `FP8_READ_MODES` (an argparse error names an unknown one)."""
+    unknown = [m for m in text.split(",") if m not in FP8_READ_MODES]
+    if text and unknown:
+        raise argparse.ArgumentTypeError(f"unknown FP8 read mode(s) {unknown}: choose from {','.join(FP8_READ_MODES)}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_kernel.json / .png")
@@ -377,10 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time every call replayed from a CUDA graph (no host time; L2 not flushed between replays)")
     ap.add_argument("--fp8-sweep", action="store_true", help="sweep the launch configuration for the FP8 cache only")
+    ap.add_argument("--fp8-read-modes", default="", type=_read_modes, metavar="cast,fp16,bits",
+                    help="time the FP8 cache once per tile read mode (triton_fp8.READ_MODE), comma-separated")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
     ap.add_argument("--shapes", default="",
-                    help="comma-separated subset of shape names; 'wide' for the heads over 256 (the wide kernel)")
+                    help="comma-separated subset of shape names; 'wide' for the heads over 256 (the wide kernel), "
+                         "'llama8b' for the llama-8b-like ones")
     return ap
 
 
@@ -419,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     meta["copy_tbps"] = copy_bandwidth(bench, dev)
     print(f"# device-to-device copy: {meta['copy_tbps']:.2f} TB/s (read+write)")
 
-    names = args.shapes.replace("wide", ",".join(WIDE_SHAPES)).split(",") if args.shapes else None
+    from hf_paged.kernels import triton_fp8
+
+    assert FP8_READ_MODES == triton_fp8.READ_MODES, "bench_decode_kernel.FP8_READ_MODES is out of date"
+    names = (args.shapes.replace("wide", ",".join(WIDE_SHAPES)).replace("llama8b", ",".join(LLAMA8B_SHAPES))
+             .split(",") if args.shapes else None)
     shapes = [s for s in SHAPES if names is None or s["name"] in names]
     results = []
     for shape in shapes:

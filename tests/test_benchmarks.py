@@ -309,6 +309,36 @@ def test_decode_kernel_bench_builds_a_latent_read_once():
     mod, programs = bench.decode_module(shape)
     assert mod.__name__.endswith("triton_decode_wide") and programs == 1
     assert bench.WIDE_SHAPES == ["B64-L2048-h16/1-d576/512", "B64-L4096-h16/2-d512", "B32-L2048-h128/1-d576/512"]
+    assert bench.LLAMA8B_SHAPES == ["B64-L2048-h32/8-d128", "B128-L1024-h32/8-d128", "B256-L2048-h32/8-d128",
+                                    "B320-L1024-h32/8-d128", "B128-L3072-h32/8-d128", "B320-L3072-h32/8-d128"]
+
+
+def test_decode_kernel_bench_times_and_tabulates_each_fp8_read_mode(tmp_path, capsys):
+    """`--fp8-read-modes`: the FP8 decode timed once per `triton_fp8.READ_MODE` (the setting restored after), each
+    mode's µs, TB/s, speed-up over bf16 and error in the printed table."""
+    bench = pytest.importorskip("bench_decode_kernel")
+    pytest.importorskip("triton")
+    from hf_paged.kernels import triton_fp8
+
+    saved = triton_fp8.READ_MODE
+    times = {"cast": 10.0, "fp16": 5.0, "bits": 8.0}
+
+    def fake_bench(fn):
+        fn()
+        return times[triton_fp8.READ_MODE]
+
+    modes = bench.time_read_modes(["cast", "fp16", "bits"], lambda: torch.full((2,), 1.5), torch.ones(2),
+                                  fake_bench, 2e6, 20.0)
+    assert triton_fp8.READ_MODE == saved and list(modes) == ["cast", "fp16", "bits"]
+    assert modes["fp16"] == pytest.approx(dict(us=5.0, tbps=0.4, speedup=4.0, err=0.5))
+    row = dict(name="B1-L16-h32/8-d128", sdpa_us=1.0, sdpa_anchor_us=None, gather_sdpa_us=1.0, paged_us=20.0,
+               paged_tbps=1.0, sdpa_tbps=1.0, ratio=1.0, default_splits=1, max_abs_err_vs_sdpa=0.0,
+               paged_fp8_us=10.0, paged_fp8_tbps=1.0, fp8_speedup=2.0, fp8_read_modes=modes)
+    meta = dict(device="cpu", sms=1, torch="t", triton="t", copy_tbps=1.0)
+    bench.render([row], meta, str(tmp_path))
+    table = (tmp_path / "decode_kernel.md").read_text()
+    assert "| shape | bf16 paged µs | cast | fp16 | bits |" in table
+    assert "| B1-L16-h32/8-d128 | 20.0 | 10.0 / 0.20 / 2.00x / 5.0e-01 | 5.0 / 0.40 / 4.00x / 5.0e-01 |" in table
 
 
 def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
@@ -413,7 +443,10 @@ COMMAND_LINES = {
     "bench_beam": [(["--model", "llama-8b", "--beams", "4,6,8", "--systems", "paged_compiled,paged,transformers",
                      "--out", "r"], {"beams": "4,6,8", "num_prompts": 100, "new_tokens": 256, "out": "r"})],
     "bench_decode_kernel": [(["--out", "r", "--sweep"], {"sweep": True, "rep": 200, "shapes": ""}),
-                            (["--fp8-sweep", "--shapes", "a,b"], {"fp8_sweep": True, "sweep": False, "shapes": "a,b"})],
+                            (["--fp8-sweep", "--shapes", "a,b"], {"fp8_sweep": True, "sweep": False, "shapes": "a,b"}),
+                            (["--cuda-graph", "--shapes", "llama8b", "--fp8-read-modes", "cast,fp16,bits,bits_asm,cast_t,fp16_t,bits_t,bits_asm_t"],
+                             {"cuda_graph": True, "shapes": "llama8b", "fp8_read_modes": "cast,fp16,bits,bits_asm,cast_t,fp16_t,bits_t,bits_asm_t"}),
+                            ([], {"fp8_read_modes": ""})],
     "bench_decode_splits": [(["--out", "r"], {"splits": "1,2,3,4,6,8,12,16,24,32"})],
     "bench_decode_step": [(["--out", "r"], {"model": "llama-1b", "context": 512, "variants": "graph,compiled"})],
     "bench_generate": [(["--model", "llama-1b", "--workload", "sharegpt", "--num-requests", "256", "--systems",
@@ -489,6 +522,7 @@ COMMAND_LINES = {
 # values each parser must refuse (exit 2 with a usage message)
 BAD_COMMAND_LINES = {
     "bench_generate": [["--workload", "nope"], ["--num-requests", "many"], ["--kv-cache-dtype", "int4"]],
+    "bench_decode_kernel": [["--fp8-read-modes", "cast,fp8"]],
     "bench_kv_fp8_accuracy": [["--dtype", "int8"]],
     "bench_mla": [["--shape", "v3"], ["--batches", "0"], ["--contexts", "a,b"]],
     "bench_lm_eval": [[]],  # --tokenizer is required

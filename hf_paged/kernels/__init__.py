@@ -10,8 +10,9 @@ The contract (each function's docstring has its details):
 * Types: float32 / float16 / bfloat16, accumulated in float32; int tensors int32 (int64 accepted). A cache may also
   be ``float8_e4m3fn`` (an FP8 KV cache: half a bf16 cache's bytes), with ``k_scale`` / ``v_scale``: float32 device
   tensors of one value or one per KV head (``[1]`` or ``[Hkv]``). A write stores ``clamp(x / scale, -448, 448)``
-  rounded to nearest even (`triton_fp8`); the attention kernels read ``stored * scale`` in the query's dtype (the
-  key scale joins the logit scale, the value scale multiplies the output, both in float32). The query and the new
+  rounded to nearest even (`triton_fp8`); the attention kernels read ``stored * scale``, exactly, as 16-bit dot
+  operands (the decode kernels' conversion: `triton_fp8.READ_MODE`; the key scale joins the logit scale, the value
+  scale multiplies the output, both in float32). The query and the new
   K/V may then be any float type; the output takes the query's. Scales are read on the device: CUDA graphs keep
   them, and a caller may set them in place (`hf_paged.cache.kv_quant` calibrates them once). GQA: query head
   ``h`` reads KV head ``h // (Hq // Hkv)``. The Triton kernels take any head dim from 1 to 1,024 (K and V alike); one

@@ -21,8 +21,9 @@
   bitwise-equal outputs.
 * In launches of few programs at head dims up to 64, each tile's block ids are loaded during the tile before
   (`prefetches_table`), so a tile waits for one load (K) instead of two in a row (its table entries, then K).
-* An FP8 cache (`triton_fp8`): each tile is converted to the query's dtype after its load; the program's KV head's
-  key scale joins the logit scale and its value scale multiplies the accumulator once, after the loop.
+* An FP8 cache (`triton_fp8`): each tile is converted to a 16-bit operand after its load (`triton_fp8.READ_MODE`
+  says how); the program's KV head's key scale joins the logit scale and its value scale multiplies the accumulator
+  once, after the loop.
 * Keys outside ``[kv_start, seq_len)`` are masked in the loads (``other=0``), so padding
   slots holding garbage / NaN never reach the arithmetic. Empty ranges give zeros.
 
@@ -40,7 +41,7 @@ import triton.language as tl
 from .triton_attention_end import _combine_splits, _paged_decode_reduce_kernel, _write_output
 from .triton_cache import scale_stride
 from .triton_dims import _dim_mask, padded_dim
-from .triton_fp8 import _to_cache
+from .triton_fp8 import _abs_max, _fp8_end, _fp8_probs, _fp8_query, _fp8_tile, _query_scale, _to_cache, read_mode
 
 _LOG2E = 1.4426950408889634
 
@@ -170,74 +171,16 @@ def _clamp_splits(splits: int, max_context: int, block_n: int) -> int:
 # never compiles a new variant mid-serving (see triton_prefill).
 @triton.jit(do_not_specialize=["stride_btb"])
 def _paged_decode_kernel(
-    Q,
-    KC,
-    VC,
-    BT,
-    SEQ,
-    KVS,
-    OUT,
-    PACC,
-    PM,
-    PL,
-    SINK,
-    ALIBI,
-    KNEW,
-    VNEW,
-    SLOT,
-    CNT,
-    KS,
-    VS,
-    qk_scale,
-    sm_scale,
-    softcap,
-    window,
-    chunk,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_btb,
-    stride_ob,
-    stride_oh,
-    stride_pab,
-    stride_pah,
-    stride_pas,
-    stride_pmb,
-    stride_pmh,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    stride_s,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_KV_START: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    WRITE: tl.constexpr,
-    FUSE_REDUCE: tl.constexpr,
-    PREFETCH_TABLE: tl.constexpr,
-    QUANT: tl.constexpr,
-    SOFT_FP8: tl.constexpr,
-):
+        Q, KC, VC, BT, SEQ, KVS, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, SLOT, CNT, KS, VS, qk_scale, sm_scale,
+        softcap, window, chunk, stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb, stride_pmh, stride_knb,
+        stride_knh, stride_vnb, stride_vnh, stride_s, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr,
+        FUSE_REDUCE: tl.constexpr, PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr,
+        READ: tl.constexpr, V_TRANS: tl.constexpr):
     sp = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -281,7 +224,8 @@ def _paged_decode_kernel(
                         stride_vt, stride_btb, stride_ob, stride_oh, stride_pab, stride_pah, stride_pas, stride_pmb,
                         stride_pmh, stride_knb, stride_knh, stride_vnb, stride_vnh, sp, b, kvh, seq_len, kv_lo, lo, hi,
                         parts, G, G_PAD, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP,
-                        HAS_SINKS, HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE, QUANT, SOFT_FP8)
+                        HAS_SINKS, HAS_ALIBI, SPLIT, IEEE, DOT_F32, WRITE, FUSE_REDUCE, PREFETCH_TABLE, QUANT, SOFT_FP8,
+                        READ, V_TRANS)
 
 
 @triton.jit
@@ -293,9 +237,11 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
                     IEEE: tl.constexpr, DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-                    PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr):
+                    PREFETCH_TABLE: tl.constexpr, QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, READ: tl.constexpr,
+                    V_TRANS: tl.constexpr):
     """One program of `_paged_decode_kernel`: keys [lo, hi) of sequence `b`, KV head `kvh`, split `sp`; `ks` / `vs`
-    the KV head's scales of an FP8 cache (`QUANT`)."""
+    the KV head's scales of an FP8 cache (`QUANT`), its tiles read as `READ` / `V_TRANS` say
+    (`triton_fp8.read_mode`)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)  # a head dim that is no power of two is padded, its extra lanes masked
     offs_dv = tl.arange(0, DV_PAD)
@@ -334,9 +280,11 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             tl.store(v_base + blk_new * stride_vb + off_new * stride_vt + offs_dv,
                      _to_cache(v_new, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=dvm)
         tl.debug_barrier()
-    if QUANT:  # q . (k * ks) = ks * (q . k): the key scale joins the logit scale
-        qk_scale = qk_scale * ks
-        sm_scale = sm_scale * ks
+    if QUANT:  # q . (k * ks) = ks * (q . k): the key scale joins the logit scale (with the read's factor, `triton_fp8`)
+        q_mul, k_fac = _query_scale(_abs_max(q), READ)
+        q = _fp8_query(q, q_mul, READ)
+        qk_scale = qk_scale * ks * k_fac
+        sm_scale = sm_scale * ks * k_fac
     start = (lo // BLOCK_N) * BLOCK_N
     if PREFETCH_TABLE:
         tok = start + offs_n
@@ -354,11 +302,9 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = tok % BLOCK_SIZE
         # K tile loaded transposed: [D_PAD, BLOCK_N]
-        k = tl.load(
+        k = _fp8_tile(tl.load(  # an FP8 cache's tile as `READ` says (exact); else the query's dtype already
             k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt + offs_d[:, None],
-            mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD),
-            other=0.0,
-        ).to(Q.dtype.element_ty)  # an FP8 cache's tile in the query's dtype (exact); else the same dtype already
+            mask=_dim_mask(valid[None, :], offs_d[:, None], HEAD_DIM, D_PAD), other=0.0), READ, Q.dtype.element_ty)
         if DOT_F32:  # interpreter: no bf16 dot there, emulate with float32 operands
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -375,14 +321,19 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+        p = _fp8_probs(s, m_use, READ)  # exp2(s - m), scaled for a "bits" read
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
-            mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD),
-            other=0.0,
-        ).to(Q.dtype.element_ty)
+        if V_TRANS:  # loaded [DV_PAD, BLOCK_N] and transposed: converted before shared memory (`triton_fp8`)
+            v = tl.trans(_fp8_tile(tl.load(
+                v_base + blk[None, :] * stride_vb + off[None, :] * stride_vt + offs_dv[:, None],
+                mask=_dim_mask(valid[None, :], offs_dv[:, None], HEAD_DIM_V, DV_PAD), other=0.0), READ,
+                Q.dtype.element_ty))
+        else:
+            v = _fp8_tile(tl.load(
+                v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
+                mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD), other=0.0), READ,
+                Q.dtype.element_ty)
         if DOT_F32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -391,8 +342,8 @@ def _decode_program(Q, KC, VC, BT, OUT, PACC, PM, PL, SINK, ALIBI, KNEW, VNEW, S
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if QUANT:  # sum p (v * vs) = vs * sum p v
-        acc = acc * vs
+    if QUANT:  # sum p (v * vs) = vs * sum p v (and the read's factors)
+        acc, l_i = _fp8_end(acc, l_i, vs, READ)
 
     # a sequence the fused combine would combine from one split alone is written directly, like an unsplit launch
     # writes it: no partials to store and read back, no counter (most sequences of a large batch of short contexts)
@@ -493,6 +444,7 @@ def paged_decode(
         pacc = pm = pl = out  # unused
         pstrides = (0, 0, 0, 0, 0)
 
+    read, v_trans = read_mode(query.dtype, k_scale is not None, query.is_cuda)
     _paged_decode_kernel[(num_splits, B, Hkv)](
         query, key_cache, value_cache, block_tables, seq_lens, kvs, out, pacc, pm, pl,
         sinks if sinks is not None else out, alibi_slopes if alibi_slopes is not None else out,
@@ -525,6 +477,8 @@ def paged_decode(
         PREFETCH_TABLE=prefetches_table(B, Hkv, D),
         QUANT=k_scale is not None,
         SOFT_FP8=k_scale is not None and not query.is_cuda,
+        READ=read,
+        V_TRANS=v_trans,
         num_warps=num_warps,
         num_stages=num_stages,
     )

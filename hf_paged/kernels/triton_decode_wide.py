@@ -8,7 +8,8 @@ kernel as in `triton_decode`; with several, a separate combine kernel runs (the 
 (sequence, KV head)), and the counters are left untouched at zero. Every head-block program that reads the step's
 own position writes the step's K/V (the same bytes), so none reads the slot before its own write.
 
-Options: kv_start, sliding window, chunked attention, softcap, sinks, ALiBi, an FP8 cache, the fused K/V write.
+Options: kv_start, sliding window, chunked attention, softcap, sinks, ALiBi, an FP8 cache (converted as
+`triton_fp8.READ_MODE` says; its "_t" variants are read as the plain ones), the fused K/V write.
 Launch tiles (`_config`): BLOCK_H 16 query heads, BLOCK_N 32 keys, 2 stages (vLLM's grouped MLA decode tile): a
 ``[512, 32]`` key tile, the 64-wide rest and a ``[32, 512]`` value tile, double-buffered, take about 140 KB of shared
 memory in 16-bit types, inside an H100/H200's 227 KB. 8 warps, not vLLM's 4: the ``16 x 512`` float32 accumulator,
@@ -31,7 +32,7 @@ from .triton_attention_end import _combine_splits, _write_output
 from .triton_cache import scale_stride
 from .triton_decode import _LOG2E, MIN_TOKENS_PER_SPLIT, _launch_splits
 from .triton_dims import _dim_mask, padded_dim
-from .triton_fp8 import _to_cache
+from .triton_fp8 import _abs_max, _fp8_end, _fp8_probs, _fp8_query, _query_scale, _to_cache, read_mode
 from .triton_wide import _base2_logits, _load_query, _wide_pv, _wide_qk, key_split, values_are_keys
 
 BLOCK_H = 16  # query heads per program: tl.dot's least rows; more heads per KV head take more head blocks
@@ -75,7 +76,7 @@ def _paged_decode_wide_kernel(
         HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
         DOT_F32: tl.constexpr, WRITE: tl.constexpr, FUSE_REDUCE: tl.constexpr, QUANT: tl.constexpr,
-        SOFT_FP8: tl.constexpr):
+        SOFT_FP8: tl.constexpr, READ: tl.constexpr):
     sp = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_HB
@@ -146,31 +147,37 @@ def _paged_decode_wide_kernel(
                 v_new = tl.load(VNEW + b64 * stride_vnb + kvh * stride_vnh + offs_dv, mask=dvm)
                 tl.store(row_v + offs_dv, _to_cache(v_new, vs, QUANT, SOFT_FP8, VC.dtype.element_ty), mask=dvm)
             tl.debug_barrier()  # the stores visible to the program's other threads before the loop reads them
-        if QUANT:  # q . (k * ks) = ks * (q . k): the key scale joins the logit scale
-            qk_scale = qk_scale * ks
-            sm_scale = sm_scale * ks
+        if QUANT:  # q . (k * ks) = ks * (q . k): the key scale joins the logit scale (with the read's factor)
+            q_max = _abs_max(q_m)
+            if HAS_TAIL:  # one multiplier for both parts of the query
+                q_max = tl.maximum(q_max, _abs_max(q_t))
+            q_mul, k_fac = _query_scale(q_max, READ)
+            q_m = _fp8_query(q_m, q_mul, READ)
+            q_t = _fp8_query(q_t, q_mul, READ)
+            qk_scale = qk_scale * ks * k_fac
+            sm_scale = sm_scale * ks * k_fac
         for t0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             tok = t0 + offs_n
             valid = (tok >= lo) & (tok < hi)
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             off = tok % BLOCK_SIZE
             s, k_m = _wide_qk(q_m, q_t, k_base, blk, off, valid, stride_kb, stride_kt, offs_km, offs_kt, HEAD_DIM,
-                              DM, DT, HAS_TAIL, DOT_F32, IEEE)
+                              DM, DT, HAS_TAIL, DOT_F32, IEEE, READ)
             s = _base2_logits(s, qk_scale, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_ALIBI:  # slope * (key - query), the query at seq_len - 1
                 s += slope[:, None] * (tok - seq_len + 1).to(tl.float32)[None, :]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
+            p = _fp8_probs(s, m_use, READ)  # exp2(s - m), scaled for a "bits" read
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = _wide_pv(p, k_m, v_base, blk, off, valid, stride_vb, stride_vt, offs_dv, HEAD_DIM_V, DV_PAD,
-                          SHARED_V, DOT_F32, IEEE)
+                          SHARED_V, DOT_F32, IEEE, READ)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        if QUANT:  # sum p (v * vs) = vs * sum p v
-            acc = acc * vs
+        if QUANT:  # sum p (v * vs) = vs * sum p v (and the read's factors)
+            acc, l_i = _fp8_end(acc, l_i, vs, READ)
         direct = not SPLIT
         if SPLIT and FUSE_REDUCE:
             direct = parts == 1
@@ -268,6 +275,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         SPLIT=num_splits > 1, MIN_SPLIT=min_split, IEEE=query.dtype == torch.float32, DOT_F32=not query.is_cuda,
         WRITE=new_kv is not None, FUSE_REDUCE=fuse_reduce, QUANT=k_scale is not None,
         SOFT_FP8=k_scale is not None and not query.is_cuda,
+        READ=read_mode(query.dtype, k_scale is not None, query.is_cuda)[0],
         num_warps=num_warps or cfg_w, num_stages=num_stages or cfg_s,
     )
     if num_splits > 1 and not fuse_reduce:

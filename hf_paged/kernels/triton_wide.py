@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_dims import _dim_mask, padded_dim
+from .triton_fp8 import _fp8_tile
 
 __all__ = ["MAX_MAIN", "_dot", "_load_query", "_wide_pv", "_wide_qk", "key_split", "values_are_keys"]
 
@@ -67,17 +68,19 @@ def _dot(a, b, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _wide_qk(q_m, q_t, k_base, blk, off, valid, stride_kb, stride_kt, offs_km, offs_kt, HEAD_DIM: tl.constexpr,
-             DM: tl.constexpr, DT: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+             DM: tl.constexpr, DT: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+             READ: tl.constexpr = "cast"):
     """Raw scores ``q . k`` ``[rows, BLOCK_N]`` of one key tile (keys at block `blk`, offset `off`; `valid` masks
     them), in two products: the main key tile ``[DM, BLOCK_N]`` and, `HAS_TAIL`, the rest ``[DT, BLOCK_N]``. Also
-    returns the main tile, in the query's dtype, for a caller whose values are the keys."""
+    returns the main tile, as the dots' operand, for a caller whose values are the keys. An FP8 cache's tiles are
+    read as `READ` says (`triton_fp8`; "cast": in the query's dtype, exact)."""
     row = k_base + blk[None, :] * stride_kb + off[None, :] * stride_kt
-    k_m = tl.load(row + offs_km[:, None], mask=_dim_mask(valid[None, :], offs_km[:, None], HEAD_DIM, DM),
-                  other=0.0).to(q_m.dtype)  # an FP8 cache's tile in the query's dtype (exact)
+    k_m = _fp8_tile(tl.load(row + offs_km[:, None], mask=_dim_mask(valid[None, :], offs_km[:, None], HEAD_DIM, DM),
+                            other=0.0), READ, q_m.dtype)
     s = _dot(q_m, k_m, DOT_F32, IEEE)
     if HAS_TAIL:
-        k_t = tl.load(row + offs_kt[:, None], mask=_dim_mask(valid[None, :], offs_kt[:, None], HEAD_DIM, DM + DT),
-                      other=0.0).to(q_m.dtype)
+        k_t = _fp8_tile(tl.load(row + offs_kt[:, None], other=0.0,
+                                mask=_dim_mask(valid[None, :], offs_kt[:, None], HEAD_DIM, DM + DT)), READ, q_m.dtype)
         s += _dot(q_t, k_t, DOT_F32, IEEE)
     return s, k_m
 
@@ -94,14 +97,16 @@ def _base2_logits(s, qk_scale, sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _wide_pv(p, k_m, v_base, blk, off, valid, stride_vb, stride_vt, offs_dv, HEAD_DIM_V: tl.constexpr,
-             DV_PAD: tl.constexpr, SHARED_V: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+             DV_PAD: tl.constexpr, SHARED_V: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+             READ: tl.constexpr = "cast"):
     """``p @ v`` ``[rows, DV_PAD]`` of one key tile: `SHARED_V`, the values are the main key tile `k_m` transposed
-    (no second load); else the value tile is loaded (keys outside `valid` as zeros)."""
+    (no second load); else the value tile is loaded (keys outside `valid` as zeros) and read as `READ` says."""
     if SHARED_V:
         v = tl.trans(k_m)
     else:
-        v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
-                    mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD), other=0.0).to(k_m.dtype)
+        v = _fp8_tile(tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_dv[None, :],
+                              mask=_dim_mask(valid[:, None], offs_dv[None, :], HEAD_DIM_V, DV_PAD), other=0.0), READ,
+                      k_m.dtype)
     return _dot(p.to(v.dtype), v, DOT_F32, IEEE)
 
 
