@@ -20,7 +20,8 @@ is, per thread, 553 SASS instructions over a bf16 cache, 907 "cast", 715 "fp16",
 table, against 64-128 for integer and float ops) are 1.5 an element for "cast", 0.5 for "fp16", none for "bits" /
 "bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
 cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate; the GPU benchmark,
-``bench_decode_kernel.py --fp8-read-modes``, decides). The modes:
+``bench_decode_kernel.py --fp8-read-modes``, decided: "fp16", the default, was the fastest at every shape, though
+still short of reading the half-size cache in half the time). The modes:
 
 * ``"cast"``: the tile converted to the query's dtype (exact: every e4m3 value is a bf16, an fp16 and a float32). On
   sm90 that is ``cvt.rn.f16x2.e4m3x2`` per pair, then an fp16 -> bf16 conversion per element.
@@ -63,8 +64,10 @@ __all__ = ["FP8_MAX", "READ_MODE", "READ_MODES", "_fp8_end", "_fp8_probs", "_fp8
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _CONVERSIONS = ("cast", "fp16", "bits", "bits_asm")
 READ_MODES = _CONVERSIONS + tuple(f"{m}_t" for m in _CONVERSIONS)  # "_t": the value tile loaded transposed
-#: how the decode kernels read an fp8 tile (see the module docstring); "cast" until a GPU measurement picks another
-READ_MODE = os.environ.get("HF_PAGED_FP8_READ", "").strip().lower() or "cast"
+#: how the decode kernels read an fp8 tile (see the module docstring): "fp16", the fastest at every llama-8b shape on
+#: an H200 (1.05-1.13x the bf16 cache's time against 0.93-0.97x for "cast"; "bits_asm" 1.03-1.09x, "bits" 1.01-1.07x,
+#: the transposed-value variants slower; `benchmarks/results/h200_2026-11-29f`) and the most precise
+READ_MODE = os.environ.get("HF_PAGED_FP8_READ", "").strip().lower() or "fp16"
 _BITS_Q = tl.constexpr(2.0**64)  # "bits": the query's and p's multiplier
 _BITS_LOGIT = tl.constexpr(2.0**56)  # 2^120 / 2^64: the logit scale's and the output's factor
 _BITS_SUM = tl.constexpr(2.0**-64)
