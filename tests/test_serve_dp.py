@@ -332,10 +332,12 @@ def test_cli_serves_two_replicas_and_stops_them_on_sigint(tmp_path):
             proc.kill()
 
 
-def test_cli_reports_a_model_the_replicas_cannot_load(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags", [["--data-parallel-size", "2"], ["--engine-process"]])
+def test_cli_reports_a_model_the_replicas_cannot_load(tmp_path, monkeypatch, flags):
+    """Also `--engine-process`: one engine in a replica process (the error comes from the replica's load)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as exit_info:
-        serve_main([str(tmp_path / "no-such-model"), "--device", "cpu", "--data-parallel-size", "2"])
+        serve_main([str(tmp_path / "no-such-model"), "--device", "cpu", *flags])
     message = str(exit_info.value.code)
     assert message.startswith("hf-paged serve: replica") and "cannot load" in message and "no-such-model" in message
 

@@ -2,7 +2,8 @@
 and the local Hugging Face cache, or a GGUF file), build the engine, serve it.
 
 `--data-parallel-size N` serves N replicas, one engine process per GPU (`cuda:0` ... `cuda:N-1`, or N CPU
-replicas with `--device cpu`) behind this process's HTTP front (`hf_paged.serve.router`).
+replicas with `--device cpu`) behind this process's HTTP front (`hf_paged.serve.router`); `--engine-process` runs
+one engine that way (a replica of one), so the front's Python does not share an interpreter lock with the engine's.
 
 SIGINT / SIGTERM shut down cleanly: uvicorn stops accepting connections and lets in-flight requests run for
 `--shutdown-grace` seconds, then the app's lifespan end aborts what is left and closes the engine (the KV pool goes
@@ -94,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="serve N replicas, one engine process per GPU (cuda:0 ... cuda:N-1; N CPU replicas with "
                         "--device cpu) behind one HTTP front that routes by prefix affinity and load (default: 1)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, as each --data-parallel-size replica runs (also with "
+                        "one device): the HTTP front (tokenising, detokenising, streaming) then has the server's "
+                        "process and its interpreter lock to itself, instead of sharing them with the engine's thread")
     p.add_argument("--router-imbalance", type=int, default=8, metavar="K",
                    help="with --data-parallel-size: a request goes to the replica holding its prompt's prefix unless "
                         "that replica has K more requests in flight than the least loaded one (default: 8); an "
@@ -216,7 +221,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     if name in {lora_name for lora_name, _ in args.lora}:
         raise SystemExit(f"hf-paged serve: --lora {name}=... has the base model's name; pick another")
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 or args.engine_process:
         spec = ReplicaSpec(functools.partial(load_on, args), engine_kwargs(args), warm_up=not args.no_warm_up,
                            prefill_graphs=args.prefill_graphs, log_level=args.log_level,
                            threads=max(1, len(os.sched_getaffinity(0)) // len(devices)), loras=tuple(args.lora))
