@@ -18,8 +18,9 @@ length); compare its output tok/s with plain `hf_paged`'s on the same requests, 
         --num-requests 64 --output-len 512 --out results/
 
 Data parallelism: a system named `hf_paged_dpN` is the hf-paged server with `--data-parallel-size N` (N replicas, one
-per GPU, behind one front); `hf_paged_xN` is N independent one-GPU servers (`CUDA_VISIBLE_DEVICES=i` each, own ports)
-with the requests dealt to them in turn: what N GPUs give with no shared front, the yardstick for `hf_paged_dpN`.
+per GPU, behind one front; `hf_paged_dp1`: `--engine-process`, one engine in its own process); `hf_paged_xN` is N
+independent one-GPU servers (`CUDA_VISIBLE_DEVICES=i` each, own ports) with the requests dealt to them in turn: what
+N GPUs give with no shared front, the yardstick for `hf_paged_dpN`.
 With `hf_paged` in the same run, the summary gives each one's sustainable rate (the
 highest rate whose p99 TTFT stays under 1 s while the median end-to-end latency stays within twice its lowest:
 `summarize`) as a multiple of `hf_paged`'s (`dp_speedup` in the JSON), and its
@@ -126,7 +127,8 @@ def free_port() -> int:
 
 def layout(system: str) -> tuple[int, int] | None:
     """(servers, replicas per server) of an hf-paged system: `hf_paged` (1, 1), `hf_paged_dpN` (1, N),
-    `hf_paged_xN` (N, 1); None for another system."""
+    `hf_paged_xN` (N, 1); None for another system. `hf_paged_dp1` is one engine in its own process
+    (`--engine-process`)."""
     match = re.fullmatch(r"hf_paged(?:_(dp|x)(\d+))?", system)
     if match is None:
         return None
@@ -144,6 +146,8 @@ def launch_server(system: str, model_dir: Path, port: int, args, log: Path, gpu:
                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
         if replicas > 1:
             cmd += ["--data-parallel-size", str(replicas)]
+        elif system.endswith("_dp1"):  # one engine in its own process behind the front
+            cmd.append("--engine-process")
         if args.device is not None:
             cmd += ["--device", args.device]
         if args.compile_decode:
@@ -373,8 +377,7 @@ def write_results(path: Path, results: dict[str, list[dict]], runs: dict[str, di
     one = summary.get("hf_paged", {}).get("sustainable_rate")
     one_tok_s = max((r.get("output_tok_s", 0) for r in results.get("hf_paged", [])), default=0)
     for system, s in summary.items():  # data parallelism: the sustainable rate as a multiple of one replica's
-        servers, replicas = layout(system) or (1, 1)
-        if servers * replicas <= 1:
+        if system == "hf_paged" or layout(system) is None:
             continue
         rate = s["sustainable_rate"]
         if one and rate is not None and np.isfinite(one) and np.isfinite(rate):  # `inf` (all at once) has no ratio
