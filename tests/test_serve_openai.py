@@ -226,3 +226,56 @@ def test_tool_calls_required_named_streamed_and_auto(server):
     auto = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], tool_choice="auto",
                                           max_tokens=8, temperature=0)
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
+
+
+CHAT_TASK = """task: tiny_chat_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+CHAT_QA = [("The capital of France is", "Paris"), ("Two plus two equals", "four"), ("The opposite of hot is", "cold")]
+
+
+def test_lm_eval_chat_completions_scores_as_the_hf_paged_backend(server, tmp_path):
+    """lm-eval's `local-chat-completions` model pointed at the server gives the generations and the score of lm-eval's
+    `hf-paged` backend on the same task, both with the chat template (the server's, set on the backend's tokenizer)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("datasets")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.openai_completions import LocalChatCompletion
+    from lm_eval.tasks import TaskManager
+
+    from hf_paged.integrations.lm_eval import HFPagedLM
+    from hf_paged.testing import smollm2_checkpoint
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in CHAT_QA))
+    (tmp_path / "tiny_chat_gen.yaml").write_text(CHAT_TASK.format(path=data))
+    tasks = TaskManager(include_path=str(tmp_path))
+
+    def evaluate(lm) -> tuple[list, dict]:
+        out = simple_evaluate(model=lm, tasks=["tiny_chat_gen"], task_manager=tasks, apply_chat_template=True,
+                              log_samples=True, bootstrap_iters=0)
+        samples = sorted((s["doc_id"], s["arguments"], s["resps"]) for s in out["samples"]["tiny_chat_gen"])
+        return samples, out["results"]["tiny_chat_gen"]["exact_match,none"]
+
+    chat = LocalChatCompletion(base_url=f"{server['base']}/v1/chat/completions", model=NAME, num_concurrent=2)
+    backend = HFPagedLM(pretrained=str(smollm2_checkpoint()), dtype="float32", device="cpu", batch_size=3,
+                        num_blocks=32, block_size=16)
+    backend.tokenizer.chat_template = TOOLS_TEMPLATE  # the server's (ChatML, as SmolLM2's own without tools)
+    (served, served_score), (local, local_score) = evaluate(chat), evaluate(backend)
+    assert [r for *_, r in served] == [r for *_, r in local] and served_score == local_score
+    assert any(r[0][0] for *_, r in served)  # the model answered something
