@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
@@ -21,6 +23,7 @@ from hf_paged.model_zoo import tiny_model as zoo_model
 from hf_paged.testing import tiny_model
 
 __all__ = [
+    "LM_EVAL_QA",
     "RecordingStreamer",
     "dense",
     "dense_generate",
@@ -31,7 +34,43 @@ __all__ = [
     "random_prompts",
     "restore_generation_config",
     "tiny_word_tokenizer",
+    "write_lm_eval_gen_task",
 ]
+
+# a tiny lm-eval `generate_until` task (questions with one-word answers, stop sequences), for the lm-eval backend's
+# tests and the server's under lm-eval's chat-completions model
+LM_EVAL_QA = [
+    ("The capital of France is", "Paris"),
+    ("Two plus two equals", "four"),
+    ("The color of the sky on a clear day is", "blue"),
+    ("Water freezes at zero degrees", "Celsius"),
+    ("The opposite of hot is", "cold"),
+]
+_GEN_TASK_YAML = """task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_lm_eval_gen_task(root: Path, qa: list[tuple[str, str]] = LM_EVAL_QA) -> None:
+    """Write the `tiny_gen` task (its YAML and `qa` as JSONL) into `root`, for `TaskManager(include_path=root)`."""
+    data = Path(root) / "gen.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in qa))
+    (Path(root) / "tiny_gen.yaml").write_text(_GEN_TASK_YAML.format(path=data))
 
 
 @functools.cache

@@ -23,16 +23,14 @@ from lm_eval.utils import get_rolling_token_windows  # noqa: E402
 from hf_paged.integrations.lm_eval import HFPagedLM, sampling_params  # noqa: E402
 from hf_paged.testing import smollm2_checkpoint  # noqa: E402
 
+try:
+    from tests.helpers import write_lm_eval_gen_task
+except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import write_lm_eval_gen_task
+
 # the SmolLM2 evaluators are built once for the file: the file runs on one worker
 pytestmark = pytest.mark.xdist_group("lm_eval")
 
-QA = [
-    ("The capital of France is", "Paris"),
-    ("Two plus two equals", "four"),
-    ("The color of the sky on a clear day is", "blue"),
-    ("Water freezes at zero degrees", "Celsius"),
-    ("The opposite of hot is", "cold"),
-]
 MC = [
     ("The sun rises in the", ["east", "west", "north"], 0),
     ("A cat says", ["woof", "meow", "moo"], 1),
@@ -48,25 +46,6 @@ DOCS = [
 ]
 MAX_LENGTH = 24  # small: the documents above span several rolling windows, full windows are max_length + 1 long
 ATOL = 1e-4
-
-GEN_YAML = """task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n", "."]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
 
 MC_YAML = """task: tiny_mc
 dataset_path: json
@@ -105,11 +84,10 @@ TASKS = ["tiny_gen", "tiny_mc", "tiny_rolling"]
 @pytest.fixture(scope="module")
 def task_manager(tmp_path_factory):
     root = tmp_path_factory.mktemp("tasks")
-    gen, mc, rolling = root / "gen.jsonl", root / "mc.jsonl", root / "rolling.jsonl"
-    gen.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
+    write_lm_eval_gen_task(root)
+    mc, rolling = root / "mc.jsonl", root / "rolling.jsonl"
     mc.write_text("".join(json.dumps({"question": q, "choices": c, "label": y}) + "\n" for q, c, y in MC))
     rolling.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
-    (root / "tiny_gen.yaml").write_text(GEN_YAML.format(path=gen))
     (root / "tiny_mc.yaml").write_text(MC_YAML.format(path=mc))
     (root / "tiny_rolling.yaml").write_text(ROLLING_YAML.format(path=rolling))
     return TaskManager(include_path=str(root))

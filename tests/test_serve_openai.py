@@ -25,8 +25,10 @@ from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.testing import load_smollm2  # noqa: E402
 
 try:
+    from tests.helpers import LM_EVAL_QA, write_lm_eval_gen_task
     from tests.serve_helpers import ThreadedServer
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir insertion)
+    from helpers import LM_EVAL_QA, write_lm_eval_gen_task
     from serve_helpers import ThreadedServer
 
 # one worker runs the file: its server (SmolLM2 and xgrammar's tokenizer view, ~45 s to start) is built once
@@ -228,27 +230,6 @@ def test_tool_calls_required_named_streamed_and_auto(server):
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
 
 
-CHAT_TASK = """task: tiny_chat_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n", "."]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
-CHAT_QA = [("The capital of France is", "Paris"), ("Two plus two equals", "four"), ("The opposite of hot is", "cold")]
-
-
 def test_lm_eval_chat_completions_scores_as_the_hf_paged_backend(server, tmp_path):
     """lm-eval's `local-chat-completions` model pointed at the server gives the generations and the score of lm-eval's
     `hf-paged` backend on the same task, both with the chat template (the server's, set on the backend's tokenizer)."""
@@ -261,16 +242,14 @@ def test_lm_eval_chat_completions_scores_as_the_hf_paged_backend(server, tmp_pat
     from hf_paged.integrations.lm_eval import HFPagedLM
     from hf_paged.testing import smollm2_checkpoint
 
-    data = tmp_path / "qa.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in CHAT_QA))
-    (tmp_path / "tiny_chat_gen.yaml").write_text(CHAT_TASK.format(path=data))
+    write_lm_eval_gen_task(tmp_path, LM_EVAL_QA[:3])
     tasks = TaskManager(include_path=str(tmp_path))
 
     def evaluate(lm) -> tuple[list, dict]:
-        out = simple_evaluate(model=lm, tasks=["tiny_chat_gen"], task_manager=tasks, apply_chat_template=True,
+        out = simple_evaluate(model=lm, tasks=["tiny_gen"], task_manager=tasks, apply_chat_template=True,
                               log_samples=True, bootstrap_iters=0)
-        samples = sorted((s["doc_id"], s["arguments"], s["resps"]) for s in out["samples"]["tiny_chat_gen"])
-        return samples, out["results"]["tiny_chat_gen"]["exact_match,none"]
+        samples = sorted((s["doc_id"], s["arguments"], s["resps"]) for s in out["samples"]["tiny_gen"])
+        return samples, out["results"]["tiny_gen"]["exact_match,none"]
 
     chat = LocalChatCompletion(base_url=f"{server['base']}/v1/chat/completions", model=NAME, num_concurrent=2)
     backend = HFPagedLM(pretrained=str(smollm2_checkpoint()), dtype="float32", device="cpu", batch_size=3,
