@@ -78,10 +78,10 @@ def check_fill_threads(value, name: str = "fill_threads") -> int:
 def default_fill_threads() -> int:
     """Threads of the engine thread's batch fill: ``HF_PAGED_GRAMMAR_FILL_THREADS`` if set, else 1.
 
-    Why 1: one thread fills the 64 rows of `bench_serving.BENCH_SCHEMA` (SmolLM2 vocabulary) in 0.08 ms on the 2-core
-    CPU sandbox, about what handing a slice to a worker and waiting for it costs; xgrammar's own two threads took
-    0.18 ms (started on every call). `bench_structured.py --fill-threads 1,2,4,8` compares the counts on a GPU
-    host."""
+    Why 1: on an H200 host (16 cores; llama-1b shape, 64 requests of 512 tokens under `bench_serving.BENCH_SCHEMA`,
+    `bench_structured.py --fill-threads 1,2,4,8`) one thread ran at 0.99 of unconstrained throughput, 2 / 4 / 8 at
+    0.97 / 0.97 / 0.92 (`benchmarks/results/h200_2026-11-29f`): one thread fills the 64 rows in about 0.1 ms, about
+    what handing slices to workers and waiting for them costs."""
     text = os.environ.get(FILL_THREADS_ENV, "").strip()
     return check_fill_threads(text, FILL_THREADS_ENV) if text else 1
 
