@@ -80,8 +80,8 @@ def default_fill_threads() -> int:
 
     Why 1: on an H200 host (16 cores; llama-1b shape, 64 requests of 512 tokens under `bench_serving.BENCH_SCHEMA`,
     `bench_structured.py --fill-threads 1,2,4,8`) one thread ran at 0.99 of unconstrained throughput, 2 / 4 / 8 at
-    0.97 / 0.97 / 0.92 (`benchmarks/results/h200_2026-11-29f`): one thread fills the 64 rows in about 0.1 ms, about
-    what handing slices to workers and waiting for them costs."""
+    0.97 / 0.97 / 0.92 (`benchmarks/results/h200_2026-11-29f`): a step's accepts and fills took 0.28 ms on one thread
+    against 0.45-0.75 ms when slices went to workers (the hand-offs and waits cost more than they saved)."""
     text = os.environ.get(FILL_THREADS_ENV, "").strip()
     return check_fill_threads(text, FILL_THREADS_ENV) if text else 1
 
