@@ -26,7 +26,8 @@ alone (32 query heads, 8 KV heads, head dim 128, contexts 1k-3k, batches 64-320:
 ``--cuda-graph`` times each call replayed from a CUDA graph instead (the engine's decode steps are; an eager call
 also pays the wrapper's host time, which small shapes may not hide). ``--sweep`` adds a small sweep of the decode
 kernel's launch configuration (BLOCK_N, num_warps, num_stages, then the split count) to fill the tuning table in
-``hf_paged/kernels/triton_decode.py``; ``--fp8-sweep`` sweeps the tile for the FP8 cache.
+``hf_paged/kernels/triton_decode.py``; ``--fp8-sweep`` sweeps the tile for the FP8 cache; ``--tiles 64x2x3,...``
+names the tiles to sweep instead of the built-in list.
 
 Prints a markdown table (µs, TB/s of KV read, ratio to SDPA), writes ``decode_kernel.json``
 and ``decode_kernel.png`` (if matplotlib is installed) under ``--out``.
@@ -179,7 +180,7 @@ def run_shape(shape, args, bench, t_start, budget_s):
     ref = sdpa()[:, :, 0, :].float()
     err = (paged().float() - ref).abs().max().item()
     err_g = (gather_sdpa()[:, :, 0, :].float() - ref).abs().max().item()
-    block_n = mod._config(D, vc.shape[-1])[1] if mod is not td else td._CONFIGS[D][0]
+    block_n = mod._config(D, vc.shape[-1])[1] if mod is not td else td.launch_config(D)[0]
     splits = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, block_n, dev)
     r = dict(shape, kv_bytes=nbytes, max_abs_err_vs_sdpa=err, gather_err=err_g, default_splits=splits)
     r["sdpa_us"] = bench(sdpa)
@@ -203,7 +204,7 @@ def run_shape(shape, args, bench, t_start, budget_s):
     if args.fp8_read_modes:
         r["fp8_read_modes"] = time_read_modes(args.fp8_read_modes.split(","), paged_fp8, ref, bench, nbytes / 2,
                                               r["paged_us"])
-    tiles = WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP
+    tiles = args.tiles or (WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP)
     if args.sweep or args.fp8_sweep:
         # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
         # with --fp8-read-modes, every tile in each mode (`triton_fp8.READ_MODE`, restored after)
@@ -445,6 +446,20 @@ def _read_modes(text: str) -> str:
     return text
 
 
+def _tiles(text: str) -> list[tuple[int, int, int]]:
+    """`--tiles`: comma-separated ``BLOCK_NxWARPSxSTAGES`` (e.g. ``64x2x3``), each a power of two but the stages."""
+    tiles = []
+    for item in filter(None, text.split(",")):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"--tiles: {item!r} is not BLOCK_NxWARPSxSTAGES (e.g. 64x2x3)")
+        bn, nw, ns = map(int, parts)
+        if bn & (bn - 1) or nw & (nw - 1):
+            raise argparse.ArgumentTypeError(f"--tiles: {item!r}: BLOCK_N and WARPS must be powers of two")
+        tiles.append((bn, nw, ns))
+    return tiles
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="folder for decode_kernel.json / .png")
@@ -454,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-sweep", action="store_true", help="sweep the launch configuration for the FP8 cache only")
     ap.add_argument("--fp8-read-modes", default="", type=_read_modes, metavar="cast,fp16,bits",
                     help="time the FP8 cache once per tile read mode (triton_fp8.READ_MODE), comma-separated")
+    ap.add_argument("--tiles", type=_tiles, default=[], metavar="64x2x3,128x4x2",
+                    help="the tiles (BLOCK_N x warps x stages) --sweep / --fp8-sweep try, instead of the built-in list")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="sweep time budget (s), split evenly over the shapes")
     ap.add_argument("--shapes", default="",
@@ -484,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=str(DTYPE),
         block_size=BLOCK_SIZE,
         default_configs={str(k): v for k, v in td._CONFIGS.items()},
+        fp8_configs={str(k): v for k, v in td._FP8_CONFIGS.items()},
     )
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 

@@ -173,3 +173,23 @@ def test_read_mode_applies_to_bfloat16_queries_over_an_fp8_cache(monkeypatch):
     monkeypatch.setattr(triton_fp8, "READ_MODE", "bf8")
     with pytest.raises(ValueError, match="HF_PAGED_FP8_READ"):
         triton_fp8.read_mode(torch.bfloat16, True)
+
+
+def test_an_fp8_cache_launches_its_own_tile_and_splits_alike(monkeypatch):
+    """An FP8 cache's default tile is its own (`triton_decode._FP8_CONFIGS`: one warp, 32 keys; the bf16 tile ran an
+    FP8 step no faster than a bf16 one), a bf16 cache's is unchanged, and the split heuristic cuts alike for both
+    tiles (its runs are longer than either), so the JIT warm-up's variant keys hold for both caches."""
+    from hf_paged.kernels import triton_decode as td
+
+    for d in (64, 128, 256):
+        assert td.launch_config(d, quantized=True) == td._FP8_CONFIGS[d]
+        assert td.launch_config(d, quantized=True)[1] == 1
+        assert td.launch_config(d) == td._CONFIGS[d]
+    assert td.launch_config(96, quantized=True) == td._FP8_CONFIGS[128]  # padded to a power of two
+    assert td.launch_config(1024, quantized=True) == td._CONFIGS[1024]  # no FP8 entry: the bf16 one
+    monkeypatch.setattr(td, "_device_sms", lambda device: 132)
+    for batch in (1, 3, 8, 64, 200, 512):
+        for context in (16, 200, 256, 257, 1000, 4096, 65536):
+            bf16, fp8 = (td._launch_splits(None, batch, 8, context, td.launch_config(128, q)[0], "cuda")
+                         for q in (False, True))
+            assert bf16 == fp8, (batch, context)

@@ -72,6 +72,21 @@ _CONFIGS = {
     # 0.382, (16, 4, 2) 0.398, (32, 4, 1) 3.49 (spills), all equal to the torch reference
     1024: (32, 8, 2),
 }
+# An FP8 cache's tiles: one warp a program, 32 keys a tile. Why: with the bf16 tile (4 warps, 64 keys) an FP8 step took
+# as long as a bf16 one (Nsight Compute, H200, B256-L2048 d 128: 148 registers a thread against 87, so 3 programs an
+# SM against 5, 2.4 TB/s of its bytes; the per-tile warp-to-warp reductions of the softmax cost more than the half-size
+# loads saved). Graph-replayed on the H200 (benchmarks/results/h200_2026-11-29g), (32, 1, 2) was the fastest FP8 tile
+# swept (15 tiles, 1-4 warps, 16-128 keys, 2-4 stages) at every llama shape: 1.51-1.61x the bf16 cache's time at d 128
+# (B64-L2048 to B320-L3072), 1.29x at d 64; (32, 1, 3) at the Gemma-3 shape (d 256, one KV head, 1.39x). A bf16 cache
+# keeps `_CONFIGS`: one warp was 1.0-1.8x slower there.
+_FP8_CONFIGS = {16: (32, 1, 2), 32: (32, 1, 2), 64: (32, 1, 2), 128: (32, 1, 2), 256: (32, 1, 3)}
+
+
+def launch_config(head_dim: int, quantized: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a default launch at `head_dim` over a bf16/fp16/fp32 cache or (`quantized`)
+    an FP8 one."""
+    table = _FP8_CONFIGS if quantized else _CONFIGS
+    return table.get(padded_dim(head_dim), _CONFIGS.get(padded_dim(head_dim), (64, 4, 2)))
 # Split-K heuristic parameters. A sequence is cut into runs of at least MIN_TOKENS_PER_SPLIT keys, at most
 # `num_splits` of them; `num_splits` is SPLIT_PROGRAMS_PER_SM * SMs over the batch's B * Hkv programs (B by its
 # power of two), as a power of two in [MIN_SPLITS, MAX_SPLITS]; no split at all when B * Hkv reaches
@@ -128,7 +143,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 
 def default_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device) -> int:
     """The split count `paged_decode` picks when not told (the forced `FORCE_NUM_SPLITS` included)."""
-    block_n = _CONFIGS.get(padded_dim(head_dim), (64, 4, 2))[0]
+    # the heuristic's runs (>= MIN_TOKENS_PER_SPLIT keys) are longer than any tile, so the FP8 tile chooses alike
+    block_n = launch_config(head_dim)[0]
     return _launch_splits(FORCE_NUM_SPLITS, batch, num_kv_heads, max_context, block_n, device)
 
 
@@ -411,7 +427,7 @@ def paged_decode(
         out = query.new_empty(B, Hq, Dv)
     if B == 0:
         return out
-    cfg_n, cfg_w, cfg_s = _CONFIGS.get(padded_dim(D), (64, 4, 2))
+    cfg_n, cfg_w, cfg_s = launch_config(D, k_scale is not None)
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_w
     num_stages = num_stages or cfg_s
