@@ -26,7 +26,7 @@ from hf_paged.engine import CompletionOutput, RequestOutput  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.serve.affinity import AffinityPolicy, prefix_hashes  # noqa: E402
 from hf_paged.serve.cli import parser, replica_devices, serve_main  # noqa: E402
-from hf_paged.serve.replica import ReplicaSpec, encode  # noqa: E402
+from hf_paged.serve.replica import ReplicaSpec, bind_device, encode  # noqa: E402
 from hf_paged.serve.router import ReplicaRouter, _Pending  # noqa: E402
 
 try:
@@ -287,6 +287,21 @@ def test_data_parallel_argument_errors(capsys):
         ReplicaRouter(ReplicaSpec(tiny_replica), [])
     with pytest.raises(ValueError, match="started ReplicaRouter"):
         build_app(ReplicaRouter(ReplicaSpec(tiny_replica), ["cpu"]), tokenizer=object())
+
+
+def test_a_replica_binds_its_device_a_plain_cuda_included(monkeypatch):
+    """A replica makes its device the current one; `--engine-process` on one GPU hands it a plain "cuda", which
+    `torch.cuda.set_device` refuses without an index (it stopped the server at start on the H200): the process's
+    current GPU is meant. On the CPU it sets the intra-op threads."""
+    bound, threads = [], []
+    monkeypatch.setattr("torch.cuda.set_device", bound.append)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    monkeypatch.setattr("torch.set_num_threads", threads.append)
+    bind_device("cuda", 4)
+    bind_device("cuda:1", None)
+    bind_device("cpu", 3)
+    bind_device("cpu", None)
+    assert bound == [0, 1] and threads == [3]
 
 
 def test_a_replica_that_cannot_load_fails_the_start():

@@ -41,7 +41,7 @@ from ..engine import Engine, RequestOutput, default_max_num_batched_tokens
 from .engine_loop import run_engine_loop
 from .structured import warm_up_grammars
 
-__all__ = ["ReplicaSpec", "encode", "replica_main"]
+__all__ = ["ReplicaSpec", "bind_device", "encode", "replica_main"]
 
 log = logging.getLogger("hf_paged.serve.replica")
 
@@ -215,6 +215,17 @@ def _ready_info(engine: Engine, tokenizer, device: str) -> dict:
             "stop_ids": tuple(engine.stop_token_ids())}
 
 
+def bind_device(device: str, threads: int | None) -> None:
+    """Make `device` this process's current one (kernels launch on the current device): a plain ``"cuda"`` (one
+    engine in its own process, `--engine-process`) is the process's current GPU, whose index `set_device` needs; on
+    the CPU, use `threads` intra-op threads (when given)."""
+    target = torch.device(device)
+    if target.type == "cuda":
+        torch.cuda.set_device(target.index if target.index is not None else torch.cuda.current_device())
+    elif threads is not None:
+        torch.set_num_threads(threads)
+
+
 def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, conn) -> None:
     """The replica process: load, build the engine, report ready, serve commands until told to stop. `inbox`: the
     front's command queue; `conn`: the write end of the pipe to the front."""
@@ -224,10 +235,7 @@ def replica_main(spec: ReplicaSpec, index: int, device: str, inbox, conn) -> Non
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s replica {index}: %(message)s")
     try:
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))  # kernels launch on the current device
-        elif spec.threads is not None:
-            torch.set_num_threads(spec.threads)
+        bind_device(device, spec.threads)
         model, tokenizer = spec.load(device)
         kwargs = dict(spec.engine_kwargs)
         if kwargs.get("max_num_batched_tokens") is None:
