@@ -18,7 +18,8 @@ length); compare its output tok/s with plain `hf_paged`'s on the same requests, 
         --num-requests 64 --output-len 512 --out results/
 
 Data parallelism: a system named `hf_paged_dpN` is the hf-paged server with `--data-parallel-size N` (N replicas, one
-per GPU, behind one front; `hf_paged_dp1`: `--engine-process`, one engine in its own process); `hf_paged_xN` is N
+per GPU, behind one front; `hf_paged_dp1`: `--engine-process`, one engine in its own process, the CUDA default;
+`hf_paged_thread`: `--no-engine-process`, the engine in a thread of the server's process); `hf_paged_xN` is N
 independent one-GPU servers (`CUDA_VISIBLE_DEVICES=i` each, own ports) with the requests dealt to them in turn: what
 N GPUs give with no shared front, the yardstick for `hf_paged_dpN`.
 With `hf_paged` in the same run, the summary gives each one's sustainable rate (the
@@ -127,9 +128,9 @@ def free_port() -> int:
 
 def layout(system: str) -> tuple[int, int] | None:
     """(servers, replicas per server) of an hf-paged system: `hf_paged` (1, 1), `hf_paged_dpN` (1, N),
-    `hf_paged_xN` (N, 1); None for another system. `hf_paged_dp1` is one engine in its own process
-    (`--engine-process`)."""
-    match = re.fullmatch(r"hf_paged(?:_(dp|x)(\d+))?", system)
+    `hf_paged_xN` (N, 1), `hf_paged_thread` (1, 1); None for another system. `hf_paged_dp1` is one engine in its own
+    process (`--engine-process`, the CUDA default), `hf_paged_thread` one in a thread of the server's process."""
+    match = re.fullmatch(r"hf_paged(?:_(dp|x)(\d+)|_thread)?", system)
     if match is None:
         return None
     n = int(match.group(2) or 1)
@@ -146,8 +147,10 @@ def launch_server(system: str, model_dir: Path, port: int, args, log: Path, gpu:
                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
         if replicas > 1:
             cmd += ["--data-parallel-size", str(replicas)]
-        elif system.endswith("_dp1"):  # one engine in its own process behind the front
+        elif system.endswith("_dp1"):  # one engine in its own process behind the front (the CUDA default)
             cmd.append("--engine-process")
+        elif system.endswith("_thread"):  # the engine in a thread of the server's process
+            cmd.append("--no-engine-process")
         if args.device is not None:
             cmd += ["--device", args.device]
         if args.compile_decode:

@@ -571,8 +571,8 @@ def test_benchmark_command_lines_parse(name, capsys):
 
 def test_serving_benchmark_gives_data_parallel_speedups(tmp_path):
     bench_serving = pytest.importorskip("bench_serving")
-    assert [bench_serving.layout(s) for s in ("hf_paged", "hf_paged_dp2", "hf_paged_x2", "transformers")] == [
-        (1, 1), (1, 2), (2, 1), None]
+    systems = ("hf_paged", "hf_paged_dp2", "hf_paged_x2", "hf_paged_dp1", "hf_paged_thread", "transformers")
+    assert [bench_serving.layout(s) for s in systems] == [(1, 1), (1, 2), (2, 1), (1, 1), (1, 1), None]
 
     def row(rate, p99, tok_s, e2e=500):
         return {"rate": rate, "failed": 0, "ttft_ms": {"p99": p99}, "output_tok_s": tok_s, "e2e_ms": {"p50": e2e}}

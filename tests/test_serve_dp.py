@@ -25,7 +25,7 @@ import hf_paged  # noqa: E402
 from hf_paged.engine import CompletionOutput, RequestOutput  # noqa: E402
 from hf_paged.serve import build_app  # noqa: E402
 from hf_paged.serve.affinity import AffinityPolicy, prefix_hashes  # noqa: E402
-from hf_paged.serve.cli import parser, replica_devices, serve_main  # noqa: E402
+from hf_paged.serve.cli import engine_process, parser, replica_devices, serve_main  # noqa: E402
 from hf_paged.serve.replica import ReplicaSpec, bind_device, encode  # noqa: E402
 from hf_paged.serve.router import ReplicaRouter, _Pending  # noqa: E402
 
@@ -287,6 +287,18 @@ def test_data_parallel_argument_errors(capsys):
         ReplicaRouter(ReplicaSpec(tiny_replica), [])
     with pytest.raises(ValueError, match="started ReplicaRouter"):
         build_app(ReplicaRouter(ReplicaSpec(tiny_replica), ["cpu"]), tokenizer=object())
+
+
+def test_one_engine_runs_in_its_own_process_by_default_on_cuda_only():
+    """`--engine-process` is the CUDA default (the front and the engine then hold an interpreter lock each); on the
+    CPU the engine stays in a thread; either flag overrides."""
+    def args(*argv):
+        return parser().parse_args(["m", *argv])
+
+    assert engine_process(args(), "cuda") and engine_process(args(), "cuda:1")
+    assert not engine_process(args(), "cpu")
+    assert not engine_process(args("--no-engine-process"), "cuda")
+    assert engine_process(args("--engine-process"), "cpu")
 
 
 def test_a_replica_binds_its_device_a_plain_cuda_included(monkeypatch):

@@ -2,8 +2,9 @@
 and the local Hugging Face cache, or a GGUF file), build the engine, serve it.
 
 `--data-parallel-size N` serves N replicas, one engine process per GPU (`cuda:0` ... `cuda:N-1`, or N CPU
-replicas with `--device cpu`) behind this process's HTTP front (`hf_paged.serve.router`); `--engine-process` runs
-one engine that way (a replica of one), so the front's Python does not share an interpreter lock with the engine's.
+replicas with `--device cpu`) behind this process's HTTP front (`hf_paged.serve.router`); `--engine-process` (the
+default on CUDA: `engine_process`) runs one engine that way (a replica of one), so the front's Python does not share an
+interpreter lock with the engine's.
 
 SIGINT / SIGTERM shut down cleanly: uvicorn stops accepting connections and lets in-flight requests run for
 `--shutdown-grace` seconds, then the app's lifespan end aborts what is left and closes the engine (the KV pool goes
@@ -95,10 +96,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="serve N replicas, one engine process per GPU (cuda:0 ... cuda:N-1; N CPU replicas with "
                         "--device cpu) behind one HTTP front that routes by prefix affinity and load (default: 1)")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own, as each --data-parallel-size replica runs (also with "
                         "one device): the HTTP front (tokenising, detokenising, streaming) then has the server's "
-                        "process and its interpreter lock to itself, instead of sharing them with the engine's thread")
+                        "process and its interpreter lock to itself, instead of sharing them with the engine's thread "
+                        "(default: on CUDA; --no-engine-process: the engine in a thread of the server's process)")
     p.add_argument("--router-imbalance", type=int, default=8, metavar="K",
                    help="with --data-parallel-size: a request goes to the replica holding its prompt's prefix unless "
                         "that replica has K more requests in flight than the least loaded one (default: 8); an "
@@ -130,6 +132,17 @@ def replica_devices(args, cuda_count: int | None = None) -> list[str]:
         raise ValueError(f"--data-parallel-size {n} needs {n} GPUs (one replica each), but {cuda_count} "
                          f"{'is' if cuda_count == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
     return [f"cuda:{i}" for i in range(n)]
+
+
+def engine_process(args, device: str) -> bool:
+    """Whether one engine runs in a process of its own (`--engine-process`). Default: on CUDA. Why: on an H200 (llama-1b
+    shape, 300 streamed ShareGPT-like requests a rate) one engine in a thread of the server's process sustained 48
+    requests/s and at most ~10k output tok/s, with the process at one core (the front and the engine's host work
+    share one interpreter lock); in its own process 80 requests/s and 18k tok/s (benchmarks/results/h200_2026-11-29g).
+    On the CPU the engine's threads would compete with the front's process for the same cores: in a thread there."""
+    if args.engine_process is not None:
+        return args.engine_process
+    return torch.device(device).type == "cuda"
 
 
 def engine_kwargs(args) -> dict:
@@ -221,7 +234,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     if name in {lora_name for lora_name, _ in args.lora}:
         raise SystemExit(f"hf-paged serve: --lora {name}=... has the base model's name; pick another")
-    if args.data_parallel_size > 1 or args.engine_process:
+    if args.data_parallel_size > 1 or engine_process(args, devices[0]):
         spec = ReplicaSpec(functools.partial(load_on, args), engine_kwargs(args), warm_up=not args.no_warm_up,
                            prefill_graphs=args.prefill_graphs, log_level=args.log_level,
                            threads=max(1, len(os.sched_getaffinity(0)) // len(devices)), loras=tuple(args.lora))
