@@ -73,12 +73,13 @@ _CONFIGS = {
     1024: (32, 8, 2),
 }
 # An FP8 cache's tiles: one warp a program, 32 keys a tile. Why: with the bf16 tile (4 warps, 64 keys) an FP8 step took
-# as long as a bf16 one (Nsight Compute, H200, B256-L2048 d 128: 148 registers a thread against 87, so 3 programs an
-# SM against 5, 2.4 TB/s of its bytes; the per-tile warp-to-warp reductions of the softmax cost more than the half-size
-# loads saved). Graph-replayed on the H200 (benchmarks/results/h200_2026-11-29g), (32, 1, 2) was the fastest FP8 tile
-# swept (15 tiles, 1-4 warps, 16-128 keys, 2-4 stages) at every llama shape: 1.51-1.61x the bf16 cache's time at d 128
-# (B64-L2048 to B320-L3072), 1.29x at d 64; (32, 1, 3) at the Gemma-3 shape (d 256, one KV head, 1.39x). A bf16 cache
-# keeps `_CONFIGS`: one warp was 1.0-1.8x slower there.
+# about as long as a bf16 one. Nsight Compute (H200, B256-L2048, d 128): 148 registers a thread against 87, so 3
+# programs an SM against 5, and 2.4 TB/s of its bytes against 4.3: latency-bound, few bytes in flight; one warp also
+# keeps each tile's softmax rows in one warp (no reductions through shared memory). Graph-replayed on the H200
+# (benchmarks/results/h200_2026-11-29g), (32, 1, 2) was the fastest FP8 tile of 15 swept (1-4 warps, 16-128 keys, 2-4
+# stages) at every llama shape: 1.5-1.6x as fast as the bf16 cache at d 128 (B64-L2048 to B320-L3072), 1.3x at d 64;
+# (32, 1, 3) at the Gemma-3 shape (d 256, one KV head, 1.4x). A bf16 cache keeps `_CONFIGS`: at 3.6-4.2 TB/s already,
+# one warp gained 1-3 % there at d 64-128 and took 1.8x as long at d 256.
 _FP8_CONFIGS = {16: (32, 1, 2), 32: (32, 1, 2), 64: (32, 1, 2), 128: (32, 1, 2), 256: (32, 1, 3)}
 
 

@@ -21,7 +21,10 @@ table, against 64-128 for integer and float ops) are 1.5 an element for "cast", 
 "bits_asm". At 1.5 an element a 256 x 2k llama-8b step's conversions alone would take about as long as a bf16
 cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate; the GPU benchmark,
 ``bench_decode_kernel.py --fp8-read-modes``, decided: "fp16", the default, was the fastest at every shape, though
-still short of reading the half-size cache in half the time). The modes:
+still short of reading the half-size cache in half the time). The larger cause proved to be the launch tile: Nsight
+Compute found the 4-warp, 64-key tile held to 3 programs an SM by its registers (latency-bound at 2.4 TB/s); with
+one warp and 32 keys (`triton_decode._FP8_CONFIGS`) the "fp16" read runs 1.3-1.6x as fast as the bf16 cache (the
+modes were not compared again at that tile). The modes:
 
 * ``"cast"``: the tile converted to the query's dtype (exact: every e4m3 value is a bf16, an fp16 and a float32). On
   sm90 that is ``cvt.rn.f16x2.e4m3x2`` per pair, then an fp16 -> bf16 conversion per element.
