@@ -23,8 +23,9 @@ cache's bytes (~0.4 ms on an H200), consistent with the measurement (an estimate
 ``bench_decode_kernel.py --fp8-read-modes``, decided: "fp16", the default, was the fastest at every shape, though
 still short of reading the half-size cache in half the time). The larger cause proved to be the launch tile: Nsight
 Compute found the 4-warp, 64-key tile held to 3 programs an SM by its registers (latency-bound at 2.4 TB/s); with
-one warp and 32 keys (`triton_decode._FP8_CONFIGS`) the "fp16" read runs 1.3-1.6x as fast as the bf16 cache (the
-modes were not compared again at that tile). The modes:
+one warp and 32 keys (`triton_decode._FP8_CONFIGS`) the "fp16" read runs 1.3-1.6x as fast as the bf16 cache, and
+still leads the modes there (H200: 1.58-1.60x at llama-8b shapes against 1.10-1.33 "bits", 1.20-1.27 "bits_asm",
+0.98-1.12 "cast"). The modes:
 
 * ``"cast"``: the tile converted to the query's dtype (exact: every e4m3 value is a bf16, an fp16 and a float32). On
   sm90 that is ``cvt.rn.f16x2.e4m3x2`` per pair, then an fp16 -> bf16 conversion per element.
