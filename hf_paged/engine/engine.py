@@ -26,7 +26,7 @@ from . import defaults
 from .beam import BeamSearch, SharingStats, sharing_stats, track_sharing
 from .defaults import default_admission_batch, default_compile_decode, default_max_num_batched_tokens, sparse_step_modes
 from .device_sampling import DevicePicker
-from .faults import FaultHandling
+from .faults import StepRecovery
 from .grammar import StructuredOutputs
 from .kv_lifetime import KVLifetime
 from .lora import LoraAdapters
@@ -34,7 +34,7 @@ from .outputs import CompletionOutput, Outputs, RequestOutput, stamp_first_token
 from .params import SamplingParams, copy_params
 from .pipelined import PipelinedDecode, _InFlight
 from .pool_sizing import build_engine_cache
-from .prompt_logprobs import PromptLogprobs
+from .prompt_logprobs import finish_scoring_only, record_prompt_logprobs, score_rows
 from .requests import EngineClosedError, Requests
 from .sampling import Sampler
 from .updates import TokenUpdates
@@ -55,7 +55,7 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandling, KVLifetime, Outputs):
+class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
     """A continuous-batching server loop around a transformers causal LM.
 
     Args:
@@ -130,9 +130,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
     engine (`close()`, or `with Engine(...)`) before `torch.distributed.destroy_process_group()`, which otherwise
     waits forever for the recorded collectives (pytorch/pytorch#115388).
 
-    The class is the step loop and the set-up; its other jobs are mixins, one file each: `Requests` (adding, aborting,
-    closing, the fair lock), `PipelinedDecode`, `TokenUpdates` (sampling, forks, stops), `PromptLogprobs` (scoring
-    prompt tokens during the prefill), `FaultHandling`, `Outputs`.
+    The step loop and the set-up; parts: scheduler, block manager, runner, `recovery`, `structured`. Jobs that still
+    share `self` are mixins, a file each: `Requests`, `PipelinedDecode`, `TokenUpdates`, `KVLifetime`, `Outputs`.
     """
 
     def __init__(
@@ -233,6 +232,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
             self._model_ref, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             use_cuda_graph=use_cuda_graph, compile_decode=compile_decode, compile_auto=compile_auto,
         )
+        self.recovery = StepRecovery(self.scheduler, self.block_manager, self.runner)
         self.scheduler.admission_batch = admission_batch or default_admission_batch(
             max_num_seqs, self.runner.use_cuda_graph)
         self.runner.token_limit = max_num_batched_tokens  # ragged steps are padded up to it at most
@@ -393,9 +393,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                     track_sharing(self.stats, *self.block_manager.usage())
                     phase = "forward"
                     with torch.inference_mode():
-                        score_rows = self._score_rows(sched)
-                        if score_rows:
-                            logits, samplers = self.runner.execute(sched, extra_rows=score_rows)
+                        scored_rows = score_rows(sched)
+                        if scored_rows:
+                            logits, samplers = self.runner.execute(sched, extra_rows=scored_rows)
                         else:
                             logits, samplers = self.runner.execute(sched)
                         phase = "sample"
@@ -407,18 +407,18 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, PromptLogprobs, FaultHandl
                                 self.structured.apply(logits, masks)
                         scored: list[SequenceGroup] = []
                         rest = sched
-                        if score_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
-                            logits = self._record_prompt_logprobs(sched, score_rows, logits, len(samplers))
-                            rest, logits, scored = self._finish_scoring_only(sched, logits)
+                        if scored_rows:  # prompt log-probabilities (hf_paged.engine.prompt_logprobs)
+                            logits = record_prompt_logprobs(sched, scored_rows, logits, len(samplers))
+                            rest, logits, scored = finish_scoring_only(sched, logits, self.scheduler)
                         if self._can_pipeline(rest, logits):
                             current = self._launch(rest, logits)
                         else:
                             advanced = self._sample_and_update(rest, logits) if rest.scheduled else []
                             advanced += scored
                 except Exception as error:  # a failing step fails its own requests only
-                    advanced = self._fail(sched, error, phase)
+                    advanced = self.recovery.fail(sched, error, phase)
                 except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate
-                    self._interrupted(sched, error, phase)
+                    self._unreported.extend(self.recovery.interrupted(sched, error, phase))  # reported next step
                     raise
                 if current is None:
                     self._track(sched)

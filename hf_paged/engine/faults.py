@@ -1,5 +1,5 @@
-"""What a failed or interrupted step undoes: failing only its own requests, or requeueing them intact.
-A mixin of `Engine`.
+"""What a failed or interrupted step undoes: failing only its own requests, or requeueing them intact
+(`StepRecovery`, a part of `Engine` that touches the scheduler, the block manager and the runner's tables only).
 
 * A step that raises an `Exception` (block copies, forward, a kernel, sampling, a logits processor) fails the requests
   scheduled in it: finish reason "error", `RequestOutput.error` is the exception, their blocks are freed; the engine
@@ -15,13 +15,19 @@ from __future__ import annotations
 
 from ..core import SchedulerOutput, SequenceGroup, SequenceStatus
 
-__all__ = ["FaultHandling"]
+__all__ = ["StepRecovery"]
 
 
-class FaultHandling:
-    """Failure and interrupt handling of engine steps; a mixin of `Engine`."""
+class StepRecovery:
+    """Failure and interrupt handling of engine steps. It changes the requests' state through the scheduler and the
+    block manager, and drops the runner's cached block tables; the engine reports what it returns."""
 
-    def _fail(self, sched: SchedulerOutput, error: BaseException, phase: str = "forward") -> list[SequenceGroup]:
+    def __init__(self, scheduler, block_manager, runner) -> None:
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.runner = runner
+
+    def fail(self, sched: SchedulerOutput, error: BaseException, phase: str = "forward") -> list[SequenceGroup]:
         """Fail the requests scheduled in a step that raised (finish reason "error", `error` attached).
 
         If the block operations raised (`phase == "blocks"`), the step's swaps may be incomplete: the groups they
@@ -37,28 +43,29 @@ class FaultHandling:
         if phase == "blocks":
             for group in self._swapped_in_step(sched):
                 if group not in failed:
-                    self._requeue(group)
+                    self.requeue(group)
         self.runner.invalidate_tables()
         return failed
 
-    def _interrupted(self, sched: SchedulerOutput, error: BaseException, phase: str) -> None:
+    def interrupted(self, sched: SchedulerOutput, error: BaseException, phase: str) -> list[SequenceGroup]:
         """A step was interrupted (KeyboardInterrupt, SystemExit): keep every request whole and the engine usable.
+        Returns the requests it failed, for the engine to report at its next step (the interrupted one returns none).
 
         Before sampling began nothing of the step's requests changed but their reserved slots and possibly half
         written K/V: they go back to the waiting queue and are recomputed (with the groups of the step's swaps, whose
         copies may be incomplete). During sampling their tokens and forks may be half applied: they are failed.
         """
         if phase == "sample":
-            self._unreported.extend(self._fail(sched, error, phase))  # the step returns nothing: report them next
-            return
+            return self.fail(sched, error, phase)
         groups = []
         for group in [item.group for item in sched.scheduled] + (self._swapped_in_step(sched) if phase == "blocks"
                                                                   else []):
             if group not in groups:
                 groups.append(group)
         for group in groups:
-            self._requeue(group)
+            self.requeue(group)
         self.runner.invalidate_tables()
+        return []
 
     def _swapped_in_step(self, sched: SchedulerOutput) -> list[SequenceGroup]:
         """Groups whose blocks this step's swaps moved (swapped out, or swapped in and still running)."""
@@ -72,7 +79,7 @@ class FaultHandling:
                     groups.append(group)
         return groups
 
-    def _requeue(self, group: SequenceGroup) -> None:
+    def requeue(self, group: SequenceGroup) -> None:
         """Send a running or swapped group back to the waiting queue, to be recomputed (its blocks are freed)."""
         scheduler = self.scheduler
         for seq in group.live_seqs():

@@ -62,7 +62,7 @@ class KVLifetime:
             dropped = self.block_manager.reset_prefix_cache()
             if recompute_running:
                 for group in list(self.scheduler.running) + list(self.scheduler.swapped):
-                    self._requeue(group)
+                    self.recovery.requeue(group)
                 self.runner.invalidate_tables()
             self._weights.check()  # the reset is the new reference point
         return dropped

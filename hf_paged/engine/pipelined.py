@@ -167,14 +167,14 @@ class PipelinedDecode:
                 interrupt = error
         try:
             advanced, finished = self._apply(current)
-        except BaseException as error:  # tokens half applied: fail both steps' requests (as in _interrupted)
+        except BaseException as error:  # tokens half applied: fail both steps' requests (as in StepRecovery.interrupted)
             if launched is not None and launched.grammar_job is not None:
                 launched.grammar_job.wait()  # its workers hold matchers of the requests failed here
             failed = []
             for step in (sched, current.sched):
                 if step is not None:
                     self._drop_in_flight(step)
-                    failed += [g for g in self._fail(step, error, "sample") if g not in failed]
+                    failed += [g for g in self.recovery.fail(step, error, "sample") if g not in failed]
             if isinstance(error, Exception):
                 return failed, None
             self._unreported.extend(failed)
@@ -182,12 +182,12 @@ class PipelinedDecode:
         self._track(current.sched)
         if failure is not None:  # the next step's forward failed: its requests fail, as in a normal step
             self._drop_in_flight(sched)
-            failed = self._fail(sched, failure, "forward")
+            failed = self.recovery.fail(sched, failure, "forward")
             advanced += [g for g in failed if g not in advanced]
             finished = None
         elif interrupt is not None:  # nothing of it was applied: requeue its requests, lose nothing
             self._drop_in_flight(sched)
-            self._interrupted(sched, interrupt, "forward")
+            self.recovery.interrupted(sched, interrupt, "forward")  # requeued: nothing failed
             self._unreported.extend(g for g in advanced if g.is_finished)  # the applied step's results
             raise interrupt
         elif launched is not None:

@@ -3,7 +3,7 @@
 What lm-eval's loglikelihood needs: the log-probability of each continuation token given everything before it, and
 whether it is the argmax. A request asking for the scores of its prompt tokens from index `s` on needs the logits of
 positions `s - 1 .. n - 2`. The prefill computes them anyway; the runner keeps them as extra rows of the step's
-`logits_to_keep` (after the sampling rows), and this mixin turns them into float32 log-softmax scores, chunk by chunk
+`logits_to_keep` (after the sampling rows), and this module turns them into float32 log-softmax scores, chunk by chunk
 (a long prompt is prefilled over several steps).
 
 Two things keep the scores exact and complete:
@@ -19,11 +19,11 @@ Two things keep the scores exact and complete:
 Steps that carry scored rows run eagerly (the static / CUDA-graph path keeps one row per sequence), so they are
 never pipelined either (`PipelinedDecode` only pipelines static steps).
 
-How: before a step's forward, `_score_rows` lists per scheduled chunk the wanted positions it computes; the runner
+How: before a step's forward, `score_rows` lists per scheduled chunk the wanted positions it computes; the runner
 keeps them as extra rows after the sampling rows (`ModelRunner.execute(extra_rows=...)`), and they become float32
 `log_softmax` scores of the next prompt token plus an argmax flag, appended to the group's `PromptScoring`, which
 `RequestOutput.prompt_logprobs` reports. A recompute after a preemption resumes at `PromptScoring.next_position`, so
-no row is scored twice. A scoring-only request finishes in `_finish_scoring_only`, its blocks freed to the prefix
+no row is scored twice. A scoring-only request finishes in `finish_scoring_only`, its blocks freed to the prefix
 cache; its `RequestOutput.prompt_token_ids` is the whole prompt. The lm-eval backend
 (`hf_paged.integrations.lm_eval`) scores its log-likelihood requests this way; tests: `tests/test_prompt_logprobs.py`.
 """
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..core import SchedulerOutput, SequenceGroup, SequenceStatus
+from ..core import Scheduler, SchedulerOutput, SequenceGroup, SequenceStatus
 
-__all__ = ["PromptLogprobs", "PromptScoring", "PROMPT_SCORING"]
+__all__ = ["PROMPT_SCORING", "PromptScoring", "finish_scoring_only", "record_prompt_logprobs", "score_rows"]
 
 PROMPT_SCORING = "prompt_scoring"  # key of a group's `PromptScoring` in `SequenceGroup.data`
 _ROWS_PER_CHUNK = 1024  # rows converted to float32 at once: bounds the scoring's memory on long prompts
@@ -81,70 +81,70 @@ def start_scoring(group: SequenceGroup, prompt: list[int], start: int, top: int 
     group.max_cached_prefix = start - 1
 
 
-class PromptLogprobs:
-    """Scored-row planning and recording for `Engine.step`; a mixin of `Engine`."""
+def score_rows(sched: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """The step's wanted prompt positions: (index in `sched.scheduled`, offset in its chunk, count) per item."""
+    rows, seen = [], set()
+    for k, item in enumerate(sched.scheduled):
+        scoring = item.group.data.get(PROMPT_SCORING)
+        if scoring is None or scoring.done or id(scoring) in seen:
+            continue  # (a group's samples share one prompt: its first scheduled sequence is scored)
+        seen.add(id(scoring))
+        offset, count = scoring.rows_in(item.start, item.num_tokens)
+        if count:
+            rows.append((k, offset, count))
+    return rows
 
-    def _score_rows(self, sched: SchedulerOutput) -> list[tuple[int, int, int]]:
-        """The step's wanted prompt positions: (index in `sched.scheduled`, offset in its chunk, count) per item."""
-        rows, seen = [], set()
-        for k, item in enumerate(sched.scheduled):
-            scoring = item.group.data.get(PROMPT_SCORING)
-            if scoring is None or scoring.done or id(scoring) in seen:
-                continue  # (a group's samples share one prompt: its first scheduled sequence is scored)
-            seen.add(id(scoring))
-            offset, count = scoring.rows_in(item.start, item.num_tokens)
-            if count:
-                rows.append((k, offset, count))
-        return rows
 
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, rows: list[tuple[int, int, int]],
-                                logits: torch.Tensor, num_sampling: int) -> torch.Tensor:
-        """Score the extra rows (after the `num_sampling` sampling rows of `logits`); return the sampling rows."""
-        extra = logits[num_sampling:]
-        targets = []
-        for k, offset, count in rows:
-            item = sched.scheduled[k]
-            first = item.start + offset + 1
-            targets.extend(item.group.data[PROMPT_SCORING].prompt[first : first + count])
-        target_ids = torch.tensor(targets, dtype=torch.long, device=extra.device)
-        values = _score(extra, target_ids)
-        top = max(sched.scheduled[k].group.data[PROMPT_SCORING].top for k, _, _ in rows)
-        tops = _top(extra, target_ids, top) if top else None
-        at = 0
-        for k, _, count in rows:
-            group = sched.scheduled[k].group
-            scoring = group.data[PROMPT_SCORING]
-            scoring.values.extend(values[at : at + count])
-            if scoring.top:
-                scoring.tops.extend((rank, alternatives[: scoring.top]) for rank, alternatives in tops[at : at + count])
-            at += count
-            group.max_cached_prefix = None if scoring.done else scoring.next_position
-        return logits[:num_sampling]
+def record_prompt_logprobs(sched: SchedulerOutput, rows: list[tuple[int, int, int]], logits: torch.Tensor,
+                           num_sampling: int) -> torch.Tensor:
+    """Score the extra rows (after the `num_sampling` sampling rows of `logits`); return the sampling rows."""
+    extra = logits[num_sampling:]
+    targets = []
+    for k, offset, count in rows:
+        item = sched.scheduled[k]
+        first = item.start + offset + 1
+        targets.extend(item.group.data[PROMPT_SCORING].prompt[first : first + count])
+    target_ids = torch.tensor(targets, dtype=torch.long, device=extra.device)
+    values = _score(extra, target_ids)
+    top = max(sched.scheduled[k].group.data[PROMPT_SCORING].top for k, _, _ in rows)
+    tops = _top(extra, target_ids, top) if top else None
+    at = 0
+    for k, _, count in rows:
+        group = sched.scheduled[k].group
+        scoring = group.data[PROMPT_SCORING]
+        scoring.values.extend(values[at : at + count])
+        if scoring.top:
+            scoring.tops.extend((rank, alternatives[: scoring.top]) for rank, alternatives in tops[at : at + count])
+        at += count
+        group.max_cached_prefix = None if scoring.done else scoring.next_position
+    return logits[:num_sampling]
 
-    def _finish_scoring_only(self, sched: SchedulerOutput, logits: torch.Tensor
-                             ) -> tuple[SchedulerOutput, torch.Tensor, list[SequenceGroup]]:
-        """Finish the scoring-only requests (`max_new_tokens=0`) whose prefill ends in this step, without sampling.
 
-        Returns the step without them, its sampling logits without their rows, and the finished groups.
-        """
-        kept, kept_rows, done = [], [], []
-        row = 0
-        for item in sched.scheduled:
-            if item.sample and item.group.params.max_new_tokens == 0:
-                item.seq.num_computed += item.num_tokens
-                item.seq.status, item.seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
-                done.append(item.group)
-            else:
-                kept.append(item)
-                if item.sample:
-                    kept_rows.append(row)
-            row += item.sample
-        if not done:
-            return sched, logits, []
-        self.scheduler.remove_finished(done)  # frees the blocks; their full ones stay in the prefix cache
-        if len(kept_rows) != logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(kept_rows, dtype=torch.long, device=logits.device))
-        return replace(sched, scheduled=kept), logits, done
+def finish_scoring_only(sched: SchedulerOutput, logits: torch.Tensor, scheduler: Scheduler
+                        ) -> tuple[SchedulerOutput, torch.Tensor, list[SequenceGroup]]:
+    """Finish the scoring-only requests (`max_new_tokens=0`) whose prefill ends in this step, without sampling
+    (`scheduler` frees their blocks).
+
+    Returns the step without them, its sampling logits without their rows, and the finished groups.
+    """
+    kept, kept_rows, done = [], [], []
+    row = 0
+    for item in sched.scheduled:
+        if item.sample and item.group.params.max_new_tokens == 0:
+            item.seq.num_computed += item.num_tokens
+            item.seq.status, item.seq.stop_reason = SequenceStatus.FINISHED_LENGTH, "length"
+            done.append(item.group)
+        else:
+            kept.append(item)
+            if item.sample:
+                kept_rows.append(row)
+        row += item.sample
+    if not done:
+        return sched, logits, []
+    scheduler.remove_finished(done)  # frees the blocks; their full ones stay in the prefix cache
+    if len(kept_rows) != logits.shape[0]:
+        logits = logits.index_select(0, torch.tensor(kept_rows, dtype=torch.long, device=logits.device))
+    return replace(sched, scheduled=kept), logits, done
 
 
 def _score(rows: torch.Tensor, targets: torch.Tensor) -> list[tuple[float, bool]]:
