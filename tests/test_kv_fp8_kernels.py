@@ -124,6 +124,8 @@ DECODE_CASES = [
                  dict(sinks=True, chunk_size=16), id="f16-mqa-sinks-chunk"),
     pytest.param(torch.bfloat16, 4, 2, 64, 16, [12, 50], [0, 4], 2, True,
                  dict(alibi=True, softcap=5.0), id="bf16-alibi-softcap-split"),
+    # a group over 16 query heads keeps the bf16 tile (`triton_decode.FP8_MAX_GROUP`)
+    pytest.param(torch.bfloat16, 32, 1, 64, 16, [20, 45], [0, 0], 2, False, {}, id="bf16-mqa32-d64-split"),
 ]
 
 

@@ -177,8 +177,9 @@ def test_read_mode_applies_to_bfloat16_queries_over_an_fp8_cache(monkeypatch):
 
 def test_an_fp8_cache_launches_its_own_tile_and_splits_alike(monkeypatch):
     """An FP8 cache's default tile is its own (`triton_decode._FP8_CONFIGS`: one warp, 32 keys; the bf16 tile ran an
-    FP8 step no faster than a bf16 one), a bf16 cache's is unchanged, and the split heuristic cuts alike for both
-    tiles (its runs are longer than either), so the JIT warm-up's variant keys hold for both caches."""
+    FP8 step no faster than a bf16 one) for groups of up to 16 query heads, a bf16 cache's is unchanged, and the split
+    heuristic cuts alike for both tiles (its runs are longer than either), so the JIT warm-up's variant keys hold for
+    both caches."""
     from hf_paged.kernels import triton_decode as td
 
     for d in (64, 128, 256):
@@ -187,6 +188,10 @@ def test_an_fp8_cache_launches_its_own_tile_and_splits_alike(monkeypatch):
         assert td.launch_config(d) == td._CONFIGS[d]
     assert td.launch_config(96, quantized=True) == td._FP8_CONFIGS[128]  # padded to a power of two
     assert td.launch_config(1024, quantized=True) == td._CONFIGS[1024]  # no FP8 entry: the bf16 one
+    # a group wider than one 16-row tile (MQA: 32-128 query heads a KV head) keeps the bf16 tile: one warp would
+    # hold its whole accumulator
+    assert td.launch_config(128, quantized=True, group=16) == td._FP8_CONFIGS[128]
+    assert td.launch_config(128, quantized=True, group=17) == td._CONFIGS[128]
     monkeypatch.setattr(td, "_device_sms", lambda device: 132)
     for batch in (1, 3, 8, 64, 200, 512):
         for context in (16, 200, 256, 257, 1000, 4096, 65536):

@@ -80,14 +80,18 @@ _CONFIGS = {
 # stages) at every llama shape: 1.5-1.6x as fast as the bf16 cache at d 128 (B64-L2048 to B320-L3072), 1.3x at d 64;
 # (32, 1, 3) at the Gemma-3 shape (d 256, one KV head, 1.4x). A bf16 cache keeps `_CONFIGS`: at 3.6-4.2 TB/s already,
 # one warp gained 1-3 % there at d 64-128 and took 1.8x as long at d 256.
+# Only for GQA groups of up to FP8_MAX_GROUP query heads (a 16-row tile): one warp would hold a wider group's
+# accumulator alone (64 rows of d 128: 256 registers a thread), so those keep the bf16 tile.
 _FP8_CONFIGS = {16: (32, 1, 2), 32: (32, 1, 2), 64: (32, 1, 2), 128: (32, 1, 2), 256: (32, 1, 3)}
+FP8_MAX_GROUP = 16
 
 
-def launch_config(head_dim: int, quantized: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a default launch at `head_dim` over a bf16/fp16/fp32 cache or (`quantized`)
-    an FP8 one."""
-    table = _FP8_CONFIGS if quantized else _CONFIGS
+def launch_config(head_dim: int, quantized: bool = False, group: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a default launch at `head_dim` with `group` query heads per KV head, over a
+    bf16/fp16/fp32 cache or (`quantized`) an FP8 one."""
+    table = _FP8_CONFIGS if quantized and group <= FP8_MAX_GROUP else _CONFIGS
     return table.get(padded_dim(head_dim), _CONFIGS.get(padded_dim(head_dim), (64, 4, 2)))
+
 # Split-K heuristic parameters. A sequence is cut into runs of at least MIN_TOKENS_PER_SPLIT keys, at most
 # `num_splits` of them; `num_splits` is SPLIT_PROGRAMS_PER_SM * SMs over the batch's B * Hkv programs (B by its
 # power of two), as a power of two in [MIN_SPLITS, MAX_SPLITS]; no split at all when B * Hkv reaches
@@ -428,7 +432,7 @@ def paged_decode(
         out = query.new_empty(B, Hq, Dv)
     if B == 0:
         return out
-    cfg_n, cfg_w, cfg_s = launch_config(D, k_scale is not None)
+    cfg_n, cfg_w, cfg_s = launch_config(D, k_scale is not None, G)
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_w
     num_stages = num_stages or cfg_s
