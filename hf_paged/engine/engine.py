@@ -28,7 +28,7 @@ from .defaults import default_admission_batch, default_compile_decode, default_m
 from .device_sampling import DevicePicker
 from .faults import StepRecovery
 from .grammar import StructuredOutputs
-from .kv_lifetime import KVLifetime
+from .kv_lifetime import WeightGuard
 from .lora import LoraAdapters
 from .outputs import CompletionOutput, Outputs, RequestOutput, stamp_first_token
 from .params import SamplingParams, copy_params
@@ -55,7 +55,7 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
+class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
     """A continuous-batching server loop around a transformers causal LM.
 
     Args:
@@ -130,8 +130,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
     engine (`close()`, or `with Engine(...)`) before `torch.distributed.destroy_process_group()`, which otherwise
     waits forever for the recorded collectives (pytorch/pytorch#115388).
 
-    The step loop and the set-up; parts: scheduler, block manager, runner, `recovery`, `structured`. Jobs that still
-    share `self` are mixins, a file each: `Requests`, `PipelinedDecode`, `TokenUpdates`, `KVLifetime`, `Outputs`.
+    The step loop and the set-up; parts: scheduler, block manager, runner, `recovery`, `weights`, `structured`. Jobs
+    that still share `self` are mixins, a file each: `Requests`, `PipelinedDecode`, `TokenUpdates`, `Outputs`.
     """
 
     def __init__(
@@ -244,8 +244,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
         self._auto_ids = itertools.count()
         self._groups: dict[object, SequenceGroup] = {}
         self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
-        self._handed_back: list[RequestOutput] = []
-        self._new_requests = False  # requests added since the last weight check  # other callers' outputs a generate() call stepped past
+        self._handed_back: list[RequestOutput] = []  # other callers' outputs a generate() call stepped past
         self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
         self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
         self.pipelined_steps = 0
@@ -255,9 +254,9 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
         self.beam_search = BeamSearch(self)
         self.release_window_blocks = release_window_blocks
         self._window_known = not release_window_blocks  # nothing to learn when releasing is off
-        self._weights = WeightWatch(self._model_ref)
-        # grammar-constrained requests (hf_paged.engine.grammar): xgrammar is imported by the first one
-        self.structured = StructuredOutputs(self.device, self)
+        self.weights = WeightGuard(WeightWatch(self._model_ref), self.block_manager, self.runner, self.stats,
+                                   self.dtype, self.device)
+        self.structured = StructuredOutputs(self.device, self)  # grammar-constrained requests (xgrammar on first use)
 
     @property
     def model(self):
@@ -376,8 +375,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, KVLifetime, Outputs):
         while self._waiters:  # add_request / abort / close from other threads go first (see _control)
             time.sleep(0.0002)
         with self._lock:
-            if self._new_requests and self._in_flight is None:
-                self._check_weights()  # before admitting new requests: none may be handed K/V of older weights
+            if self.weights.due and self._in_flight is None:
+                self.weights.check()  # before admitting new requests: none may be handed K/V of older weights
             current, self._in_flight = self._in_flight, None
             if not self._window_known:
                 self._learn_release_window()

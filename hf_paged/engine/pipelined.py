@@ -167,7 +167,7 @@ class PipelinedDecode:
                 interrupt = error
         try:
             advanced, finished = self._apply(current)
-        except BaseException as error:  # tokens half applied: fail both steps' requests (as in StepRecovery.interrupted)
+        except BaseException as error:  # tokens half applied: fail both steps' requests (StepRecovery.interrupted)
             if launched is not None and launched.grammar_job is not None:
                 launched.grammar_job.wait()  # its workers hold matchers of the requests failed here
             failed = []

@@ -1,5 +1,6 @@
-"""Taking requests in and out of the engine: prompt checks, `add_request`, `abort`, `close`, and the fair
-engine lock that lets other threads in between steps. A mixin of `Engine` (state set up by `Engine.__init__`).
+"""Taking requests in and out of the engine: prompt checks, `add_request`, `abort`, `close`, `reset_prefix_cache`,
+and the fair engine lock that lets other threads in between steps. A mixin of `Engine` (state set up by
+`Engine.__init__`).
 
 Threads: `add_request`, `abort` and `close` may be called from any thread while one thread steps (`step` /
 `stream`); they take the engine lock, which a step holds for its duration. Python's locks are not fair, so these
@@ -127,7 +128,7 @@ class Requests:
             group.metrics["arrival_time"] = time.perf_counter()
             self._groups[request_id] = group
             self.scheduler.add(group)
-            self._new_requests = True  # the next step checks the weights before admitting it (KVLifetime)
+            self.weights.due = True  # the next step checks the weights before admitting it
         return request_id
 
     def abort(self, request_id) -> bool:
@@ -191,6 +192,25 @@ class Requests:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def reset_prefix_cache(self, recompute_running: bool = False) -> int:
+        """Forget every cached prefix block (returns how many); new requests compute their K/V afresh.
+
+        `recompute_running`: also send the running and swapped requests back to be recomputed from their tokens
+        (their blocks are freed), e.g. after changing the weights in the middle of their generation. Without it they
+        go on with the K/V they hold, which is never shared with other requests (`hf_paged.engine.kv_lifetime`).
+        """
+        if not isinstance(recompute_running, bool):
+            raise TypeError(f"recompute_running must be a bool, got {recompute_running!r}")
+        with self._control():
+            self._drain()
+            dropped = self.block_manager.reset_prefix_cache()
+            if recompute_running:
+                for group in list(self.scheduler.running) + list(self.scheduler.swapped):
+                    self.recovery.requeue(group)
+                self.runner.invalidate_tables()
+            self.weights.rebase()  # the reset is the new reference point
+        return dropped
 
     @contextlib.contextmanager
     def _control(self):
