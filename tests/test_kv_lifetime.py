@@ -193,7 +193,7 @@ def test_requests_in_flight_are_never_shared_after_a_change():
     assert engine.stats["weight_changes"] == 1
     while engine.has_unfinished():
         engine.step()
-    assert first not in engine._groups
+    assert first not in engine.registry.groups
 
 
 def test_weight_watch_sees_each_kind_of_change():

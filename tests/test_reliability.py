@@ -73,7 +73,7 @@ def assert_no_leaks(engine):
     assert stats.cpu_used_blocks == 0 and stats.cpu_free_blocks == stats.cpu_blocks, stats
     assert not engine.has_unfinished()
     assert engine.block_manager.seq_ids() == []
-    assert engine._groups == {}, "requests whose final output was never reported"
+    assert engine.registry.groups == {}, "requests whose final output was never reported"
 
 
 def assert_consistent(engine):
@@ -91,7 +91,7 @@ def assert_consistent(engine):
         for group in queue:
             assert id(group) not in seen, f"{group.request_id} is in two queues"
             seen.add(id(group))
-            assert engine._groups.get(group.request_id) is group and not group.is_finished
+            assert engine.registry.groups.get(group.request_id) is group and not group.is_finished
             for seq in group.seqs:
                 if seq.status.is_finished:
                     assert not bm.has_seq(seq.seq_id)
@@ -470,7 +470,7 @@ def test_bad_request_names_the_argument_and_leaks_nothing(model, prompts, refere
     with pytest.raises(error, match=match):
         engine.add_request(*args, **kwargs)
     assert engine.kv_stats() == before
-    assert [g.request_id for g in engine.scheduler.groups()] == [good] and list(engine._groups) == [good]
+    assert [g.request_id for g in engine.scheduler.groups()] == [good] and list(engine.registry.groups) == [good]
     final = run_to_end(engine)
     assert tokens(final[good]) == references[2]
     assert_no_leaks(engine)

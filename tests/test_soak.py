@@ -282,7 +282,7 @@ def run_phase(model, corpus, tok, seed: int, engine_kwargs: dict, totals: collec
     leaked = stats.used_blocks + stats.cpu_used_blocks + len(bm.seq_ids())
     assert stats.used_blocks == 0 and stats.free_blocks == stats.num_blocks, stats
     assert stats.cpu_used_blocks == 0 and stats.cpu_free_blocks == stats.cpu_blocks, stats
-    assert bm.seq_ids() == [] and not engine.has_unfinished() and engine._groups == {}
+    assert bm.seq_ids() == [] and not engine.has_unfinished() and engine.registry.groups == {}
     totals["requests"] += len(final)
     totals["steps"] += engine.stats["steps"]
     for mode, count in engine.scheduler.num_preemptions.items():

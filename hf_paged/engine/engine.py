@@ -13,6 +13,7 @@ import gc
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +31,7 @@ from .faults import StepRecovery
 from .grammar import StructuredOutputs
 from .kv_lifetime import WeightGuard
 from .lora import LoraAdapters
-from .outputs import CompletionOutput, Outputs, RequestOutput, stamp_first_token
+from .outputs import CompletionOutput, RequestOutput, RequestRegistry, stamp_first_token
 from .params import SamplingParams, copy_params
 from .pipelined import PipelinedDecode, _InFlight
 from .pool_sizing import build_engine_cache
@@ -55,7 +56,7 @@ def _unfreeze_at_exit() -> None:
         _UNFREEZE_REGISTERED = True
 
 
-class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
+class Engine(Requests, PipelinedDecode, TokenUpdates):
     """A continuous-batching server loop around a transformers causal LM.
 
     Args:
@@ -130,8 +131,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
     engine (`close()`, or `with Engine(...)`) before `torch.distributed.destroy_process_group()`, which otherwise
     waits forever for the recorded collectives (pytorch/pytorch#115388).
 
-    The step loop and the set-up; parts: scheduler, block manager, runner, `recovery`, `weights`, `structured`. Jobs
-    that still share `self` are mixins, a file each: `Requests`, `PipelinedDecode`, `TokenUpdates`, `Outputs`.
+    The step loop and the set-up; parts: scheduler, block manager, runner, `recovery`, `weights`, `structured`,
+    `registry` (requests and outputs). Jobs still sharing `self`, mixins: `Requests`, `PipelinedDecode`, `TokenUpdates`.
     """
 
     def __init__(
@@ -242,9 +243,6 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
         self._closed = False
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
-        self._groups: dict[object, SequenceGroup] = {}
-        self._unreported: list[SequenceGroup] = []  # finished outside a step (abort, close): reported by the next
-        self._handed_back: list[RequestOutput] = []  # other callers' outputs a generate() call stepped past
         self._in_flight: _InFlight | None = None  # pipelined decode: launched, tokens not applied yet
         self._token_hosts: list[torch.Tensor] = []  # two pinned buffers: the step in flight and the one launching
         self.pipelined_steps = 0
@@ -257,6 +255,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
         self.weights = WeightGuard(WeightWatch(self._model_ref), self.block_manager, self.runner, self.stats,
                                    self.dtype, self.device)
         self.structured = StructuredOutputs(self.device, self)  # grammar-constrained requests (xgrammar on first use)
+        ref = weakref.ref(self)  # (no engine <-> registry cycle: a dropped engine is freed by reference counting)
+        self.registry = RequestRegistry(self.sampler, self.structured, lambda: ref().tokenizer)
 
     @property
     def model(self):
@@ -385,7 +385,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
                 if sched.is_empty:
                     if self.scheduler.has_unfinished() and not self.scheduler.running:
                         raise RuntimeError("the scheduler could not admit any request (this is a bug: please report it)")
-                    return self._collect_finished()
+                    return self.registry.collect_finished()
                 phase = "blocks"  # how far the step got: decides what a failure or an interrupt must undo
                 try:
                     self.runner.apply_block_ops(sched)
@@ -417,13 +417,13 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
                 except Exception as error:  # a failing step fails its own requests only
                     advanced = self.recovery.fail(sched, error, phase)
                 except BaseException as error:  # KeyboardInterrupt & co: leave the engine consistent, then propagate
-                    self._unreported.extend(self.recovery.interrupted(sched, error, phase))  # reported next step
+                    self.registry.unreported.extend(self.recovery.interrupted(sched, error, phase))  # next step
                     raise
                 if current is None:
                     self._track(sched)
-                    return self._outputs(stamp_first_token(advanced), finished_only)
+                    return self.registry.outputs(stamp_first_token(advanced), finished_only)
             advanced, finished = self._advance_pipeline(current)
-            return self._outputs(stamp_first_token(advanced), finished_only, finished)
+            return self.registry.outputs(stamp_first_token(advanced), finished_only, finished)
 
     def _learn_release_window(self) -> None:
         """Once a forward has shown every layer's window, let the scheduler release what no layer reads any more."""
@@ -456,7 +456,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
             yield from self.step()
         with self._control():  # aborted (or closed) after the last step, e.g. from another thread: still report them
             self._drain()
-            leftovers = self._collect_finished()
+            leftovers = self.registry.collect_finished()
         yield from leftovers
 
     def generate(self, prompts, params=None, *, use_tqdm: bool | None = None, **kwargs) -> list[RequestOutput]:
@@ -498,7 +498,7 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
                     break
                 for out in self.step(finished_only=True):
                     if out.request_id not in wanted:  # another caller's request (a shared engine): hand it back
-                        self._handed_back.append(out)
+                        self.registry.handed_back.append(out)
                     elif out.finished and out.request_id not in results:
                         results[out.request_id] = out
                         if bar is not None:
@@ -513,8 +513,8 @@ class Engine(Requests, PipelinedDecode, TokenUpdates, Outputs):
         with self._control():
             self._drain()
             for request_id in ids:  # aborted from another thread while we were stepping
-                if request_id not in results and request_id in self._groups:
-                    results[request_id] = self._output(self._groups[request_id])
+                if request_id not in results and request_id in self.registry.groups:
+                    results[request_id] = self.registry.output(self.registry.groups[request_id])
         return [results[request_id] for request_id in ids]
 
     def kv_stats(self):

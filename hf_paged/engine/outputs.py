@@ -1,11 +1,12 @@
-"""What the engine reports: `RequestOutput` / `CompletionOutput`, built from sequence groups after each step.
-The dataclasses are public (`hf_paged.RequestOutput`); the mixin is part of `Engine`.
+"""What the engine reports: `RequestOutput` / `CompletionOutput`, built from sequence groups after each step, and the
+registry of requests they are built from (`RequestRegistry`, a part of `Engine`). The dataclasses are public
+(`hf_paged.RequestOutput`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from ..core import SequenceGroup, SequenceStatus
 from .prompt_logprobs import PROMPT_SCORING
 
-__all__ = ["CompletionOutput", "Outputs", "RequestOutput", "stamp_first_token"]
+__all__ = ["CompletionOutput", "RequestOutput", "RequestRegistry", "stamp_first_token"]
 
 
 @dataclass
@@ -49,34 +50,50 @@ class RequestOutput:
     prompt_top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
 
 
-class Outputs:
-    """Builds `RequestOutput`s; a mixin of `Engine`."""
+class RequestRegistry:
+    """The engine's requests by id until their final output is reported, and the outputs built from them.
 
-    def _outputs(self, advanced: list[SequenceGroup], finished_only: bool,
-                 finished: list[SequenceGroup] | None = None) -> list[RequestOutput]:
+    `groups`: request id -> its `SequenceGroup` (added by `Engine.add_request`, dropped when its final output is
+    built); `unreported`: requests finished outside a step (aborted, closed, failed by an interrupt), reported by the
+    next step or at the end of `stream()`; `handed_back`: other callers' outputs a `generate()` call stepped past.
+    A finished request's sampler state and grammar matcher go with its final output (`sampler`, `structured`);
+    `tokenizer()` gives the engine's tokenizer of the moment (the server may set one later) for the finished texts.
+    """
+
+    def __init__(self, sampler, structured, tokenizer: Callable[[], object]) -> None:
+        self.groups: dict[object, SequenceGroup] = {}
+        self.unreported: list[SequenceGroup] = []
+        self.handed_back: list[RequestOutput] = []
+        self._sampler = sampler
+        self._structured = structured
+        self._tokenizer = tokenizer
+
+    def outputs(self, advanced: list[SequenceGroup], finished_only: bool,
+                finished: list[SequenceGroup] | None = None) -> list[RequestOutput]:
         """Outputs of the groups that advanced (only the finished ones if asked: `finished` when the caller knows
         them, in `advanced`'s order), then of those finished outside a step."""
         if finished_only:
             advanced = finished if finished is not None else [g for g in advanced if g.is_finished]
-        return [self._output(g) for g in advanced] + self._collect_finished(exclude=advanced)
+        return [self.output(g) for g in advanced] + self.collect_finished(exclude=advanced)
 
-    def _collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
+    def collect_finished(self, exclude: Iterable[SequenceGroup] = ()) -> list[RequestOutput]:
         """Outputs of the requests finished outside a step (aborted, closed) that were not reported yet, after those
         a `generate()` call stepped to completion for other callers (handed back, see `Engine.generate`)."""
-        handed, self._handed_back = self._handed_back, []
-        if not self._unreported:
+        handed, self.handed_back = self.handed_back, []
+        if not self.unreported:
             return handed
         skip = {id(g) for g in exclude}
-        done, self._unreported = self._unreported, []
+        done, self.unreported = self.unreported, []
         # `is g`: an id may already belong to a new request (ids are reusable once reported)
-        return handed + [self._output(g) for g in done if id(g) not in skip and self._groups.get(g.request_id) is g]
+        return handed + [self.output(g) for g in done if id(g) not in skip and self.groups.get(g.request_id) is g]
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
+    def output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.is_finished
         if finished:
-            self._groups.pop(group.request_id, None)
-            self.sampler.forget(group.request_id)
-            self.structured.finished(group)
+            self.groups.pop(group.request_id, None)
+            self._sampler.forget(group.request_id)
+            self._structured.finished(group)
+        tokenizer = self._tokenizer() if finished else None
         outputs = []
         for index, seq in enumerate(group.seqs):
             reason = seq.stop_reason if seq.status.is_finished else None
@@ -85,8 +102,8 @@ class Outputs:
             elif seq.status == SequenceStatus.FINISHED_ERROR:
                 reason = "error"
             text = None
-            if finished and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if tokenizer is not None:
+                text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             beam_done = finished and getattr(group.params, "num_beams", 1) > 1 and reason in ("eos", "length")
             score = seq.cumulative_logprob if beam_done else None
             scores = group.data.get(seq.seq_id)

@@ -177,7 +177,7 @@ class PipelinedDecode:
                     failed += [g for g in self.recovery.fail(step, error, "sample") if g not in failed]
             if isinstance(error, Exception):
                 return failed, None
-            self._unreported.extend(failed)
+            self.registry.unreported.extend(failed)
             raise
         self._track(current.sched)
         if failure is not None:  # the next step's forward failed: its requests fail, as in a normal step
@@ -188,7 +188,7 @@ class PipelinedDecode:
         elif interrupt is not None:  # nothing of it was applied: requeue its requests, lose nothing
             self._drop_in_flight(sched)
             self.recovery.interrupted(sched, interrupt, "forward")  # requeued: nothing failed
-            self._unreported.extend(g for g in advanced if g.is_finished)  # the applied step's results
+            self.registry.unreported.extend(g for g in advanced if g.is_finished)  # the applied step's results
             raise interrupt
         elif launched is not None:
             self._in_flight = launched
@@ -374,7 +374,7 @@ class PipelinedDecode:
         if current is not None:
             advanced, _ = self._apply(current)
             self._track(current.sched)
-            self._unreported.extend(g for g in advanced if g.is_finished)
+            self.registry.unreported.extend(g for g in advanced if g.is_finished)
 
 
 def _host_tokens(current: _InFlight) -> list[int]:

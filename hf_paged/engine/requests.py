@@ -111,7 +111,7 @@ class Requests:
                 raise EngineClosedError("the engine is closed: add_request is refused (create a new Engine)")
             if request_id is None:
                 request_id = f"req-{next(self._auto_ids)}"
-            if request_id in self._groups:
+            if request_id in self.registry.groups:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             seq = Sequence(token_ids=token_ids, prompt_len=len(token_ids))
             spec = device_params(params, self.picker.request_seed(params.seed))
@@ -126,7 +126,7 @@ class Requests:
             if params.prompt_logprobs_start is not None:
                 start_scoring(group, scored_prompt, params.prompt_logprobs_start, params.prompt_top_logprobs)
             group.metrics["arrival_time"] = time.perf_counter()
-            self._groups[request_id] = group
+            self.registry.groups[request_id] = group
             self.scheduler.add(group)
             self.weights.due = True  # the next step checks the weights before admitting it
         return request_id
@@ -139,7 +139,7 @@ class Requests:
             if group is None:
                 return False
             self.sampler.forget(request_id)
-            self._unreported.append(group)
+            self.registry.unreported.append(group)
             return True
 
     def has_unfinished(self) -> bool:
@@ -147,7 +147,7 @@ class Requests:
         call on a shared engine finished for other callers). Reports of aborted requests do not count (as before a
         `generate()` stepped them): the next `step()` still returns them, but nothing is left to wait for."""
         return self.scheduler.has_unfinished() or any(
-            any(c.finish_reason != "abort" for c in out.outputs) for out in self._handed_back)
+            any(c.finish_reason != "abort" for c in out.outputs) for out in self.registry.handed_back)
 
     def close(self) -> None:
         """Stop serving: abort every unfinished request (its blocks are freed now) and refuse new ones.
@@ -164,7 +164,7 @@ class Requests:
             self._closed = True
             for group in self.scheduler.groups():
                 self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED)
-                self._unreported.append(group)
+                self.registry.unreported.append(group)
             self.runner.release()
             self.cache.release_pool()
             self.lora.close()
