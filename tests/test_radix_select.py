@@ -78,8 +78,11 @@ def test_reference_matches_topk(dtype):
     assert torch.equal(ties, 50 - (keys > kth[:, None]).sum(1))
     for group in (1, 4, 16, 64):  # the bound from group maxima: never above the count-th key, so the list holds it
         bound = reference_select.group_bound(keys, 50, group)
-        assert bool((bound <= kth).all()) and bool((reference_select.list_sizes(keys, 50, group) >= 50).all())
-    assert bool((reference_select.list_sizes(keys, 50, 4)[[0, 6]] <= 100).all())  # and near it on random rows
+        sizes = reference_select.list_sizes(keys, 50, group, dtype)  # all the count largest, or every key but -inf
+        finite = (keys > reference_select.neg_inf_key(dtype)).sum(1)
+        assert bool((bound <= kth).all()) and bool(((sizes >= 50) | (sizes == finite)).all())
+    assert bool((reference_select.list_sizes(keys, 50, 4, dtype)[[0, 6]] <= 100).all())  # and near it on random rows
+    assert int(reference_select.list_sizes(keys, 50, 4, dtype)[3]) == 3  # a masked row: its three finite values
     assert bool((keys == 32767 if dtype != torch.float32 else keys == 2**31 - 1)[2, [5, 350]].all())  # NaN: the top
 
 
@@ -98,9 +101,10 @@ def test_kernel_matches_reference(dtype):
     _check_selection(logits, values, indices, want)
     keys = reference_select.order_keys(logits)
     threshold, _ = reference_select.radix_threshold(keys, 48, reference_select.key_bits(dtype))
-    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(keys, 48, 8))  # the bound's
+    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(keys, 48, 8, dtype))  # the bound's
     easy = sizes.cpu() <= 128
-    assert easy[[0, 6]].all() and not easy[[3, 4]].any()  # both paths taken (-inf and equal values overflow)
+    # both paths taken: equal values overflow; a row masked to three values does not (its -inf ties follow them)
+    assert easy[[0, 3, 6]].all() and not easy[4].any()
     bits = torch.int16 if dtype != torch.float32 else torch.int32
     assert torch.equal(values[easy].view(bits), want[easy].view(bits))
     assert torch.equal(indices[easy].long(), want_idx[easy])
@@ -122,9 +126,38 @@ def test_kernel_with_tl_sort():
     sizes = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     values, indices = tt.select_top(logits.to(DEVICE), 12, block=128, chunk=256, group=16, cap=32, sort=True,
                                     sizes=sizes)
-    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(reference_select.order_keys(logits), 12, 16))
+    assert torch.equal(sizes.cpu().long(), reference_select.list_sizes(reference_select.order_keys(logits), 12, 16,
+                                                                       logits.dtype))
     assert bool((sizes <= 32).all())
     assert torch.equal(values.cpu().view(torch.int16), want.view(torch.int16))
+    assert torch.equal(indices.cpu().long(), want_idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_rows_skip_the_radix_passes(dtype):
+    """Rows masked to a few tokens (a grammar's, min-p's: the rest -inf) keep -inf out of their list: none overflows,
+    so none takes the radix passes, and each is the reference's answer exactly, its least-index -inf elements after
+    its finite ones: fewer finite tokens than the count (scattered, or in the row's last tile), none at all, NaN among
+    -inf, more finite tokens than the count but fewer than the list (all -inf groups but a few)."""
+    tt = pytest.importorskip("hf_paged.kernels.triton_radix_select")
+    g = torch.Generator().manual_seed(7)
+    vocab, count = 1024, 48
+    x = torch.full((6, vocab), -float("inf"))
+    x[0, torch.randperm(vocab, generator=g)[:5]] = torch.randn(5, generator=g)
+    x[1, vocab - 20:] = torch.randn(20, generator=g)  # the finite tokens last: the -inf ones come first in the row
+    x[3, [10, 500]] = float("nan")
+    x[3, 900] = 1.0
+    x[4, 64:96] = torch.randn(32, generator=g)  # 32 + 40 finite, in a few groups: more than the count
+    x[4, 256:296] = torch.randn(40, generator=g)
+    x[5] = x[0]
+    x = x.to(dtype)
+    want, want_idx = reference_select.select_top(x, count)
+    sizes = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    values, indices = tt.select_top(x.to(DEVICE), count, block=256, chunk=512, group=8, cap=128, sizes=sizes)
+    finite = (reference_select.order_keys(x) > reference_select.neg_inf_key(dtype)).sum(1)
+    assert torch.equal(sizes.cpu().long(), finite) and bool((sizes <= 128).all())  # no row overflowed
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(values.cpu().view(bits), want.view(bits))
     assert torch.equal(indices.cpu().long(), want_idx)
 
 

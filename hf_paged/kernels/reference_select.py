@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["order_keys", "key_bits", "group_bound", "list_sizes", "radix_threshold", "select_top", "BINS"]
+__all__ = ["order_keys", "key_bits", "group_bound", "list_sizes", "neg_inf_key", "radix_threshold", "select_top",
+           "BINS"]
 
 BINS = 256
 _RAW = {torch.float32: (torch.int32, 32), torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16)}
@@ -47,10 +48,17 @@ def group_bound(keys: torch.Tensor, count: int, group: int) -> torch.Tensor:
     return padded.view(rows, n_groups, group).amax(2).topk(count, dim=1).values[:, -1]
 
 
-def list_sizes(keys: torch.Tensor, count: int, group: int) -> torch.Tensor:
-    """How many keys of each row reach its `group_bound`: the length of its list (more than the kernel's ``cap``:
-    the row overflows and takes the radix passes)."""
-    return (keys >= group_bound(keys, count, group)[:, None]).sum(1)
+def neg_inf_key(dtype: torch.dtype) -> int:
+    """The key of -inf in `dtype` (`order_keys`)."""
+    return int(order_keys(torch.tensor([[-float("inf")]], dtype=dtype)).item())
+
+
+def list_sizes(keys: torch.Tensor, count: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """How many keys of each row but -inf (of `dtype`) reach its `group_bound`: the length of its list (more than
+    the kernel's ``cap``: the row overflows and takes the radix passes; fewer than ``count``: every key of the row
+    but -inf, the least-index -inf ones completing it)."""
+    floor = group_bound(keys, count, group).clamp(min=neg_inf_key(dtype) + 1)
+    return (keys >= floor[:, None]).sum(1)
 
 
 def radix_threshold(keys: torch.Tensor, count: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,15 +13,23 @@ more than the reads; so the radix passes only take the rows a cheap bound leaves
    elements (``M`` groups, about ``4 * count``), then ``L`` = the ``count``-th largest of those maxima: ``count``
    distinct elements reach it, so the ``count``-th largest key is ``>= L``. On random rows about ``-M ln(1 - count /
    M)`` keys reach ``L`` (1.15 ``count``), on any row at most ``group`` per group above it;
-3. compaction (`_compact_kernel`): every key ``>= L`` (all the row's ``count`` largest and every key tied with the
-   ``count``-th) is appended, with its index, to the row's list of ``cap`` slots (an atomic counter);
-4. rows whose list overflowed (``n > cap``: ties or masks, e.g. most of the row at -inf) take the exact radix
+3. compaction (`_compact_kernel`): every key ``>= L`` but -inf (all the row's ``count`` largest and every key tied
+   with the ``count``-th, or, where ``L`` is -inf, every key above it) is appended, with its index, to the row's list
+   of ``cap`` slots (an atomic counter);
+4. rows whose list overflowed (``n > cap``: ties, e.g. a flat row, or masks leaving more than ``cap`` tokens) take the
+   exact radix
    select, the other rows' programs return at once: ``KEY_BITS / 8`` histogram passes (`_hist_kernel`, 8-bit
    digits from the top; every program re-reads its row's earlier histograms, `_walk`, for the prefix found so far)
    and a gather (`_gather_kernel`) of the keys above the ``count``-th and enough equal to it into the list;
 5. `_final_kernel`, one program a row: sorts the list (key, then index, packed in int64; in a quarter of the list's
    tile when it fits, as it usually does) and writes its first ``count``: indices (int32) and the values read back
-   at them (the logits' dtype, their own bits).
+   at them (the logits' dtype, their own bits). A list shorter than ``count`` holds every key of its row but -inf
+   (a mask left fewer than ``count`` tokens): the row's least-index -inf elements follow it, found by a scan from the
+   row's start (at most ``count`` plus the list's length elements).
+
+Why -inf stays out of the list: a row masked to a few tokens (a grammar's, min-p's) has fewer than ``count`` groups
+above -inf, so ``L`` is -inf; counting its -inf keys overflowed the list and sent the row through every radix pass
+(2.5-2.9x ``torch.topk``'s time on an H200, 240 such rows).
 
 The rows are cut into chunks of ``chunk`` elements, one program each (grid ``rows x chunks``), so one row or 240 fill
 the SMs alike (`chunk_size`). The output is torch.topk's, up to what torch.topk leaves open: equal values come by
@@ -118,12 +126,13 @@ def _bound_kernel(groups_ptr, n_groups, count, scratch_ptr, SCRATCH: tl.constexp
 
 @triton.jit
 def _compact_kernel(bits_ptr, row_stride, vocab, chunk, scratch_ptr, list_ptr, KEY_BITS: tl.constexpr,
-                    INF_BITS: tl.constexpr, SCRATCH: tl.constexpr, BOUND_AT: tl.constexpr, CAP: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    INF_BITS: tl.constexpr, NEG_INF_KEY: tl.constexpr, SCRATCH: tl.constexpr, BOUND_AT: tl.constexpr,
+                    CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     start = tl.program_id(1) * chunk
     cols = tl.arange(0, BLOCK)
-    bound = tl.load(scratch_ptr + row * SCRATCH + BOUND_AT)
+    # the bound, but never -inf: a masked row's -inf keys stay out of the list (`_final_kernel` adds what it needs)
+    bound = tl.maximum(tl.load(scratch_ptr + row * SCRATCH + BOUND_AT), NEG_INF_KEY + 1)
     counter = scratch_ptr + row * SCRATCH + BOUND_AT - 1
     out = list_ptr + row.to(tl.int64) * CAP
     for off in range(start, tl.minimum(start + chunk, vocab), BLOCK):
@@ -223,7 +232,7 @@ def _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, o
         rank = tl.sum((packed[None, :] > packed[:, None]).to(tl.int32), axis=1)
         pos = tl.where(pos < n, rank, TILE)
     idx = 2147483647 - (packed & 0xFFFFFFFF).to(tl.int32)
-    keep = pos < count
+    keep = (pos < count) & (pos < n)  # (a list may be shorter than `count`: `_final_kernel` writes the rest)
     # the values read back from the row by index: its own bits (NaN payloads, signed zeros), not rebuilt from keys
     value = tl.load(bits_ptr + row.to(tl.int64) * row_stride + idx, mask=keep, other=0)
     tl.store(out_bits_ptr + row.to(tl.int64) * count + pos, value, mask=keep)
@@ -231,9 +240,10 @@ def _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, o
 
 
 @triton.jit(do_not_specialize=["count"])
-def _final_kernel(list_ptr, count, scratch_ptr, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr,
-                  SCRATCH: tl.constexpr, BOUND_AT: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
-                  SORT: tl.constexpr):
+def _final_kernel(list_ptr, count, vocab, scratch_ptr, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr,
+                  KEY_BITS: tl.constexpr, INF_BITS: tl.constexpr, NEG_INF_KEY: tl.constexpr, SCRATCH: tl.constexpr,
+                  BOUND_AT: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr,
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0)
     n = tl.load(scratch_ptr + row * SCRATCH + BOUND_AT - 1)
     n = tl.where(n > CAP, count, n)  # an overflowed row: the gather wrote its `count`
@@ -242,11 +252,31 @@ def _final_kernel(list_ptr, count, scratch_ptr, bits_ptr, row_stride, out_bits_p
         _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr, SMALL, CAP, SORT)
     else:
         _write_sorted(list_ptr, n, count, row, bits_ptr, row_stride, out_bits_ptr, out_idx_ptr, CAP, CAP, SORT)
+    if n < count:  # the list is every key of the row but -inf: its least-index -inf elements follow, in index order
+        cols = tl.arange(0, BLOCK)
+        found = n * 0
+        off = n * 0
+        while (found < count - n) & (off < vocab):
+            idx = off + cols
+            tie = (_row_keys(bits_ptr, row, row_stride, idx, vocab, KEY_BITS, INF_BITS) == NEG_INF_KEY) & (idx < vocab)
+            pos = n + found + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            keep = tie & (pos < count)
+            value = tl.load(bits_ptr + row.to(tl.int64) * row_stride + idx, mask=keep, other=0)
+            tl.store(out_bits_ptr + row.to(tl.int64) * count + pos, value, mask=keep)
+            tl.store(out_idx_ptr + row.to(tl.int64) * count + pos, idx, mask=keep)
+            found += tl.sum(tie.to(tl.int32), axis=0)
+            off += BLOCK
 
 
 @functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def neg_inf_key(key_bits: int, inf_bits: int) -> int:
+    """The key of -inf (`_skey` of its bits, sign-extended from `key_bits`)."""
+    raw = ((1 << (key_bits - 1)) | inf_bits) - (1 << key_bits)
+    return raw ^ ((1 << (key_bits - 1)) - 1)
 
 
 def chunk_size(rows: int, vocab: int, device: torch.device, block: int) -> int:
@@ -281,8 +311,8 @@ def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, ch
     the module's knobs as they are at the call: a sweep may set them).
     ``sort``: order the bound's groups and the list with ``tl.sort`` (by default unless interpreting: the
     interpreter's sort takes a second a row; the other way counts, for each entry, the entries above it).
-    ``sizes`` (``[R]`` int32, optional): receives each row's list length, the keys that reached its bound (above
-    ``cap``: the row took the radix passes), for tests and benchmarks."""
+    ``sizes`` (``[R]`` int32, optional): receives each row's list length, the keys but -inf that reached its bound
+    (above ``cap``: the row took the radix passes), for tests and benchmarks."""
     rows, vocab = logits.shape
     count = min(count, vocab)
     raw_dtype, key_bits, inf_bits = _RAW[logits.dtype]
@@ -310,12 +340,13 @@ def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, ch
         bits = logits.view(raw_dtype)
         grid = (rows, triton.cdiv(vocab, chunk))
         keys = dict(KEY_BITS=key_bits, INF_BITS=inf_bits)
+        neg_inf = dict(NEG_INF_KEY=neg_inf_key(key_bits, inf_bits))
         _group_max_kernel[grid](bits, bits.stride(0), vocab, chunk, groups, n_groups, **keys, GROUP=group,
                                 BLOCK=block, num_warps=num_warps)
         _bound_kernel[(rows,)](groups, n_groups, count, scratch, SCRATCH=scratch_width, BOUND_AT=bound_at,
                                GROUPS=triton.next_power_of_2(n_groups), SORT=sort, num_warps=num_warps)
         layout = dict(SCRATCH=scratch_width, BOUND_AT=bound_at, CAP=cap, BLOCK=block)
-        _compact_kernel[grid](bits, bits.stride(0), vocab, chunk, scratch, lists, **keys, **layout,
+        _compact_kernel[grid](bits, bits.stride(0), vocab, chunk, scratch, lists, **keys, **neg_inf, **layout,
                               num_warps=num_warps)
         for p in range(passes):
             _hist_kernel[grid](bits, bits.stride(0), vocab, count, chunk, scratch, PASS=p, **keys, **layout,
@@ -323,8 +354,9 @@ def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, ch
         _gather_kernel[grid](bits, bits.stride(0), vocab, count, chunk, scratch, lists, PASSES=passes, **keys,
                              **layout, BINS=BINS, num_warps=num_warps)
         small = min(cap, max(triton.next_power_of_2(count), cap // 4))
-        _final_kernel[(rows,)](lists, count, scratch, bits, bits.stride(0), out_bits, out_idx, SCRATCH=scratch_width,
-                               BOUND_AT=bound_at, CAP=cap, SMALL=small, SORT=sort, num_warps=num_warps)
+        _final_kernel[(rows,)](lists, count, vocab, scratch, bits, bits.stride(0), out_bits, out_idx, **keys, **neg_inf,
+                               SCRATCH=scratch_width, BOUND_AT=bound_at, CAP=cap, SMALL=small, SORT=sort,
+                               BLOCK=block, num_warps=num_warps)
         if sizes is not None:
             sizes.copy_(scratch[:, bound_at - 1])
     return out_bits.view(logits.dtype), out_idx
