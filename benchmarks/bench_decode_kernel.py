@@ -56,6 +56,9 @@ SHAPES = [
     # a KV-bound llama-8b step (issue 55's FP8 workload) and a Gemma-3-1B global layer (head dim 256, one KV head)
     dict(name="B256-L2048-h32/8-d128", B=256, L=2048, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
     dict(name="B240-L1024-h4/1-d256", B=240, L=1024, Hq=4, Hkv=1, D=256, sdpa_anchor_us=None),
+    # multi-query attention (32 query heads on one KV head): an FP8 cache keeps the bf16 tile there
+    # (`triton_decode.FP8_MAX_GROUP`), the check that it still gains
+    dict(name="B128-L2048-h32/1-d128", B=128, L=2048, Hq=32, Hkv=1, D=128, sdpa_anchor_us=None),
     # more of issue 55's llama-8b steps (`--shapes llama8b`): the FP8 pool runs 1.5x the bf16 pool's batch
     dict(name="B320-L1024-h32/8-d128", B=320, L=1024, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),
     dict(name="B128-L3072-h32/8-d128", B=128, L=3072, Hq=32, Hkv=8, D=128, sdpa_anchor_us=None),

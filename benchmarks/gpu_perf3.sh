@@ -7,9 +7,13 @@
 #   gemma    Gemma-3-1B text shape, 256 uniform requests (100-1024 prompt tokens, so most pass the 512 window),
 #            Gemma's sampling (T 1.0, top-k 64, top-p 0.95): compiled and eager engine
 #   gprof    where the Gemma shape's compiled decode step goes (profile_decode.py at 240 and 64 running)
-# Usage there: bash benchmarks/gpu_perf3.sh "$OUT" [moe] [moe_e2e] [fp8] [gemma] [gprof]   (all by default)
+#   fp8k     the decode kernel over an FP8 cache against bf16 at every shape of bench_decode_kernel.py (its default
+#            tiles, CUDA graphs), MQA included
+#   radix    the sampler's top-k selection, torch.topk against the Triton radix select, flat and masked rows
+# Usage there: bash benchmarks/gpu_perf3.sh "$OUT" [moe] [moe_e2e] [fp8] [gemma] [gprof] [fp8k] [radix]
+# (moe ... gprof by default)
 set -u
-OUT=${1:?usage: gpu_perf3.sh OUT_DIR [moe] [moe_e2e] [fp8] [gemma] [gprof]}
+OUT=${1:?usage: gpu_perf3.sh OUT_DIR [moe] [moe_e2e] [fp8] [gemma] [gprof] [fp8k] [radix]}
 shift
 PARTS=${*:-moe moe_e2e fp8 gemma gprof}
 source benchmarks/gpu_env.sh "$OUT"  # environment, .whl/ wheels (if any), versions
@@ -29,7 +33,11 @@ for part in $PARTS; do
     gprof) timeout 120 $PY benchmarks/profile_decode.py --model gemma3-1b --workload uniform --temperature 1.0 \
         --top-k 64 --top-p 0.95 --compile-decode --finished-only --until-running 240,64 --steps 3 \
         --out "$OUT/gprof" > "$OUT/gprof.log" 2>&1 ;;
-    *) echo "unknown part $part (moe, moe_e2e, fp8, gemma, gprof)"; continue ;;
+    fp8k) timeout 200 $PY benchmarks/bench_decode_kernel.py --cuda-graph --rep 40 --out "$OUT/fp8k" \
+        > "$OUT/fp8k.log" 2>&1 ;;
+    radix) timeout 200 $PY benchmarks/bench_sampling.py --topk-select torch,radix --out "$OUT/radix" \
+        > "$OUT/radix.log" 2>&1 ;;
+    *) echo "unknown part $part (moe, moe_e2e, fp8, gemma, gprof, fp8k, radix)"; continue ;;
   esac
   echo "exit $?"
   tail -n 30 "$OUT/$part.log"
