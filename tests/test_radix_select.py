@@ -188,6 +188,31 @@ def test_candidates_ignore_the_tie_choice():
         assert (want == -1).any() and (want >= 0).any()
 
 
+def test_warm_up_compiles_every_top_k_variant(monkeypatch):
+    """With the radix select chosen, the sampler's warm-up runs it once for every compiled variant that a top-k bound
+    up to TOP_K_MAX can take (its sizes are compile-time constants of the candidate count), so no served step
+    compiles; with torch.topk, or off the Triton backend, it runs nothing."""
+    tt = pytest.importorskip("hf_paged.kernels.triton_topk_sampling")
+    from hf_paged.kernels import sampling
+
+    calls = []
+    monkeypatch.setattr(tt.triton_radix_select, "select_top", lambda x, c: calls.append((tuple(x.shape), c)))
+    monkeypatch.setattr(sampling, "get_backend", lambda device: "triton")
+    monkeypatch.setattr(tt, "TOPK_SELECT", "torch")
+    assert sampling.warm_up_selection(262144, torch.bfloat16, torch.device("cpu")) == [] and calls == []
+    monkeypatch.setattr(tt, "TOPK_SELECT", "radix")
+    for vocab in (262144, 151936, 32000, 300):
+        calls.clear()
+        warmed = sampling.warm_up_selection(vocab, torch.bfloat16, torch.device("cpu"))
+        assert [c for _, c in calls] == warmed and all(shape == (1, vocab) for shape, _ in calls)
+        variants = {tt.triton_radix_select.variant(vocab, c) for c in warmed}
+        assert len(variants) == len(warmed)  # one call a variant
+        for bound in range(1, sampling.TOP_K_MAX + 1):
+            assert tt.triton_radix_select.variant(vocab, sampling.candidate_count(bound, vocab)) in variants, bound
+    monkeypatch.setattr(sampling, "get_backend", lambda device: "torch")
+    assert sampling.warm_up_selection(262144, torch.bfloat16, torch.device("cpu")) == []
+
+
 def test_select_switch(monkeypatch):
     """`TOPK_SELECT` picks the selection at each call; an unknown one is refused."""
     tt = pytest.importorskip("hf_paged.kernels.triton_topk_sampling")

@@ -32,6 +32,7 @@ from ..kernels.sampling import (
     log_min_p,
     sample_normalised,
     top_k_bound,
+    warm_up_selection,
 )
 from ..runner import recording
 from .params import SamplingParams
@@ -102,6 +103,8 @@ class DevicePicker:
         logits = torch.zeros((1, vocab), dtype=dtype, device=self.device)
         self.pick(logits, [(1.0, 2, 0.5, 0.0, 0)], [0])  # the top-k fast path (the tied row falls back: every kernel)
         self.pick(logits, [(1.0, 0, 0.5, 0.0, 0)], [0])  # the full kernel alone
+        if self.top_k_fast_path:
+            warm_up_selection(vocab, dtype, self.device)  # Triton's radix select, if chosen: every top-k's variant
         warm_greedy = getattr(self._argmax, "warm_up", None)  # the Triton pick's two paths; torch's argmax has one
         for pick_dtype in {dtype, torch.float32}:
             if warm_greedy is not None:

@@ -29,7 +29,7 @@ import torch
 from . import _check_tensor, _triton_module, get_backend, reference_sampling
 
 __all__ = ["argmax_rows", "greedy_picker", "sample_tokens", "sample_normalised", "inverse_temperature",
-           "effective_top_k", "log_min_p", "top_k_bound", "candidate_count", "TOP_K_MAX"]
+           "effective_top_k", "log_min_p", "top_k_bound", "candidate_count", "warm_up_selection", "TOP_K_MAX"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -103,6 +103,21 @@ def candidate_count(bound: int, vocab: int) -> int:
     ``bound + 32`` (a tie at the k-th value must end inside the list for the list to decide the row), at most the
     vocabulary. 512 at `TOP_K_MAX`."""
     return min(vocab, bound + max(bound, _MARGIN))
+
+
+def warm_up_selection(vocab: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+    """Compile the fast path's selection for every top-k bound up to `TOP_K_MAX` when it is Triton's radix select
+    (`triton_topk_sampling.TOPK_SELECT`, ``HF_PAGED_TOPK_SELECT=radix``), for rows of `vocab` logits of `dtype`: its
+    sizes are compile-time constants of the candidate count, so a request with another top-k would compile kernels in
+    a served step. Returns the candidate counts it ran (one per variant); [] for ``torch.topk`` (nothing to
+    compile) or off the Triton backend."""
+    if get_backend(torch.device(device)) != "triton" or vocab <= 1:
+        return []
+    module = _triton_module("triton_topk_sampling")
+    if module.TOPK_SELECT != "radix":
+        return []
+    counts = [candidate_count(bound, vocab) for bound in range(1, TOP_K_MAX + 1)]
+    return module.triton_radix_select.warm_up(vocab, dtype, torch.device(device), counts)
 
 
 def top_k_bound(inv_t: np.ndarray, top_k: np.ndarray) -> int:

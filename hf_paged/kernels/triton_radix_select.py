@@ -301,6 +301,35 @@ def list_cap(count: int) -> int:
     return min(MAX_CAP, max(MIN_CAP, triton.next_power_of_2(CAP_PER_COUNT * count)))
 
 
+def variant(vocab: int, count: int, block: int = BLOCK) -> tuple[int, int, int, int]:
+    """The compile-time sizes a default `select_top` call over rows of `vocab` takes at `count`: the group, the
+    groups' tile, the list and its small sort tile. Calls with equal variants run the same compiled kernels (the
+    other arguments are runtime values, or sized alike: powers of two, or fixed per vocabulary)."""
+    count = min(count, vocab)
+    group, cap = group_size(vocab, count, block), list_cap(count)
+    return group, triton.next_power_of_2(triton.cdiv(vocab, group)), cap, small_tile(count, cap)
+
+
+def small_tile(count: int, cap: int) -> int:
+    """The final kernel's small sort tile: a quarter of the list, at least `count` (a power of two)."""
+    return min(cap, max(triton.next_power_of_2(count), cap // 4))
+
+
+def warm_up(vocab: int, dtype: torch.dtype, device: torch.device, counts) -> list[int]:
+    """Compile the selection for every variant among `counts` (what the sampler can ask for: one count per top-k
+    bound) over rows of `vocab` logits of `dtype`, by one call each on a row of zeros (a tied row: it overflows, so
+    every kernel runs); returns the counts called. Why: a variant compiles seven kernels at its first call, which a
+    served step would otherwise wait for (7 s at top-k 64 on an H200 when the warm-up sampled at top-k 2 only)."""
+    seen, called = set(), []
+    for count in counts:
+        key = variant(vocab, count)
+        if key not in seen:
+            seen.add(key)
+            called.append(count)
+            select_top(torch.zeros(1, vocab, dtype=dtype, device=device), count)
+    return called
+
+
 def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, chunk: int | None = None,
                group: int | None = None, cap: int | None = None, num_warps: int | None = None,
                sort: bool | None = None, sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +382,7 @@ def select_top(logits: torch.Tensor, count: int, *, block: int | None = None, ch
                                BINS=BINS, num_warps=num_warps)
         _gather_kernel[grid](bits, bits.stride(0), vocab, count, chunk, scratch, lists, PASSES=passes, **keys,
                              **layout, BINS=BINS, num_warps=num_warps)
-        small = min(cap, max(triton.next_power_of_2(count), cap // 4))
+        small = small_tile(count, cap)
         _final_kernel[(rows,)](lists, count, vocab, scratch, bits, bits.stride(0), out_bits, out_idx, **keys, **neg_inf,
                                SCRATCH=scratch_width, BOUND_AT=bound_at, CAP=cap, SMALL=small, SORT=sort,
                                BLOCK=block, num_warps=num_warps)

@@ -43,7 +43,7 @@ from .triton_sampling import _h, _pick
 # how the fast path selects each row's largest logits: "torch" (torch.topk) or "radix" (`triton_radix_select`), both
 # the same list up to what the candidate kernel ignores (which keys tied at the list's end, the order of equal
 # values), so the same tokens. Read at every call (a benchmark sets it to compare); HF_PAGED_TOPK_SELECT sets it at
-# import. "torch" until the radix select is measured on a GPU.
+# import. "torch" until the radix select is measured end to end on a GPU (warmed: `sampling.warm_up_selection`).
 TOPK_SELECT = os.environ.get("HF_PAGED_TOPK_SELECT", "torch")
 SELECTS = ("torch", "radix")
 
