@@ -184,7 +184,11 @@ def run_shape(shape, args, bench, t_start, budget_s):
     err = (paged().float() - ref).abs().max().item()
     err_g = (gather_sdpa()[:, :, 0, :].float() - ref).abs().max().item()
     block_n = mod._config(D, vc.shape[-1])[1] if mod is not td else td.launch_config(D)[0]
-    splits = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, block_n, dev)
+
+    def splits_of(block_n: int) -> int:  # the heuristic's split count for a tile of `block_n` keys
+        return td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, block_n, dev)
+
+    splits = splits_of(block_n)
     r = dict(shape, kv_bytes=nbytes, max_abs_err_vs_sdpa=err, gather_err=err_g, default_splits=splits)
     r["sdpa_us"] = bench(sdpa)
     r["gather_sdpa_us"] = bench(gather_sdpa)
@@ -208,6 +212,7 @@ def run_shape(shape, args, bench, t_start, budget_s):
         r["fp8_read_modes"] = time_read_modes(args.fp8_read_modes.split(","), paged_fp8, ref, bench, nbytes / 2,
                                               r["paged_us"])
     tiles = args.tiles or (WIDE_TILE_SWEEP if mod is not td else TILE_SWEEP)
+
     if args.sweep or args.fp8_sweep:
         # the FP8 cache's tiles hold half the bytes of bf16 ones: is a wider tile (more bytes in flight) what it needs?
         # with --fp8-read-modes, every tile in each mode (`triton_fp8.READ_MODE`, restored after)
@@ -216,47 +221,23 @@ def run_shape(shape, args, bench, t_start, budget_s):
         fp8_sweep, saved = [], triton_fp8.READ_MODE
         for mode in (args.fp8_read_modes.split(",") if args.fp8_read_modes else [saved]):
             triton_fp8.READ_MODE = mode
-            for bn, nw, ns in tiles:
-                if args.fp8_read_modes and time.time() - t_start > budget_s:
-                    print("  (FP8 sweep budget exhausted)")
-                    break
-                sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
-
-                def fn8(bn=bn, nw=nw, ns=ns, sp=sp):
-                    return mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw,
-                                           num_stages=ns, k_scale=k_scale, v_scale=v_scale)
-
-                try:
-                    us = bench(fn8)
-                except Exception as exc:  # out of shared memory / registers
-                    print(f"  FP8 {mode} tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
-                    continue
-                fp8_sweep.append(dict(mode=mode, block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
-                print(f"  FP8 {mode} tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us", flush=True)
+            rows = sweep_tiles(
+                tiles, lambda bn, nw, ns, sp: mod.paged_decode(q, kc8, vc8, bt, sl, scale, num_splits=sp, block_n=bn,
+                                                               num_warps=nw, num_stages=ns, k_scale=k_scale,
+                                                               v_scale=v_scale),
+                splits_of, bench, lambda: bool(args.fp8_read_modes) and time.time() - t_start > budget_s,
+                f"FP8 {mode} ")
+            fp8_sweep += [dict(mode=mode, **row) for row in rows]
         triton_fp8.READ_MODE = saved
         if fp8_sweep:
             r["fp8_sweep"] = fp8_sweep
             r["fp8_best"] = min(fp8_sweep, key=lambda x: x["us"])
             print(f"  FP8 best: {r['fp8_best']}", flush=True)
     if args.sweep:
-        sweep = []
-        for bn, nw, ns in tiles:
-            if time.time() - t_start > budget_s:
-                print("  (sweep budget exhausted)")
-                break
-            sp = td.choose_num_splits(shape["B"], programs, bt.shape[1] * BLOCK_SIZE, bn, dev)
-
-            def fn(bn=bn, nw=nw, ns=ns, sp=sp):
-                return mod.paged_decode(q, kc, vc, bt, sl, scale, num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
-
-            try:
-                e = (fn().float() - ref).abs().max().item()
-                us = bench(fn)
-            except Exception as exc:  # out of shared memory / registers
-                print(f"  tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
-                continue
-            sweep.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us, err=e))
-            print(f"  tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us (err {e:.1e})", flush=True)
+        sweep = sweep_tiles(
+            tiles, lambda bn, nw, ns, sp: mod.paged_decode(q, kc, vc, bt, sl, scale, num_splits=sp, block_n=bn,
+                                                           num_warps=nw, num_stages=ns),
+            splits_of, bench, lambda: time.time() - t_start > budget_s, "", ref=ref)
         if sweep:
             best = min(sweep, key=lambda x: x["us"])
             for sp in SPLIT_SWEEP:
@@ -325,6 +306,34 @@ def time_read_modes(modes: list[str], fn, ref: torch.Tensor, bench, nbytes: floa
     finally:
         triton_fp8.READ_MODE = saved
     return out
+
+
+def sweep_tiles(tiles, run, splits_of, bench, out_of_time, label: str, ref: torch.Tensor | None = None) -> list[dict]:
+    """Time ``run(block_n, num_warps, num_stages, splits)`` at each tile of `tiles` (splits: ``splits_of(block_n)``)
+    until ``out_of_time()``; with `ref`, each row also records the max abs error against it. A tile that does not
+    compile (shared memory, registers) is reported and skipped. `label` prefixes the printed lines."""
+    rows = []
+    for bn, nw, ns in tiles:
+        if out_of_time():
+            print(f"  ({label}sweep budget exhausted)")
+            break
+        sp = splits_of(bn)
+
+        def fn(bn=bn, nw=nw, ns=ns, sp=sp):
+            return run(bn, nw, ns, sp)
+
+        try:
+            err = None if ref is None else (fn().float() - ref).abs().max().item()
+            us = bench(fn)
+        except Exception as exc:  # out of shared memory / registers
+            print(f"  {label}tile {bn},{nw},{ns}: failed ({type(exc).__name__})")
+            continue
+        rows.append(dict(block_n=bn, num_warps=nw, num_stages=ns, splits=sp, us=us))
+        if err is not None:
+            rows[-1]["err"] = err
+        print(f"  {label}tile BLOCK_N={bn} warps={nw} stages={ns} splits={sp}: {us:.1f} us"
+              + ("" if err is None else f" (err {err:.1e})"), flush=True)
+    return rows
 
 
 def sweep_head_blocks(shape, mod, tile, bench, ref, call) -> list[dict]:

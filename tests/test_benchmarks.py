@@ -341,6 +341,28 @@ def test_decode_kernel_bench_times_and_tabulates_each_fp8_read_mode(tmp_path, ca
     assert "| B1-L16-h32/8-d128 | 20.0 | 10.0 / 0.20 / 2.00x / 5.0e-01 | 5.0 / 0.40 / 4.00x / 5.0e-01 |" in table
 
 
+def test_decode_kernel_tile_sweep_times_each_tile_until_the_budget(capsys):
+    """`sweep_tiles` (both `--sweep` and `--fp8-sweep`): one row per tile with the heuristic's splits for its width,
+    the error against the reference when given, a tile that fails to compile skipped, and the sweep stopped when the
+    budget runs out."""
+    bench = pytest.importorskip("bench_decode_kernel")
+    tiles = [(32, 1, 2), (64, 4, 2), (128, 8, 3), (16, 2, 3)]
+
+    def run(bn, nw, ns, sp):
+        if nw == 8:
+            raise RuntimeError("out of shared memory")
+        return torch.full((2,), float(bn))
+
+    checks = iter([False, False, False, True])
+    rows = bench.sweep_tiles(tiles, run, lambda bn: bn // 32, lambda fn: float(fn()[0]) / 2, lambda: next(checks),
+                             "FP8 fp16 ", ref=torch.full((2,), 32.0))
+    assert rows == [dict(block_n=32, num_warps=1, num_stages=2, splits=1, us=16.0, err=0.0),
+                    dict(block_n=64, num_warps=4, num_stages=2, splits=2, us=32.0, err=32.0)]
+    out = capsys.readouterr().out
+    assert "FP8 fp16 tile 128,8,3: failed (RuntimeError)" in out and "(FP8 fp16 sweep budget exhausted)" in out
+    assert "err" not in bench.sweep_tiles(tiles[:1], run, lambda bn: 1, lambda fn: 1.0, lambda: False, "")[0]
+
+
 def test_moe_harness_runs_on_the_cpu_and_checks_every_output(tmp_path):
     """bench_moe's CPU smoke run: the table's record, the bound's bytes, and each system checked against eager."""
     bench_moe = pytest.importorskip("bench_moe")
