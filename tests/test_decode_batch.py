@@ -11,6 +11,7 @@ import pytest
 import hf_paged
 from hf_paged.core import decode_batch
 from hf_paged.engine import _IN_FLIGHT
+from hf_paged.model_zoo import tiny_model as zoo_model
 from hf_paged.testing import tiny_model
 
 try:
@@ -198,3 +199,83 @@ def test_a_request_stopping_on_eos_leaves_its_row_and_the_batch_goes_on(model, m
     assert len(removals) > 2 and fast[4] > 10
     assert fast[0] == slow[0] and fast[1] == slow[1] and fast[3] == slow[3]
     assert fast[2] > len(fast[1]) * 0.7  # most pipelined steps were the batch's
+
+
+def _lane_records(block_manager, seq_id) -> list:
+    """The records of a sequence's tables: one per layer group of a grouped manager, else the manager's one."""
+    if getattr(block_manager, "grouped", False):
+        return [block_manager.inner._seqs[seq_id, g] for g in range(block_manager.num_groups)]
+    return [block_manager._seqs[seq_id]]
+
+
+def _run_windowed(model, requests, *, batched: bool, monkeypatch, **engine_kwargs):
+    """`_run` for models whose layers slide: every pipelined step's rows with each of their tables (every layer
+    group's, released entries included), the slot of the row's token in each, and each table's released and
+    committed blocks; a batch step's own slots of the other groups are checked against the tables on the way."""
+    with monkeypatch.context() as patch:
+        if not batched:
+            patch.setattr(decode_batch.DecodeBatch, "records", staticmethod(lambda *args: None))
+        engine = hf_paged.Engine(model, **engine_kwargs)
+        engine.runner.decode_mode = "static"
+        bm, size = engine.block_manager, engine_kwargs["block_size"]
+        shift, mask = size.bit_length() - 1, size - 1
+        steps, batch_steps = [], [0]
+        schedule = engine.scheduler.schedule_decode_step
+
+        def recorded(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            if out is None:
+                return out
+            rows = []
+            for item in out.scheduled:
+                records, p = _lane_records(bm, item.seq.seq_id), item.start
+                rows.append((item.seq.seq_id, p, [(r.table[p >> shift] << shift) | (p & mask) for r in records],
+                             [tuple(r.table) for r in records], [r.released for r in records],
+                             [r.committed for r in records]))
+            if out.batch is not None and out.batch_step == out.batch.number and out.batch.number > 0:
+                batch_steps[0] += 1
+                for g, lane in enumerate(out.batch.group_slots(), start=1):
+                    assert lane.tolist() == [row[2][g] for row in rows]
+                assert out.batch.slots.tolist() == [row[2][0] for row in rows]
+            steps.append(rows)
+            return out
+
+        engine.scheduler.schedule_decode_step = recorded
+        outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
+        stats = engine.kv_stats()
+        released = stats.window_released if hasattr(stats, "window_released") else bm.window_released
+        engine.close()
+    base = min(row[0] for rows in steps for row in rows)
+    steps = [[(row[0] - base, *row[1:]) for row in rows] for rows in steps]
+    assert stats.used_blocks == 0
+    return [[o.token_ids for o in r.outputs] for r in outs], steps, batch_steps[0], released
+
+
+WINDOWED = {  # (tiny model kwargs, whether the engine keeps one table per layer group)
+    "gemma3_groups": (dict(model_type="gemma3_text", num_hidden_layers=3, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"]), True),
+    "mistral_all_sliding": (dict(model_type="mistral", num_hidden_layers=2, sliding_window=8), False),
+}
+
+
+@pytest.mark.parametrize("case", ["greedy", "prefix", "pressure"])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_batch_steps_of_sliding_layers_release_and_reserve_what_the_general_path_does(monkeypatch, name, case):
+    """Models whose layers slide keep the batch: block groups of a mixed stack (a lane per group) and a stack that
+    slides everywhere (one table). Each batch step releases what falls out of each window and reserves the slots,
+    blocks and prefix-cache commits that the general path does, step for step, with the same tokens."""
+    overrides, grouped = WINDOWED[name]
+    overrides = dict(overrides)
+    model = zoo_model(overrides.pop("model_type"), seed=3, **overrides)
+    requests = [([t % 256 for t in prompt], kw)  # (the zoo's vocabulary)
+                for prompt, kw in _requests(31 + len(case), 20, shared=12 if case != "greedy" else 0)]
+    kwargs = dict(block_size=4, max_num_seqs=16, num_blocks=90 if case == "pressure" else 600)
+    fast = _run_windowed(model, requests, batched=True, monkeypatch=monkeypatch, **kwargs)
+    slow = _run_windowed(model, requests, batched=False, monkeypatch=monkeypatch, **kwargs)
+    assert fast[2] > 10 and slow[2] == 0
+    assert fast[3] > 0 and fast[3] == slow[3]  # blocks released out of the windows
+    assert fast[0] == slow[0]
+    assert len(fast[1]) == len(slow[1])
+    for k, (a, b) in enumerate(zip(fast[1], slow[1])):
+        assert a == b, f"pipelined step {k} differs"
+    assert all((len(row[3]) > 1) == grouped for rows in fast[1] for row in rows)  # lanes: the groups, or one

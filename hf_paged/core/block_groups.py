@@ -27,8 +27,9 @@ tokens; group ``g > 0`` with a window ``W`` releases its blocks before ``num_com
 * Tables the runner reads: `table_view` / `table_views` are group 0's (whose slots `append_slots` returns);
   `group_tables` gives each group's. Statistics (`stats`) count every group's blocks; prefix counters are per
   sequence, not per group.
-* Not supported (the cache keeps one table for them): recurrent state slots (hybrid models), the persistent decode
-  batch (`DecodeBatch` checks `grouped`).
+* Not supported (the cache keeps one table for them): recurrent state slots (hybrid models).
+* The persistent decode batch (`hf_paged.core.decode_batch`) reads and advances the inner manager's records of each
+  group directly, one lane per group, and releases each sliding group's blocks as its rows advance.
 """
 
 from __future__ import annotations

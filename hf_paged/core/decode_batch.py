@@ -14,9 +14,16 @@ A step's items are `BatchRow`s: the `ScheduledSeq` view of one row, reading its 
 arrays. Two sets of items alternate, one per step in flight (the step before last is applied by the time its arrays
 are overwritten), so an advance touches no item.
 
+Each row has one block table per *lane* (`_Lane`): the block manager's own table, or, for a
+`GroupedBlockManager` (block groups of a mixed sliding / full stack), one table per layer group, all holding the same
+tokens, so a row opens a block in every lane at the same step. A lane with a sliding window gives back the blocks
+that fall wholly out of it as the rows advance (what `Scheduler._release_out_of_window` does each general step: an
+array comparison finds the rows that crossed a block, one in `block_size` steps). So models whose layers slide keep
+the fast path.
+
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence (or
-`masked`: plain but for a grammar's token mask, which the engine keeps), and the
-scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
+`masked`: plain but for a grammar's token mask, which the engine keeps), the scheduler's release window is the one
+it was built with, and the scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
 preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch; except a stop,
 which only removes the row (`remove`), and a request finishing by length, whose row leaves before the step that
 would pass its limit.
@@ -47,6 +54,74 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["BatchRow", "DecodeBatch", "StepRows"]
+
+
+class _Due:
+    """A row whose window lane releases blocks now, as `SlidingWindow.release_out_of_window` reads a sequence."""
+
+    __slots__ = ("num_computed", "seq_id", "token_ids")
+
+    def __init__(self, seq_id, num_computed: int, token_ids) -> None:
+        self.seq_id, self.num_computed, self.token_ids = seq_id, num_computed, token_ids
+
+
+class _Lane:
+    """One block table of every row: `manager`'s records (`records`, in row order), the last block of each and the
+    step's slots in it, and, for a lane with a sliding `window`, the blocks each table has released (`released`).
+    `group` is the layer group of a `GroupedBlockManager` lane (its records are the inner manager's `(seq_id,
+    group)` sub-sequences), None for a manager's own table."""
+
+    __slots__ = ("group", "last_blocks", "manager", "records", "released", "slots", "window")
+
+    def __init__(self, manager, group: int | None, window: int | None, records: list, starts) -> None:
+        import numpy as np
+
+        self.manager, self.group, self.window, self.records = manager, group, window, records
+        n = len(records)
+        self.last_blocks = np.fromiter((record.table[-1] for record in records), np.int64, n)
+        # the slots of the tokens at `starts` (each the last token its table holds)
+        self.slots = (self.last_blocks << manager._shift) | (starts & manager._mask)
+        self.released = None if window is None else np.fromiter((r.released for r in records), np.int64, n)
+
+    def keep(self, rows) -> None:
+        """Only rows `rows` stay (`DecodeBatch.remove`)."""
+        self.records = [self.records[k] for k in rows.tolist()]
+        self.last_blocks, self.slots = self.last_blocks[rows], self.slots[rows]
+        if self.released is not None:
+            self.released = self.released[rows]
+
+    def release(self, starts, seqs: list) -> None:
+        """Give back what falls out of the window once the rows compute positions `starts`: the blocks wholly before
+        `starts - window + 1`, the oldest key the step's queries read (committed first with prefix caching). Only
+        rows that crossed a block since do any work."""
+        import numpy as np
+
+        due = np.flatnonzero(((starts - (self.window - 1)) >> self.manager._shift) > self.released).tolist()
+        if not due:
+            return
+        group, records = self.group, self.records
+        self.manager.release_out_of_window(
+            [_Due(seqs[k].seq_id if group is None else (seqs[k].seq_id, group), int(starts[k]), seqs[k].token_ids)
+             for k in due], self.window)
+        self.released[due] = [records[k].released for k in due]
+
+    def extend(self, fresh: list[int], starts, offsets, seqs: list) -> None:
+        """Reserve the next slot of every row (`DecodeBatch.advance`, once the pool is known to hold the new
+        blocks): the rows `fresh` open a block, after keying the block they just filled."""
+        manager, records, last_blocks = self.manager, self.records, self.last_blocks
+        if fresh:
+            if manager.enable_prefix_caching:
+                manager.commit_rows([records[row] for row in fresh], [seqs[row].token_ids for row in fresh],
+                                    starts[fresh].tolist())
+            allocate = manager.gpu.allocate
+            for row in fresh:
+                block = allocate()
+                records[row].table.append(block)
+                last_blocks[row] = block
+            manager._num_logical += len(fresh)
+        self.slots = (last_blocks << manager._shift) | offsets
+        for record, length in zip(records, (starts + 1).tolist()):
+            record.num_tokens = length
 
 
 class StepRows:
@@ -100,23 +175,30 @@ class BatchRow:
 class DecodeBatch:
     """The running single-sequence groups of the last pipelined decode step, with its rows in arrays."""
 
-    __slots__ = ("groups", "group_ids", "seqs", "records_", "seq_ids", "specs", "starts", "slots", "last_blocks",
+    __slots__ = ("groups", "group_ids", "seqs", "lanes", "release_window", "seq_ids", "specs", "starts", "slots",
                  "headroom", "items", "steps", "same_rows", "eos", "eos_ids", "last_starts", "token_stops_only",
                  "number", "generation", "identity")
 
-    def __init__(self, groups: list, items: list, records: list) -> None:
+    def __init__(self, groups: list, items: list, records: list[list], block_manager,
+                 release_window: int | None = None) -> None:
+        """`records`: `DecodeBatch.records(groups, items, block_manager)`; `release_window`: the scheduler's
+        (`Scheduler.release_window`: None while nothing is released out of a window)."""
         self.groups = list(groups)  # == scheduler.running while the batch is valid
         self.group_ids = {id(group) for group in self.groups}  # (whether a finished group is one of its rows)
         self.seqs = [item.seq for item in items]
-        self.records_ = records  # the block manager's records of `seqs`, in order
         self.seq_ids = [seq.seq_id for seq in self.seqs]  # one list for every step: the runner compares it by identity
         self.specs = [group.data.get("device_params") for group in self.groups]  # one list too (`DevicePicker`)
         import numpy as np  # (see the module docstring)
 
         n = len(items)
         starts = np.fromiter((item.start for item in items), np.int64, n)  # the last step's positions
-        slots = np.fromiter((item.slots[0] for item in items), np.int64, n)  # and slots
-        self.last_blocks = np.fromiter((record.table[-1] for record in records), np.int64, n)
+        self.release_window = release_window
+        if getattr(block_manager, "grouped", False):  # one lane per layer group, each with its own window
+            releasing = release_window is not None and block_manager.releasing
+            self.lanes = [_Lane(block_manager.inner, g, window if releasing else None, lane, starts)
+                          for g, (window, lane) in enumerate(zip(block_manager.windows, records))]
+        else:
+            self.lanes = [_Lane(block_manager, None, release_window, records[0], starts)]
         # a step's length limit per row (prompt + max_new_tokens tokens); every row advances by one token a step, so
         # the smallest gap is all there is to track for `finishing`
         limits = np.fromiter((seq.prompt_len + group.params.max_new_tokens
@@ -135,34 +217,45 @@ class DecodeBatch:
         # the step this batch was seeded from is step 0; its items stay the scheduler's, the batch's own steps
         # alternate between two sets of rows (`BatchRow`), each set reading its own arrays
         self.number = self.generation = 0
-        self.starts, self.slots = starts, slots
+        self.starts, self.slots = starts, self.lanes[0].slots
         # row k of a step is row k of the step before, unless rows were removed in between (then `remove` says)
         self.same_rows = self.identity = np.arange(n, dtype=np.int64)
         self.steps = [StepRows(self, 0), StepRows(self, -1)]
         self.items: list[list[BatchRow] | None] = [None, None]  # made at the first step of each set
 
     @staticmethod
-    def records(groups: list, items: list, block_manager) -> list | None:
-        """The block manager's records of `items` if the step can seed a batch: one item per running group, each
-        group one plain (or masked) running sequence, each last block that a token will go into private and uncached. Else None.
+    def records(groups: list, items: list, block_manager) -> list[list] | None:
+        """The block manager's records of `items`, one list per lane (a `GroupedBlockManager`: one per layer group,
+        its inner manager's), if the step can seed a batch: one item per running group, each group one plain (or
+        masked) running sequence, each last block that a token will go into private and uncached. Else None.
         (A batch reads and advances the block manager's records directly: it is that manager's batched decode
-        reservation, kept apart because it lives across steps.) None for a `GroupedBlockManager`, whose records are
-        one per layer group: its decode steps take `append_decode_slots`."""
-        if not items or len(items) != len(groups) or getattr(block_manager, "grouped", False):
+        reservation, kept apart because it lives across steps.)"""
+        if not items or len(items) != len(groups):
             return None
         running = SequenceStatus.RUNNING
-        seqs = block_manager._seqs
-        refs = block_manager.gpu._ref
-        entry_of = getattr(block_manager.gpu, "_entry_of", None) if block_manager.enable_prefix_caching else None
-        mask = block_manager._mask
-        records = []
         for group, item in zip(groups, items):
-            seq = item.seq
             if item.group is not group or len(group.seqs) != 1 or not (group.plain or group.masked) \
-                    or seq.status is not running:
+                    or item.seq.status is not running:
                 return None
-            record = seqs.get(seq.seq_id)
-            if record is None or record.swapped or record.num_tokens != item.start + 1 or record.released:
+        if getattr(block_manager, "grouped", False):
+            inner = block_manager.inner
+            return [DecodeBatch._lane_records(inner, [(item.seq.seq_id, g) for item in items], items)
+                    for g in range(block_manager.num_groups)]
+        lane = DecodeBatch._lane_records(block_manager, [item.seq.seq_id for item in items], items)
+        return None if lane is None else [lane]
+
+    @staticmethod
+    def _lane_records(manager, keys: list, items: list) -> list | None:
+        """`manager`'s records of `keys` (the rows' sequences, or their sub-sequences in one layer group), if every
+        one is resident, at the step's length, and writes its next token into a block of its own."""
+        seqs = manager._seqs
+        refs = manager.gpu._ref
+        entry_of = getattr(manager.gpu, "_entry_of", None) if manager.enable_prefix_caching else None
+        mask = manager._mask
+        records = []
+        for key, item in zip(keys, items):
+            record = seqs.get(key)
+            if record is None or record.swapped or record.num_tokens != item.start + 1:
                 return None
             if record.num_tokens & mask:  # the next token goes into this block: it must be this sequence's alone
                 last = record.table[-1]
@@ -216,15 +309,16 @@ class DecodeBatch:
         self.groups = [self.groups[k] for k in keep]
         self.group_ids = {id(group) for group in self.groups}
         self.seqs = [self.seqs[k] for k in keep]
-        self.records_ = [self.records_[k] for k in keep]
+        for lane in self.lanes:
+            lane.keep(rows)
         self.seq_ids = [self.seq_ids[k] for k in keep]
         self.specs = [self.specs[k] for k in keep]
         self.eos = [self.eos[k] for k in keep]  # (`token_stops_only` holds for any subset of rows, and shared EOS ids)
         if self.eos_ids is None:  # the rows left may share their EOS ids
             first = self.eos[0]
             self.eos_ids = list(first) if all(eos == first for eos in self.eos) else None
-        self.starts, self.slots = self.starts[rows], self.slots[rows]
-        self.last_blocks, self.last_starts = self.last_blocks[rows], self.last_starts[rows]
+        self.starts, self.slots = self.starts[rows], self.lanes[0].slots
+        self.last_starts = self.last_starts[rows]
         self.headroom = int((self.last_starts + 2 - self.starts).min())
         self.identity = np.arange(len(keep), dtype=np.int64)
         self.same_rows = self.same_rows[rows]  # (composed: two removals before a step would both count)
@@ -233,38 +327,34 @@ class DecodeBatch:
         self.items = [None, None]
         return True
 
+    def group_slots(self) -> list:
+        """The slots of the last step's tokens in every layer group but the first (a grouped manager's lanes)."""
+        return [lane.slots for lane in self.lanes[1:]]
+
     def advance(self, block_manager) -> tuple[list, list[int]] | None:
-        """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would. Return
-        `(items, fresh)`: the step's items and the rows whose table gained a block. Return None, with nothing
-        reserved, when the pool cannot hold the new blocks.
+        """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would (in every
+        lane), after releasing what the rows' windows no longer read, as the scheduler's general step does first.
+        Return `(items, fresh)`: the step's items and the rows whose tables gained a block. Return None, with
+        nothing reserved, when the pool cannot hold the new blocks. (`block_manager` is the one the batch was built
+        on: its lanes hold its records.)
 
         This repeats what `BlockManager._append_one_each` does for rows like these (allocate, slot, length), on the
-        arrays; `tests/test_decode_batch.py` checks that every step reserves the slots and blocks that the
-        per-sequence path does."""
-        mask, shift = block_manager._mask, block_manager._shift
+        arrays; `tests/test_decode_batch.py` checks that every step reserves the slots and blocks, and releases the
+        blocks, that the per-sequence path does."""
+        lanes = self.lanes
+        mask = lanes[0].manager._mask
         starts = self.starts + 1
+        for lane in lanes:
+            if lane.window is not None:
+                lane.release(starts, self.seqs)
         offsets = starts & mask
         fresh = [] if offsets.all() else (offsets == 0).nonzero()[0].tolist()  # tokens that open a new block
-        gpu = block_manager.gpu
-        if len(fresh) > gpu.num_free:
+        if len(fresh) * len(lanes) > lanes[0].manager.gpu.num_free:
             return None
-        records, last_blocks = self.records_, self.last_blocks
-        if fresh:
-            if block_manager.enable_prefix_caching:  # the blocks before these are computed now: key them, as
-                seqs = self.seqs                     # `append_decode_slots` does
-                block_manager.commit_rows([records[row] for row in fresh], [seqs[row].token_ids for row in fresh],
-                                          starts[fresh].tolist())
-            allocate = gpu.allocate
-            for row in fresh:
-                block = allocate()
-                records[row].table.append(block)
-                last_blocks[row] = block
-            block_manager._num_logical += len(fresh)
-        slots = (last_blocks << shift) | offsets
-        for record, length in zip(records, (starts + 1).tolist()):
-            record.num_tokens = length
+        for lane in lanes:
+            lane.extend(fresh, starts, offsets, self.seqs)
         self.number += 1
-        self.starts, self.slots = starts, slots
+        self.starts, self.slots = starts, lanes[0].slots
         step = self.steps[self.number & 1]
         step.take(self, self.number)
         self.same_rows = self.identity

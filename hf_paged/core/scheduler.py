@@ -27,7 +27,8 @@ Sliding windows (`release_window`, set by the engine when every attention layer 
 stack's `GroupedBlockManager`, which releases each sliding group at its own window): at the start
 of every `schedule()` each running sequence gives back the blocks wholly before the oldest key a future query can
 attend (`BlockManager.release_before`), after committing them to the prefix cache. The freed blocks count as free
-for this very step's decisions, so a long generation holds about `ceil(window / block_size) + 1` blocks.
+for this very step's decisions, so a long generation holds about `ceil(window / block_size) + 1` blocks. A
+pipelined decode step of the persistent batch releases the same blocks as its rows advance (`DecodeBatch.advance`).
 
 The decode hot path (`_schedule_decodes`, the persistent batch of pipelined steps): `hf_paged.core.decode_batch`.
 """
@@ -345,7 +346,7 @@ class Scheduler(AdmissionPolicy):
         if batch is not None:
             # the same sequences as the last step (see `DecodeBatch` for why that suffices), but those finishing by
             # length in the step in flight, whose rows leave now: advance its rows
-            if self.running == batch.groups and self.release_window is None and (
+            if self.running == batch.groups and batch.release_window == self.release_window and (
                     not skip or (skip <= batch.group_ids and batch.remove(skip, voids_in_flight=False))):
                 advanced = batch.advance(self.block_manager)
                 if advanced is None:
@@ -362,11 +363,12 @@ class Scheduler(AdmissionPolicy):
         if not self._schedule_decodes(out, budget, groups):
             return None
         out.decode_step = True
-        if self.release_window is None:  # seed a batch for the next steps, if this step can
-            # (the skipped groups finish when the step before this one is applied: then `running` is `groups`)
-            records = DecodeBatch.records(groups, out.scheduled, self.block_manager)
-            if records is not None:
-                self._batch = out.batch = DecodeBatch(groups, out.scheduled, records)
+        # seed a batch for the next steps, if this step can
+        # (the skipped groups finish when the step before this one is applied: then `running` is `groups`)
+        records = DecodeBatch.records(groups, out.scheduled, self.block_manager)
+        if records is not None:
+            self._batch = out.batch = DecodeBatch(groups, out.scheduled, records, self.block_manager,
+                                                  self.release_window)
         return out
 
     @property

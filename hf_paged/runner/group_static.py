@@ -49,16 +49,20 @@ class GroupedStatic:
             host_set["group_staging_rows"] = torch.zeros(n, dtype=torch.long, pin_memory=pin)
 
     def _group_inputs(self, host_set: dict, seq_ids: list, positions, slots0, rows, changed: list, flat,
-                      real: int, bucket: int) -> None:
+                      real: int, bucket: int, group_slots: list | None = None) -> None:
         """Upload the other groups' slots of this step and their rows of the sequences whose group-0 row changed
-        (`changed` whole rows, `flat` single entries). The slots are those the block manager's batched decode append
-        reserved in every group (`decode_group_slots`, when its group-0 slots are this step's `slots0`), else read
-        off each row's tables: at 256 rows and two groups that lookup was most of a grouped step's extra host time."""
+        (`changed` whole rows, `flat` single entries). The slots are `group_slots` (a `DecodeBatch` step's, one
+        array per other group), or those the block manager's batched decode append reserved in every group
+        (`decode_group_slots`, when its group-0 slots are this step's `slots0`), else read off each row's tables: at
+        256 rows and two groups that lookup was most of a grouped step's extra host time."""
         bm = self.cache.block_manager
         b, mb = self._buffers, self.max_blocks_per_seq
         slots = host_set["group_slots"].numpy()
         stash, bm.decode_group_slots = bm.decode_group_slots, None
-        if stash is not None and len(stash[0]) == real and np.array_equal(stash[0], slots0):
+        if group_slots is not None:
+            for g, lane in enumerate(group_slots):
+                slots[g, :real] = lane
+        elif stash is not None and len(stash[0]) == real and np.array_equal(stash[0], slots0):
             for g in range(1, bm.num_groups):
                 slots[g - 1, :real] = stash[1][g - 1]
         else:
@@ -76,7 +80,9 @@ class GroupedStatic:
         if not touched:
             return
         bm, b = self.cache.block_manager, self._buffers
-        picked = [(int(row), i) for i, row in enumerate(rows) if int(row) in touched]
+        rows = np.asarray(rows, dtype=np.int64)
+        at = np.flatnonzero(np.isin(rows, np.fromiter(touched, np.int64, len(touched)))).tolist()
+        picked = list(zip(rows[at].tolist(), at))
         staged = host_set["group_staging"].numpy()
         for j, (_, i) in enumerate(picked):
             tables = bm.group_tables(seq_ids[i])
