@@ -105,9 +105,10 @@ class _Lane:
              for k in due], self.window)
         self.released[due] = [records[k].released for k in due]
 
-    def extend(self, fresh: list[int], starts, offsets, seqs: list) -> None:
+    def extend(self, fresh: list[int], starts, offsets, seqs: list, lengths: list[int]) -> None:
         """Reserve the next slot of every row (`DecodeBatch.advance`, once the pool is known to hold the new
-        blocks): the rows `fresh` open a block, after keying the block they just filled."""
+        blocks): the rows `fresh` open a block, after keying the block they just filled; each table then holds
+        `lengths` tokens."""
         manager, records, last_blocks = self.manager, self.records, self.last_blocks
         if fresh:
             if manager.enable_prefix_caching:
@@ -120,7 +121,7 @@ class _Lane:
                 last_blocks[row] = block
             manager._num_logical += len(fresh)
         self.slots = (last_blocks << manager._shift) | offsets
-        for record, length in zip(records, (starts + 1).tolist()):
+        for record, length in zip(records, lengths):
             record.num_tokens = length
 
 
@@ -331,6 +332,10 @@ class DecodeBatch:
         """The slots of the last step's tokens in every layer group but the first (a grouped manager's lanes)."""
         return [lane.slots for lane in self.lanes[1:]]
 
+    def group_last_blocks(self) -> list:
+        """The last block of every row's table in every layer group but the first."""
+        return [lane.last_blocks for lane in self.lanes[1:]]
+
     def advance(self, block_manager) -> tuple[list, list[int]] | None:
         """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would (in every
         lane), after releasing what the rows' windows no longer read, as the scheduler's general step does first.
@@ -351,8 +356,9 @@ class DecodeBatch:
         fresh = [] if offsets.all() else (offsets == 0).nonzero()[0].tolist()  # tokens that open a new block
         if len(fresh) * len(lanes) > lanes[0].manager.gpu.num_free:
             return None
+        lengths = (starts + 1).tolist()
         for lane in lanes:
-            lane.extend(fresh, starts, offsets, self.seqs)
+            lane.extend(fresh, starts, offsets, self.seqs, lengths)
         self.number += 1
         self.starts, self.slots = starts, lanes[0].slots
         step = self.steps[self.number & 1]

@@ -42,27 +42,39 @@ class GroupedStatic:
             "group_store": torch.zeros((k, self._store_capacity, mb), dtype=torch.int32, device=dev),
             "group_staging": torch.zeros((n, k, mb), dtype=torch.int32, device=dev),  # [:m] contiguous
             "group_staging_rows": torch.zeros(n, dtype=torch.long, device=dev),
+            "group_point_index": torch.zeros(n, dtype=torch.long, device=dev),
+            "group_point_block": torch.zeros((k, n), dtype=torch.int32, device=dev),
         })
         for host_set in self._host_sets:
             host_set["group_slots"] = torch.zeros((k, n), dtype=torch.long, pin_memory=pin)
             host_set["group_staging"] = torch.zeros((n, k, mb), dtype=torch.int32, pin_memory=pin)
             host_set["group_staging_rows"] = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+            host_set["group_point_index"] = torch.zeros(n, dtype=torch.long, pin_memory=pin)
+            host_set["group_point_block"] = torch.zeros((k, n), dtype=torch.int32, pin_memory=pin)
 
     def _group_inputs(self, host_set: dict, seq_ids: list, positions, slots0, rows, changed: list, flat,
-                      real: int, bucket: int, group_slots: list | None = None) -> None:
+                      real: int, bucket: int, batch=None, fresh: list | None = None) -> None:
         """Upload the other groups' slots of this step and their rows of the sequences whose group-0 row changed
-        (`changed` whole rows, `flat` single entries). The slots are `group_slots` (a `DecodeBatch` step's, one
-        array per other group), or those the block manager's batched decode append reserved in every group
-        (`decode_group_slots`, when its group-0 slots are this step's `slots0`), else read off each row's tables: at
-        256 rows and two groups that lookup was most of a grouped step's extra host time."""
+        (`changed` whole rows, `flat` single entries). The slots are those of a `DecodeBatch` step (`batch`, whose
+        rows `fresh` opened a block in every group: those go up as single entries too), or those the block
+        manager's batched decode append reserved in every group (`decode_group_slots`, when its group-0 slots are
+        this step's `slots0`), else read off each row's tables: at 256 rows and two groups that lookup was most of a
+        grouped step's extra host time."""
         bm = self.cache.block_manager
         b, mb = self._buffers, self.max_blocks_per_seq
         slots = host_set["group_slots"].numpy()
         stash, bm.decode_group_slots = bm.decode_group_slots, None
-        if group_slots is not None:
-            for g, lane in enumerate(group_slots):
+        if batch is not None:
+            for g, lane in enumerate(batch.group_slots()):
                 slots[g, :real] = lane
-        elif stash is not None and len(stash[0]) == real and np.array_equal(stash[0], slots0):
+            slots[:, real:bucket] = -1
+            b["group_slots"].copy_(host_set["group_slots"], non_blocking=True)
+            whole = {row for row, _ in changed}
+            self._upload_group_rows(host_set, seq_ids, rows, whole)
+            if fresh:
+                self._upload_group_points(host_set, batch, rows, fresh, whole)
+            return
+        if stash is not None and len(stash[0]) == real and np.array_equal(stash[0], slots0):
             for g in range(1, bm.num_groups):
                 slots[g - 1, :real] = stash[1][g - 1]
         else:
@@ -96,6 +108,29 @@ class GroupedStatic:
         for g in range(bm.num_groups - 1):
             b["group_store"][g].index_copy_(0, b["group_staging_rows"][:m], b["group_staging"][:m, g])
         self.table_rows_uploaded += m * (bm.num_groups - 1)
+
+    def _upload_group_points(self, host_set: dict, batch, rows, fresh: list, whole: set) -> None:
+        """The new last entry of the other groups' tables of a batch step's rows `fresh` (each opened a block in
+        every group: one entry per group changed, as in group 0's store rows), except the rows uploaded whole."""
+        at = np.asarray(fresh, dtype=np.int64)
+        store_rows = np.asarray(rows, dtype=np.int64)[at]
+        if whole:
+            keep = ~np.isin(store_rows, np.fromiter(whole, np.int64, len(whole)))
+            at, store_rows = at[keep], store_rows[keep]
+        m = len(at)
+        if not m:
+            return
+        b, mb = self._buffers, self.max_blocks_per_seq
+        shift = self.block_size.bit_length() - 1
+        host_set["group_point_index"].numpy()[:m] = store_rows * mb + (batch.starts[at] >> shift)
+        blocks = host_set["group_point_block"].numpy()
+        for g, last in enumerate(batch.group_last_blocks()):
+            blocks[g, :m] = last[at]
+        b["group_point_index"][:m].copy_(host_set["group_point_index"][:m], non_blocking=True)
+        b["group_point_block"][:, :m].copy_(host_set["group_point_block"][:, :m], non_blocking=True)
+        for g in range(len(blocks)):
+            b["group_store"][g].view(-1).index_copy_(0, b["group_point_index"][:m], b["group_point_block"][g, :m])
+        self.table_rows_uploaded += m * len(blocks)
 
     # ------------------------------------------------------------------ ragged steps (`ragged_graphs`)
     def _ensure_ragged_groups(self, tokens: int, virtual: int) -> None:

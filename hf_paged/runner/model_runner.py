@@ -539,8 +539,8 @@ class ModelRunner(GraphCapture, RaggedGraphs, TableStore, GroupedStatic, WarmUpF
         b["meta"].copy_(host_set["meta"], non_blocking=True)
         self._upload_tables(host_set, changed, flat, blocks)
         if self.grouped:
-            self._group_inputs(host_set, seq_ids, pos, slots, rows, changed, flat, real, bucket,
-                               None if batch is None else batch.group_slots())
+            self._group_inputs(host_set, seq_ids, pos, slots, rows, changed, flat, real, bucket, batch,
+                               sched.table_changes)
         if input_tokens is not None:  # after the meta upload, which carries no ids for these rows
             torch.index_select(input_tokens[0], 0, b["src"][:real], out=b["ids"][:real])
         logits = run() if run is not None else self._run_model(bucket)
