@@ -108,6 +108,22 @@ def test_no_cache_forward_applies_window():
     torch.testing.assert_close(out[m], ref[m], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_no_cache_forward_takes_long_prompts_in_query_chunks(family, monkeypatch):
+    """The dense fallback bounds its scores (`DENSE_SCORES_BYTES`: query chunks; the engine's memory profiling runs a
+    long prompt through it) and gives what one chunk gives: sinks and window (gpt-oss), softcap and window (Gemma 2)."""
+    from hf_paged.attention import functions
+
+    model = _model(family, seed=3)
+    batch = tiny_batch(model, lengths=LENGTHS, seed=7)
+    with torch.no_grad(), paged(model, **ENGINE):
+        whole = model(**batch, use_cache=False).logits
+        monkeypatch.setattr(functions, "DENSE_SCORES_BYTES", 1)  # one query row a chunk
+        chunked = model(**batch, use_cache=False).logits
+    m = batch["attention_mask"].bool()
+    torch.testing.assert_close(chunked[m], whole[m], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "compiled"])
 def test_engine_static_and_compiled_decode(compiled):
     """The static-buffer decode (what CUDA graphs replay) and the compiled decode op get the layer's options too.

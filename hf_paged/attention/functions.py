@@ -163,6 +163,12 @@ def _cache_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     return window
 
 
+# the float32 scores one query chunk of `_dense_feature_attention` may hold at once (several tensors of that size
+# live during its softmax): a long prompt's [heads, q, kv] scores would otherwise take tens of GiB (gpt-oss-20b's
+# 64 heads at 8,192 tokens: 16 GiB each, in the engine's memory-profiling forward)
+DENSE_SCORES_BYTES = 256 << 20
+
+
 def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: dict,
                              selected: torch.Tensor | None = None) -> torch.Tensor:
     """Exact dense attention with the layer's options: `query [B, Hq, q, D]`, keys/values `[B, Hkv, kv, D]`;
@@ -170,7 +176,8 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
 
     Fallback for calls without a paged cache or with non-left padding: causal AND padding AND window AND chunk
     (chunks counted from the row's first non-padding key, as transformers' `chunked_overlay`), ALiBi as
-    `slope * (key - query)`. Returns `[B, q, Hq, Dv]`.
+    `slope * (key - query)`. Queries go in chunks whose scores fit `DENSE_SCORES_BYTES` (each row's result does not
+    depend on the others). Returns `[B, q, Hq, Dv]`.
     """
     B, Hq, q_len, _ = query.shape
     kv_len = keys.shape[2]
@@ -198,8 +205,12 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
     bias = None
     if opts["alibi_slopes"] is not None:
         bias = opts["alibi_slopes"].float().reshape(1, Hq, 1, 1) * (k_pos - q_pos).float()[:, None]
-    out = masked_attention(query, keys.to(query.dtype), values.to(query.dtype), mask, scale, opts["softcap"], sink_col,
-                           bias)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    rows = max(1, DENSE_SCORES_BYTES // (B * Hq * kv_len * 4))
+    out = torch.cat([masked_attention(query[:, :, at : at + rows], keys, values, mask[:, :, at : at + rows], scale,
+                                      opts["softcap"], sink_col, None if bias is None else bias[:, :, at : at + rows])
+                     for at in range(0, q_len, rows)], dim=2) if rows < q_len else \
+        masked_attention(query, keys, values, mask, scale, opts["softcap"], sink_col, bias)
     out = torch.where(mask.any(-1, keepdim=True), out, 0)
     return out.transpose(1, 2)
 
