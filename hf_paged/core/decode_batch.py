@@ -23,10 +23,10 @@ the fast path.
 
 It is valid while the scheduler's running groups are exactly its groups, each with its one plain sequence (or
 `masked`: plain but for a grammar's token mask, which the engine keeps), the scheduler's release window is the one
-it was built with, and the scheduler ran no general `schedule()` since. Every other change to those sequences (a stop, an abort, a failure, a
-preemption) removes a group from the running list, or goes through `schedule()`, and drops the batch; except a stop,
-which only removes the row (`remove`), and a request finishing by length, whose row leaves before the step that
-would pass its limit.
+it was built with, and the scheduler ran no general `schedule()` since. Every other change to those sequences (a
+stop, an abort, a failure, a preemption) removes a group from the running list, or goes through `schedule()`, and
+drops the batch; except a stop, which only removes the row (`remove`), and a request finishing by length, whose row
+leaves before the step that would pass its limit.
 `Scheduler.schedule_decode_step` builds it from a step scheduled the general way. Its reservations equal
 `BlockManager.append_decode_slots`' (`tests/test_decode_batch.py` compares every step).
 

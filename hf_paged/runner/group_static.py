@@ -127,7 +127,8 @@ class GroupedStatic:
         for g, last in enumerate(batch.group_last_blocks()):
             blocks[g, :m] = last[at]
         b["group_point_index"][:m].copy_(host_set["group_point_index"][:m], non_blocking=True)
-        b["group_point_block"][:, :m].copy_(host_set["group_point_block"][:, :m], non_blocking=True)
+        # the whole [groups, rows] buffer (a few KB): a column slice of pinned memory would not copy asynchronously
+        b["group_point_block"].copy_(host_set["group_point_block"], non_blocking=True)
         for g in range(len(blocks)):
             b["group_store"][g].view(-1).index_copy_(0, b["group_point_index"][:m], b["group_point_block"][g, :m])
         self.table_rows_uploaded += m * len(blocks)
