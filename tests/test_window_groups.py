@@ -291,3 +291,30 @@ def test_which_engines_group_their_layers(monkeypatch, kwargs, grouped):
     with pytest.raises(_Built):
         Engine(tiny_model("gemma2", sliding_window=WINDOW), **kwargs)
     assert seen["group_layers"] is grouped
+
+
+def test_group_slots_of_a_step_equal_each_tables_slots():
+    """`fill_group_slots` (the grouped steps' slots of every other group, one index per prefill chunk and group)
+    gives each token the slot its group's table holds (`group_slots`), for decode rows and chunks across blocks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hf_paged.cache import fill_group_slots
+    from hf_paged.core import GroupedBlockManager
+
+    bm = GroupedBlockManager(200, 4, (None, 8, 16))
+    items = []
+    for seq_id, (done, new) in enumerate([(9, 1), (0, 13), (5, 7), (3, 1), (12, 4)]):
+        bm.allocate(seq_id, done)
+        bm.append_slots(seq_id, new)
+        bm.release_out_of_window([SimpleNamespace(seq_id=seq_id, num_computed=done, token_ids=[])])
+        items.append(SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id), start=done, num_tokens=new))
+    tables = [bm.group_tables(item.seq.seq_id) for item in items]
+    out = np.full((2, 30), -7, dtype=np.int64)
+    written = fill_group_slots(out, items, tables, 2)
+    assert written == 26 and (out[:, 26:] == -7).all()
+    for g in (1, 2):
+        want = [s for item in items
+                for s in bm.group_slots(item.seq.seq_id, g, item.start, item.start + item.num_tokens)]
+        assert out[g - 1, :written].tolist() == want

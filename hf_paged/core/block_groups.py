@@ -257,7 +257,8 @@ class GroupedBlockManager:
         if need > self.gpu.num_free:
             raise NoFreeBlocksError(f"appending {num_new_tokens} tokens to seq_id {seq_id!r} needs {need} blocks, "
                                     f"only {self.gpu.num_free} are free")
-        results = [self.inner.append_slots(sub, num_new_tokens) for sub in self._subs(seq_id)]
+        subs = self._subs(seq_id)  # the other groups' slots are read off their tables when a step needs them
+        results = [self.inner.append_slots(sub, num_new_tokens, slots=not g) for g, sub in enumerate(subs)]
         return AppendResult(slots=results[0].slots, copies=[pair for r in results for pair in r.copies])
 
     def append_decode_slots(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]] | None = None,

@@ -290,12 +290,13 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         """Whether :meth:`append_slots` would succeed now."""
         return self.blocks_needed_to_append(seq_id, num_new_tokens) <= self.gpu.num_free
 
-    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> AppendResult:
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1, *, slots: bool = True) -> AppendResult:
         """Reserve slots for the next ``num_new_tokens`` tokens of a resident sequence.
 
         If the last block is partial and shared, it is first replaced by a fresh block: ``copies`` gets
         ``(old, new)`` and ``old`` loses this table's reference. All-or-nothing: on :class:`NoFreeBlocksError`
-        nothing changes.
+        nothing changes. ``slots=False`` reserves without listing the slots (an empty ``slots``): a caller that
+        reads them off the table later (a grouped manager's other groups) skips a list as long as the chunk.
         """
         k = _as_int("num_new_tokens", num_new_tokens, 0)
         seq = self._get_resident(seq_id, "appending")
@@ -321,7 +322,7 @@ class BlockManager(PrefixCaching, Swapping, SlidingWindow):
         self._num_logical += new_blocks
         start = seq.num_tokens
         seq.num_tokens = start + k
-        return AppendResult(slots=self._slots(table, start, start + k), copies=copies)
+        return AppendResult(slots=self._slots(table, start, start + k) if slots else [], copies=copies)
 
     def append_decode_slots(
         self,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..cache import StepMetadata, device_table
+from ..cache import StepMetadata, device_table, fill_group_slots
 
 __all__ = ["GroupedStatic"]
 
@@ -147,19 +147,10 @@ class GroupedStatic:
     def _ragged_group_inputs(self, host_set: dict, scheduled: list, rows, changed: list, bucket: int) -> None:
         """A ragged step's other groups: each token's slot (-1 on padding) and the rows whose tables changed."""
         bm = self.cache.block_manager
-        shift, mask = self.block_size.bit_length() - 1, self.block_size - 1
         tables = [bm.group_tables(item.seq.seq_id) for item in scheduled]
         slots = host_set["ragged_group_slots"].numpy()
-        for g in range(1, bm.num_groups):
-            at = 0
-            for item, item_tables in zip(scheduled, tables):
-                start, n = item.start, item.num_tokens
-                if n == 1:
-                    slots[g - 1, at] = (item_tables[g][start >> shift] << shift) | (start & mask)
-                else:
-                    slots[g - 1, at : at + n] = bm.group_slots(item.seq.seq_id, g, start, start + n)
-                at += n
-            slots[g - 1, at:bucket] = -1
+        at = fill_group_slots(slots, scheduled, tables, self.block_size.bit_length() - 1)
+        slots[:, at:bucket] = -1
         self._ragged["group_slots"].copy_(host_set["ragged_group_slots"], non_blocking=True)
         self._upload_group_rows(host_set, [item.seq.seq_id for item in scheduled], rows, {row for row, _ in changed})
 
