@@ -15,8 +15,9 @@ GPU's kernel does on the device); the parameters' preparation on the host and th
 the CUDA-specific costs of a GPU step
 (graph launch ~0.3 ms for ~260 kernels, copies, event waits), nor the forward itself.
 
-With `--grouped` the model is a tiny Gemma 3 of one sliding-window and one global layer, whose engine keeps a block
-table per layer group (`release_window_blocks`, `runner.group_static`): the host work of a grouped step.
+With `--grouped` the model is a tiny Gemma 3 of Gemma-3-1B's 26 layers (five sliding-window layers to one global),
+whose engine keeps a block table per layer group, seven of them (`release_window_blocks`, `runner.group_static`):
+the host work of a grouped step.
 
 Prints a markdown table (running requests, host ms per step, the goal and its fraction) and writes
 ``host_step.json`` and ``host_step.png`` under ``--out``.
@@ -55,9 +56,12 @@ class _ArgmaxKernel:
 
 
 def tiny_grouped_model():
-    """A tiny Gemma 3 of one sliding-window (512) and one global layer: two layer groups in the engine."""
-    return zoo_model("gemma3_text", seed=1, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                     sliding_window=512, max_position_embeddings=8192)
+    """A tiny Gemma 3 with Gemma-3-1B's layer pattern (26 layers, five sliding-window layers of 512 to one global):
+    seven layer groups in the engine, as the real model has (the forward is canned: the layers' count only decides
+    the groups)."""
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]
+    return zoo_model("gemma3_text", seed=1, num_hidden_layers=26, layer_types=types, sliding_window=512,
+                     max_position_embeddings=8192)
 
 
 def host_ms_per_step(running: int, steps: int, sampled: bool, prefix_caching: bool, seed: int = 0,

@@ -114,11 +114,10 @@ class _Lane:
             if manager.enable_prefix_caching:
                 manager.commit_rows([records[row] for row in fresh], [seqs[row].token_ids for row in fresh],
                                     starts[fresh].tolist())
-            allocate = manager.gpu.allocate
-            for row in fresh:
-                block = allocate()
+            blocks = manager.gpu.allocate_many(len(fresh))  # (the blocks `allocate` would give, in its order)
+            for row, block in zip(fresh, blocks):
                 records[row].table.append(block)
-                last_blocks[row] = block
+            last_blocks[fresh] = blocks
             manager._num_logical += len(fresh)
         self.slots = (last_blocks << manager._shift) | offsets
         for record, length in zip(records, lengths):
