@@ -206,7 +206,7 @@ def _dense_feature_attention(query, keys, values, mask_2d, scale: float, opts: d
     if opts["alibi_slopes"] is not None:
         bias = opts["alibi_slopes"].float().reshape(1, Hq, 1, 1) * (k_pos - q_pos).float()[:, None]
     keys, values = keys.to(query.dtype), values.to(query.dtype)
-    rows = max(1, DENSE_SCORES_BYTES // (B * Hq * kv_len * 4))
+    rows = max(1, DENSE_SCORES_BYTES // max(1, B * Hq * kv_len * 4))
     out = torch.cat([masked_attention(query[:, :, at : at + rows], keys, values, mask[:, :, at : at + rows], scale,
                                       opts["softcap"], sink_col, None if bias is None else bias[:, :, at : at + rows])
                      for at in range(0, q_len, rows)], dim=2) if rows < q_len else \
