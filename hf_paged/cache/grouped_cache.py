@@ -68,9 +68,9 @@ def plan_for(config, probe: PagedCache, *, fp8: bool = False, recurrent: bool = 
 def fill_group_slots(out: np.ndarray, scheduled: list, tables: list, shift: int) -> int:
     """Write the slot of every token of `scheduled` (its items' tokens in order, from column 0) in each group but the
     first into ``out[group - 1]``; `tables[i]`: item ``i``'s table in every group (`group_tables`). Returns the
-    tokens written. A prefill chunk's slots come from one index into its table per group, shared positions; a
-    decode row's from one entry: a step of 8k prompt tokens and seven groups costs a few ms of host time less than
-    a slot list per group and item, while the GPU waits for the step."""
+    tokens written. A prefill chunk's slots come from one index into its table per group (the positions shared by
+    every group), a decode row's from one entry: fewer Python operations than a slot list per group and item, for
+    host work the GPU waits for (a prefill step is planned between two forwards)."""
     mask = (1 << shift) - 1
     groups = out.shape[0]
     at = 0

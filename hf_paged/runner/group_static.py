@@ -7,10 +7,12 @@ slot mapping. Mixed into `ModelRunner`; everything here runs only when `self.gro
 
 * Uploads: a group's table changes exactly when group 0's does (a new block and a copy-on-write of the shared
   partial last block happen in every group at the same token; entries released out of a window keep their stale,
-  valid, unread ids, as in `table_store`), so the rows group 0 uploads this step are uploaded whole in every other
-  group (a grouped step never takes the single-entry path: `GroupedBlockManager.append_decode_slots` reports no
-  `changed` rows). Invalidation is group 0's (`invalidate_tables` forgets every row).
-* Slots: each group's slot of every row's token, `-1` on a bucket's padding rows (and while a graph is recorded).
+  valid, unread ids, as in `table_store`), so the rows group 0 uploads this step are uploaded in every other
+  group: whole, or, in a step of the persistent decode batch, the new last entry of the rows that opened a block as
+  single points (`GroupedBlockManager.append_decode_slots` reports no `changed` rows, so a general step uploads the
+  rows group 0 uploads whole). Invalidation is group 0's (`invalidate_tables` forgets every row).
+* Slots: each group's slot of every row's token, `-1` on a bucket's padding rows (and while a graph is recorded); a
+  batch step's come from the batch's lanes.
 * The graph records the gathers of every group's tables (`group_steps`), so a replay reads what was uploaded; the
   compiled step's op (`attention.compiled_op`) picks its layer's group step like the eager attention function.
 * Ragged steps (`ragged_graphs`: prefill chunks, recorded per token bucket) likewise: each group's slot of every
