@@ -243,12 +243,11 @@ def _run_windowed(model, requests, *, batched: bool, monkeypatch, **engine_kwarg
         engine.scheduler.schedule_decode_step = recorded
         outs = engine.generate([p for p, _ in requests], [hf_paged.SamplingParams(**kw) for _, kw in requests])
         stats = engine.kv_stats()
-        released = stats.window_released if hasattr(stats, "window_released") else bm.window_released
         engine.close()
     base = min(row[0] for rows in steps for row in rows)
     steps = [[(row[0] - base, *row[1:]) for row in rows] for rows in steps]
     assert stats.used_blocks == 0
-    return [[o.token_ids for o in r.outputs] for r in outs], steps, batch_steps[0], released
+    return [[o.token_ids for o in r.outputs] for r in outs], steps, batch_steps[0], stats.window_released
 
 
 WINDOWED = {  # (tiny model kwargs, whether the engine keeps one table per layer group)
