@@ -335,12 +335,12 @@ class DecodeBatch:
         """The last block of every row's table in every layer group but the first."""
         return [lane.last_blocks for lane in self.lanes[1:]]
 
-    def advance(self, block_manager) -> tuple[list, list[int]] | None:
+    def advance(self) -> tuple[list, list[int]] | None:
         """Reserve the next slot of every row, one token each, as `BlockManager.append_decode_slots` would (in every
         lane), after releasing what the rows' windows no longer read, as the scheduler's general step does first.
         Return `(items, fresh)`: the step's items and the rows whose tables gained a block. Return None, with
-        nothing reserved, when the pool cannot hold the new blocks. (`block_manager` is the one the batch was built
-        on: its lanes hold its records.)
+        nothing reserved, when the pool cannot hold the new blocks. (The lanes hold the block manager's records: the
+        one the batch was built on.)
 
         This repeats what `BlockManager._append_one_each` does for rows like these (allocate, slot, length), on the
         arrays; `tests/test_decode_batch.py` checks that every step reserves the slots and blocks, and releases the

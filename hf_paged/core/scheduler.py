@@ -348,7 +348,7 @@ class Scheduler(AdmissionPolicy):
             # length in the step in flight, whose rows leave now: advance its rows
             if self.running == batch.groups and batch.release_window == self.release_window and (
                     not skip or (skip <= batch.group_ids and batch.remove(skip, voids_in_flight=False))):
-                advanced = batch.advance(self.block_manager)
+                advanced = batch.advance()
                 if advanced is None:
                     return None  # the pool cannot hold the new blocks: nothing was reserved
                 items, fresh = advanced
